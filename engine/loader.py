@@ -1,0 +1,156 @@
+"""Loading a model and its tokenizer onto the chosen device."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import attention, cpu_layout, model_store
+from .config import EngineConfig
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("engine.loader")
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    name: str
+    generation_defaults: dict  # sampling defaults from the model's generation_config.json
+
+
+_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _generation_defaults(model) -> dict:
+    """Sampling values the model's authors set in generation_config.json; requests that leave a parameter unset
+    get these (as vLLM does)."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return {}
+    explicit = config.to_diff_dict()
+    return {key: explicit[key] for key in _GENERATION_DEFAULT_KEYS if explicit.get(key) is not None}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"DEVICE={name} but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    return getattr(torch, name)
+
+
+def _converted_gguf(source: model_store.LocalModel, cache_dir: Path) -> Path:
+    """A safetensors copy of a GGUF model, made once: GGUF dequantization takes tens of seconds, reloading the
+    copy about one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = source.path / source.gguf_file
+    target = cache_dir / "converted" / f"{gguf.stem}-{gguf.stat().st_size}"
+    with model_store.building(target) as scratch:
+        if scratch is not None:
+            started = time.perf_counter()
+            log.info("converting %s to safetensors in %s (once)", gguf, target)
+            model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                                         dtype=torch.float32)
+            # The dequantized weights are plain tensors; drop the GGUF marker so they save as safetensors.
+            model.hf_quantizer = None
+            model.is_quantized = False
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(scratch)
+            AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file).save_pretrained(scratch)
+            log.info("converted in %.1f s", time.perf_counter() - started)
+    return target
+
+
+def _local_folder(source: model_store.LocalModel, cache_dir: Path) -> Path:
+    return _converted_gguf(source, cache_dir) if source.gguf_file else source.path
+
+
+def _eos_ids(hf_tokenizer, model) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in (getattr(hf_tokenizer, "eos_token_id", None),
+                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+def _model_max_len(config) -> int:
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            limit = value
+            break
+    else:
+        limit = 2048
+    # The engine attends over the whole sequence; a sliding-window model is exact only within its window.
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and window > 0 and "sliding_attention" in (getattr(config, "layer_types", None)
+                                                                       or ["sliding_attention"]):
+        limit = min(limit, window)
+    return limit
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.perf_counter()
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    source = model_store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir)
+    folder = _local_folder(source, config.cache_dir)
+    if config.tokenizer:
+        tokenizer_source = model_store.resolve(config.tokenizer, revision=config.tokenizer_revision,
+                                               cache_dir=config.cache_dir)
+        tokenizer_folder = _local_folder(tokenizer_source, config.cache_dir)
+    else:
+        tokenizer_folder = folder
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"model {config.model or source.name}: no config.json in {folder}")
+    try:
+        hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, trust_remote_code=config.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, attn_implementation=attention.ATTENTION_IMPLEMENTATION,
+            trust_remote_code=config.trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"model {config.model or source.name}: loading failed: {exc}") from exc
+    model.to(device).eval()
+    model.requires_grad_(False)
+    if device.type == "cpu":
+        cpu_layout.apply(model)
+
+    limit = _model_max_len(model.config)
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ModelLoadError(f"MAX_MODEL_LEN={config.max_model_len} exceeds the model's limit of {limit} tokens")
+    max_model_len = config.max_model_len or limit
+    vocab_size = model.get_input_embeddings().num_embeddings
+    tokenizer = Tokenizer(hf_tokenizer, config.chat_template, _eos_ids(hf_tokenizer, model), vocab_size)
+    log.info("loaded %s on %s (%s, max_model_len %d) in %.1f s", source.name, device, str(dtype).removeprefix("torch."),
+             max_model_len, time.perf_counter() - started)
+    return LoadedModel(model, tokenizer, device, dtype, max_model_len, source.name, _generation_defaults(model))

@@ -1,0 +1,59 @@
+"""Text <-> tokens for the served model: encoding, chat templates, decoding."""
+from __future__ import annotations
+
+from typing import Any
+
+from .detokenizer import IncrementalDetokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered (no template, or the template rejected it)."""
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, chat_template: str | None, eos_token_ids: frozenset[int], vocab_size: int):
+        self.hf = hf_tokenizer
+        self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None) or None
+        self.eos_token_ids = eos_token_ids
+        # Ids the model can take (embedding rows) and the tokenizer can turn back into text.
+        self.vocab_size = min(vocab_size, len(hf_tokenizer))
+        self.special_ids = frozenset(hf_tokenizer.all_special_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def token_text(self, token_id: int) -> str:
+        """A single token as text, the way OpenAI logprobs show it."""
+        return self.hf.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token spelled exactly (special tokens such as FIM markers), or None."""
+        ids = self.hf.convert_tokens_to_ids([token])
+        unk = getattr(self.hf, "unk_token_id", None)
+        return ids[0] if ids and ids[0] is not None and ids[0] != unk else None
+
+    def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.hf, prompt_ids, skip_special_tokens)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, tools: list[dict] | None = None,
+                    documents: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text for a conversation. Templates run in transformers' sandboxed Jinja environment;
+        message content is passed as data and never evaluated as template code."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template; set CUSTOM_CHAT_TEMPLATE or use "
+                                    "/v1/completions")
+        try:
+            return self.hf.apply_chat_template(
+                messages, tools=tools, documents=documents, chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                tokenize=False, **(template_kwargs or {}))
+        except Exception as exc:  # jinja errors, raise_exception() in templates, bad final message
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc

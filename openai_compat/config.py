@@ -1,0 +1,16 @@
+"""What the OpenAI layer needs to know. Built by the entrypoint from the environment."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    served_model_name: str | None = None  # None: the model's own name
+    response_role: str = "assistant"
+    raw_openai_output: bool = True  # streams as SSE text; False: lists of chunk dicts
+    # Streamed chunks are sent to the platform in batches growing from min to default size, so the first
+    # token leaves at once and long streams cost few round trips.
+    default_batch_size: int = 50
+    min_batch_size: int = 1
+    batch_size_growth_factor: float = 3.0

@@ -1,0 +1,135 @@
+"""A local stand-in for the platform's OpenAI route: `/openai/v1/...` over HTTP, each call run as a job.
+
+    python -m openai_compat.server [--host 127.0.0.1] [--port 8000] [--handler handler:handler] [--lazy]
+
+Like https://api.runpod.ai/v2/<endpoint>/openai/v1, every call becomes
+`{"input": {"openai_route": "/v1/...", "openai_input": <body>}}` for the same handler function the platform
+calls, and what the handler yields goes back to the client: a JSON body, or server-sent events relayed as
+they are produced. Error bodies set the HTTP status from their `code`. A client that disconnects cancels its
+job, which takes the request out of the engine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import logging
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from aiohttp import web
+
+from .errors import error_body, status_of
+from .jobs import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE
+from .streaming import sse
+
+log = logging.getLogger("openai_compat.server")
+
+Handler = Callable[[dict[str, Any]], AsyncIterator[Any]]
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(body, ensure_ascii=False), status=status, content_type="application/json")
+
+
+def create_app(handler: Handler) -> web.Application:
+    async def run_job(request: web.Request, route: str, body: Any) -> web.StreamResponse:
+        job = {"id": f"local-{uuid.uuid4().hex[:12]}", "input": {"openai_route": route, "openai_input": body}}
+        parts = handler(job)
+        try:
+            try:
+                first = await parts.__anext__()
+            except StopAsyncIteration:
+                return _json(error_body("the handler produced no output", 500), 500)
+            if not isinstance(first, (str, list)):  # a whole response or an error
+                return _json(first, status_of(first) or 200)
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            part = first
+            while True:
+                # RAW_OPENAI_OUTPUT=0 yields lists of chunk dicts; the wire format is SSE either way.
+                text = part if isinstance(part, str) else "".join(sse(chunk) for chunk in part)
+                await response.write(text.encode("utf-8"))
+                try:
+                    part = await parts.__anext__()
+                except StopAsyncIteration:
+                    break
+            if not isinstance(first, str):
+                await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        finally:
+            await parts.aclose()  # on disconnect or cancellation this aborts the generation
+
+    async def post(request: web.Request, route: str) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _json(error_body(f"the request body is not valid JSON: {exc}"), 400)
+        return await run_job(request, route, body)
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        return await run_job(request, MODELS_ROUTE, {})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await post(request, CHAT_ROUTE)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await post(request, COMPLETIONS_ROUTE)
+
+    async def health(request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def not_found(request: web.Request) -> web.Response:
+        return _json(error_body(f"no route {request.method} {request.path}", 404), 404)
+
+    app = web.Application(client_max_size=64 * 2**20)
+    for prefix in ("/openai/v1", "/v1"):
+        app.router.add_get(f"{prefix}/models", models)
+        app.router.add_post(f"{prefix}/chat/completions", chat)
+        app.router.add_post(f"{prefix}/completions", completions)
+    app.router.add_get("/health", health)
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    return app
+
+
+def load_handler(spec: str) -> Handler:
+    module_name, _, attribute = spec.partition(":")
+    return getattr(importlib.import_module(module_name), attribute or "handler")
+
+
+async def serve(handler: Handler, host: str, port: int, preload: bool) -> None:
+    if preload:  # the first models call loads the model, so the first real request does not wait for it
+        try:
+            async for part in handler({"id": "preload", "input": {"openai_route": MODELS_ROUTE}}):
+                if status_of(part):
+                    raise SystemExit(f"llm-worker: {part['error']['message']}")
+        except SystemExit:
+            raise
+        except Exception as exc:  # bad configuration and the like: one clear line, non-zero exit
+            raise SystemExit(f"llm-worker: {exc}") from None
+    runner = web.AppRunner(create_app(handler), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    log.info("serving the OpenAI API on http://%s:%d/openai/v1", host, port)
+    print(f"llm-worker gateway ready on http://{host}:{port}/openai/v1", flush=True)
+    await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--handler", default="handler:handler", help="module:function of the job handler")
+    parser.add_argument("--lazy", action="store_true", help="load the model on the first request, not at start")
+    args = parser.parse_args(argv)
+    handler = load_handler(args.handler)
+    try:
+        asyncio.run(serve(handler, args.host, args.port, preload=not args.lazy))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

