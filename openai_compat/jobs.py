@@ -133,7 +133,7 @@ class JobRouter:
         try:
             async for batch in batched(chunks, self._batch_size(), carries_tokens):
                 started = True
-                yield "".join(sse(c) for c in batch) if raw else [c.model_dump(mode="json", exclude_unset=True) for c in batch]
+                yield "".join(sse(c) for c in batch) if raw else [c.model_dump(mode="json") for c in batch]
         except OpenAIError as exc:
             if not started:
                 raise

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 # Accepted for compatibility with OpenAI clients; they have no effect here.
 IGNORED_FIELDS = frozenset({
@@ -258,8 +258,24 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """Only what changed: the opening delta has the role, later ones the new content, the last may be empty."""
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set_fields(self, handler):
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
+
+
+class _StreamChunk(BaseModel):
+    """A stream chunk has a `usage` key only when the request asked for usage (null until the last chunk)."""
+
+    @model_serializer(mode="wrap")
+    def _usage_when_asked(self, handler):
+        data = handler(self)
+        if "usage" not in self.model_fields_set:
+            data.pop("usage", None)
+        return data
 
 
 class ChatCompletionStreamChoice(BaseModel):
@@ -270,7 +286,7 @@ class ChatCompletionStreamChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
+class ChatCompletionStreamResponse(_StreamChunk):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -336,7 +352,7 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class CompletionStreamResponse(BaseModel):
+class CompletionStreamResponse(_StreamChunk):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int

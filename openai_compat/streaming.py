@@ -10,8 +10,8 @@ DONE = "data: [DONE]\n\n"
 
 
 def sse(data: BaseModel | dict) -> str:
-    """One server-sent event carrying a JSON body. Chunks carry only the fields that were set, as vLLM's do."""
-    body = data.model_dump_json(exclude_unset=True) if isinstance(data, BaseModel) else json.dumps(data)
+    """One server-sent event carrying a JSON body."""
+    body = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
     return f"data: {body}\n\n"
 
 

@@ -1,0 +1,87 @@
+"""Shared fixtures. The real embedded model loads once per process: in-process tests share the handler's
+worker, and the HTTP tests share one gateway subprocess for the whole run."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+PARIS_REQUEST = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20,
+                 "temperature": 0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(job_input, job_id: str = "test") -> list:
+    """Every part the real handler yields for one job."""
+    import handler
+
+    async def collect():
+        return [part async for part in handler.handler({"id": job_id, "input": job_input})]
+
+    return asyncio.run(collect())
+
+
+def start_gateway(env: dict | None = None, extra_args: tuple = ()) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "openai_compat.server", "--port", str(port), *extra_args], cwd=ROOT,
+        env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    lines = []
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "gateway ready" in line:
+            # Keep draining the log so the gateway never blocks on a full pipe.
+            import threading
+            threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
+            return process, f"http://127.0.0.1:{port}/openai/v1"
+    process.kill()
+    raise RuntimeError("gateway did not start:\n" + "".join(lines[-40:]))
+
+
+@pytest.fixture(scope="session")
+def gateway_url():
+    process, url = start_gateway()
+    yield url
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+@pytest.fixture(scope="session")
+def client(gateway_url):
+    from openai import OpenAI
+    return OpenAI(base_url=gateway_url, api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def async_client(gateway_url):
+    from openai import AsyncOpenAI
+    return AsyncOpenAI(base_url=gateway_url, api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def worker():
+    """The in-process worker with its model loaded."""
+    import handler
+    w = handler.get_worker()
+    asyncio.run(w.engine.start())
+    return w
