@@ -527,4 +527,5 @@ class Engine:
                 last.row = i
                 rows[i] = last
                 i += 1
-        self.runner.kv.shrink(len(rows), max((len(s.tokens) for s in rows), default=0))
+        if not rows:
+            self.runner.kv.release_if_idle()

@@ -6,14 +6,15 @@ columns 0..max_len of the rows it runs, with a mask hiding each row's unused tai
 scratch column that padding positions of a prefill batch write into.
 
 Buffers are created when the model first writes a layer (so per-layer shapes come from the model itself) and
-grow in chunks as rows and lengths grow.
+grow geometrically as rows and lengths grow (each growth copies the cache, so it must be rare).
 """
 from __future__ import annotations
 
 import torch
 
 _COLUMN_CHUNK = 256
-_ROW_CHUNK = 4
+_MIN_ROWS = 8
+_IDLE_KEEP_BYTES = 512 * 2**20  # buffers up to this size stay allocated while idle, ready for the next burst
 
 
 def _round_up(value: int, chunk: int) -> int:
@@ -41,29 +42,29 @@ class SlotKVCache:
 
     def reserve(self, rows: int, length: int) -> None:
         """Make room for `rows` rows of `length` tokens each (plus the scratch column)."""
-        new_rows = max(self.rows, min(_round_up(rows, _ROW_CHUNK), self.max_rows))
-        new_columns = max(self.columns, min(_round_up(length + 1, _COLUMN_CHUNK), self.max_columns))
-        if rows > new_rows or length + 1 > new_columns:
+        if rows > self.max_rows or length + 1 > self.max_columns:
             raise ValueError(f"KV cache request {rows}x{length} exceeds {self.max_rows}x{self.max_columns - 1}")
-        if (new_rows, new_columns) != (self.rows, self.columns):
-            self._resize(new_rows, new_columns)
+        if rows <= self.rows and length + 1 <= self.columns:
+            return
+        new_rows = self.rows if rows <= self.rows else min(self.max_rows, max(rows, 2 * self.rows, _MIN_ROWS))
+        new_columns = self.columns
+        if length + 1 > self.columns:
+            new_columns = min(self.max_columns, max(_round_up(length + 1, _COLUMN_CHUNK), 2 * self.columns))
+        self._resize(new_rows, new_columns)
 
-    def shrink(self, rows: int, length: int) -> None:
-        """Give memory back once the running batch is much smaller than the buffers."""
-        want_rows = _round_up(max(rows, 1), _ROW_CHUNK)
-        want_columns = _round_up(length + 1, _COLUMN_CHUNK)
-        if self.rows > 2 * want_rows or self.columns > 2 * want_columns:
-            self._resize(min(self.rows, max(want_rows, _ROW_CHUNK)), min(self.columns, want_columns),
-                         keep_rows=rows, keep_columns=length)
+    def release_if_idle(self) -> None:
+        """With no sequence running, give back buffers that grew large for a burst of long sequences."""
+        if self.nbytes > _IDLE_KEEP_BYTES:
+            self.clear()
 
     def clear(self) -> None:
         self._k.clear()
         self._v.clear()
         self.rows = self.columns = 0
 
-    def _resize(self, rows: int, columns: int, keep_rows: int | None = None, keep_columns: int | None = None) -> None:
-        keep_rows = min(self.rows, rows) if keep_rows is None else keep_rows
-        keep_columns = min(self.columns - 1, columns - 1) if keep_columns is None else keep_columns
+    def _resize(self, rows: int, columns: int) -> None:
+        keep_rows = min(self.rows, rows)
+        keep_columns = min(self.columns - 1, columns - 1)
         for store in (self._k, self._v):
             for layer, old in store.items():
                 new = torch.zeros((rows, old.shape[1], columns, old.shape[3]), dtype=old.dtype, device=old.device)

@@ -88,6 +88,12 @@ def _local_folder(source: model_store.LocalModel, cache_dir: Path) -> Path:
     return _converted_gguf(source, cache_dir) if source.gguf_file else source.path
 
 
+def model_folder(config: EngineConfig) -> Path:
+    """The transformers-layout folder the configured model loads from (fetched or converted if needed)."""
+    source = model_store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir)
+    return _local_folder(source, config.cache_dir)
+
+
 def _eos_ids(hf_tokenizer, model) -> frozenset[int]:
     ids: set[int] = set()
     for value in (getattr(hf_tokenizer, "eos_token_id", None),

@@ -1,0 +1,239 @@
+"""The generation engine on the real embedded model: batching must not change results, requests must not leak
+into each other, and requests that leave must free their place."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from engine import AsyncEngine, EngineConfig, GenerationError, SamplingParams
+
+PROMPTS = [
+    "Write a short story about a robot learning to paint.",
+    "Explain why the sky is blue in simple words.",
+    "List five facts about the planet Mars.",
+    "What are the benefits of regular exercise?",
+    "Describe how a bicycle works.",
+    "Why do cats purr?",
+]
+
+
+def chat_ids(engine: AsyncEngine, text: str) -> list[int]:
+    tok = engine.tokenizer
+    return tok.encode(tok.render_chat([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
+async def generate(engine: AsyncEngine, request_id: str, ids: list[int], params: SamplingParams) -> dict:
+    """Token ids, text and finish reason per choice, plus how many outputs the request streamed."""
+    choices: dict[int, dict] = {}
+    outputs = 0
+    async for output in engine.generate(request_id, ids, params):
+        outputs += 1
+        for delta in output.deltas:
+            c = choices.setdefault(delta.index, {"ids": [], "text": "", "finish": None})
+            c["ids"] += delta.token_ids
+            c["text"] += delta.text
+            c["finish"] = delta.finish_reason or c["finish"]
+    return {"choices": [choices[i] for i in sorted(choices)], "outputs": outputs}
+
+
+@pytest.fixture(scope="module")
+def engine(worker):
+    return worker.engine
+
+
+def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_batched_greedy_equals_solo_greedy(engine):
+    prompts = [chat_ids(engine, p) for p in PROMPTS]
+
+    async def solo():
+        return [await generate(engine, f"solo-{i}", ids, greedy()) for i, ids in enumerate(prompts)]
+
+    async def batched():
+        return await asyncio.gather(*(generate(engine, f"batch-{i}", ids, greedy()) for i, ids in enumerate(prompts)))
+
+    alone = asyncio.run(solo())
+    together = asyncio.run(batched())
+    for a, b in zip(alone, together):
+        assert a["choices"][0]["ids"] == b["choices"][0]["ids"]
+        assert len(a["choices"][0]["ids"]) == 24
+    assert len({tuple(r["choices"][0]["ids"]) for r in alone}) == len(PROMPTS)  # the prompts really differ
+
+
+def test_engine_matches_transformers_generate(engine, worker):
+    """Greedy tokens equal transformers' own generate on the same weights, for a short prompt and for a long one
+    that is prefilled in several chunks."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader import model_folder
+
+    reference = AutoModelForCausalLM.from_pretrained(model_folder(worker.settings.engine_config()),
+                                                     dtype=torch.float32).eval()
+    long_text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box weighs {i * 7 % 13} kg." for i in
+                         range(120)) + " Which item is the heaviest?"
+    for text in ("What is the capital of France?", long_text):
+        ids = chat_ids(engine, text)
+        with torch.inference_mode():
+            expected = reference.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):]
+        result = asyncio.run(generate(engine, "reference", ids, SamplingParams(max_tokens=16, temperature=0.0)))
+        assert result["choices"][0]["ids"] == expected.tolist(), text[:40]
+    assert len(chat_ids(engine, long_text)) > 2 * engine.config.max_num_batched_tokens
+
+
+def test_parameters_do_not_leak_across_a_batch(engine):
+    ids = [chat_ids(engine, p) for p in PROMPTS[:5]]
+    cases = [
+        greedy(20),
+        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, stop=(" the",), ignore_eos=True),
+        greedy(5, logit_bias={}),
+        SamplingParams(max_tokens=20, temperature=1.0, top_k=5, seed=11, repetition_penalty=1.3, ignore_eos=True),
+    ]
+
+    async def solo():
+        return [await generate(engine, f"s{i}", ids[i], p) for i, p in enumerate(cases)]
+
+    async def together():
+        return await asyncio.gather(*(generate(engine, f"t{i}", ids[i], p) for i, p in enumerate(cases)))
+
+    alone, mixed = asyncio.run(solo()), asyncio.run(together())
+    for i, (a, b) in enumerate(zip(alone, mixed)):
+        assert a["choices"][0]["text"] == b["choices"][0]["text"], i
+    assert len(mixed[3]["choices"][0]["ids"]) == 5
+    assert mixed[2]["choices"][0]["finish"] == "stop" and " the" not in mixed[2]["choices"][0]["text"]
+    assert mixed[0]["choices"][0]["finish"] == "length"
+
+
+def test_streaming_is_incremental(engine):
+    result = asyncio.run(generate(engine, "stream", chat_ids(engine, PROMPTS[0]), greedy(12)))
+    assert result["outputs"] >= 12  # one output per step, not one at the end
+
+
+def _wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_closing_the_stream_frees_the_slot(engine):
+    core = engine.engine
+    ids = chat_ids(engine, PROMPTS[1])
+
+    async def read_three_then_close():
+        stream = engine.generate("dropped", ids, greedy(500))
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        await stream.aclose()
+        return seen
+
+    assert asyncio.run(read_three_then_close()) == 3
+    _wait_until(lambda: core.num_requests == 0 and core.num_running == 0)
+
+
+def test_cancelling_the_task_frees_the_slot(engine):
+    core = engine.engine
+    ids = chat_ids(engine, PROMPTS[2])
+
+    async def cancel_midway():
+        task = asyncio.create_task(generate(engine, "cancelled", ids, greedy(500)))
+        await asyncio.sleep(0.5)
+        assert core.num_running == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_midway())
+    _wait_until(lambda: core.num_requests == 0 and core.num_running == 0)
+    after = asyncio.run(generate(engine, "after", ids, greedy(8)))
+    assert len(after["choices"][0]["ids"]) == 8
+
+
+def test_requests_beyond_the_cap_wait_and_complete(worker):
+    config = EngineConfig(**{**worker.settings.engine_config().__dict__, "max_num_seqs": 2})
+    small = AsyncEngine(config)
+    asyncio.run(small.start())
+    core = small.engine
+    peaks = {"running": 0, "waiting": 0}
+    ids = [chat_ids(small, p) for p in PROMPTS[:5]]
+
+    async def run_all():
+        async def watch():
+            while True:
+                peaks["running"] = max(peaks["running"], core.num_running)
+                peaks["waiting"] = max(peaks["waiting"], core.num_waiting)
+                await asyncio.sleep(0.01)
+
+        watcher = asyncio.create_task(watch())
+        results = await asyncio.gather(*(generate(small, f"q{i}", x, greedy(10)) for i, x in enumerate(ids)))
+        watcher.cancel()
+        return results
+
+    results = asyncio.run(run_all())
+    assert peaks["running"] == 2 and peaks["waiting"] >= 1
+    reference = asyncio.run(generate(small, "ref", ids[4], greedy(10)))
+    assert results[4]["choices"][0]["ids"] == reference["choices"][0]["ids"]
+    assert all(len(r["choices"][0]["ids"]) == 10 for r in results)
+
+
+def test_n_choices_share_the_prompt(engine):
+    ids = chat_ids(engine, PROMPTS[3])
+    solo = asyncio.run(generate(engine, "one", ids, greedy(12)))["choices"][0]["ids"]
+    three = asyncio.run(generate(engine, "three", ids, greedy(12, n=3)))["choices"]
+    assert [c["ids"] for c in three] == [solo] * 3
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=2, ignore_eos=True)
+    first = asyncio.run(generate(engine, "s1", ids, sampled))["choices"]
+    again = asyncio.run(generate(engine, "s2", ids, sampled))["choices"]
+    assert [c["ids"] for c in first] == [c["ids"] for c in again]
+    assert first[0]["ids"] != first[1]["ids"]
+
+
+def test_prefix_cache_reuses_prompt_blocks(engine):
+    core = engine.engine
+    ids = chat_ids(engine, PROMPTS[4])
+    before = core.prefix_cache.hit_tokens
+    first = asyncio.run(generate(engine, "p1", ids, greedy(8)))
+    second = asyncio.run(generate(engine, "p2", ids, greedy(8)))
+    assert core.prefix_cache.hit_tokens - before >= 16
+    assert first["choices"][0]["ids"] == second["choices"][0]["ids"]
+
+
+def test_a_failing_request_fails_alone(engine, monkeypatch):
+    """A fault inside generation for one request (injected into its sampling) fails that request only."""
+    from engine.sampling import Sampler
+
+    original = Sampler._sample_row
+
+    def faulty(self, logits, state, generated):
+        if state.params.seed == 666 and generated == 3:
+            raise RuntimeError("injected sampling fault")
+        return original(self, logits, state, generated)
+
+    monkeypatch.setattr(Sampler, "_sample_row", faulty)
+    ids = [chat_ids(engine, p) for p in PROMPTS[:3]]
+    bad = SamplingParams(max_tokens=20, temperature=0.8, seed=666, ignore_eos=True)
+
+    async def run():
+        async def guarded(i, x, p):
+            try:
+                return await generate(engine, f"f{i}", x, p)
+            except GenerationError as exc:
+                return exc
+
+        return await asyncio.gather(guarded(0, ids[0], greedy(20)), guarded(1, ids[1], bad),
+                                    guarded(2, ids[2], greedy(20)))
+
+    results = asyncio.run(run())
+    assert isinstance(results[1], GenerationError) and "injected" in str(results[1])
+    for i in (0, 2):
+        assert results[i]["choices"][0]["ids"] == asyncio.run(generate(engine, f"r{i}", ids[i], greedy(20)))[
+            "choices"][0]["ids"]
+    assert engine.engine.num_requests == 0
