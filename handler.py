@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 from engine import AsyncEngine
 from openai_compat.jobs import JobRouter
 from openai_compat.serving import OpenAIServing
+import worker_logging
 from settings import SettingsError, WorkerSettings, load_settings
 
 log = logging.getLogger("handler")
@@ -36,11 +37,6 @@ class Worker:
     router: JobRouter
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
 _worker: Worker | None = None
 _worker_lock = threading.Lock()
 
@@ -51,7 +47,7 @@ def get_worker() -> Worker:
     with _worker_lock:
         if _worker is None:
             settings = load_settings()
-            _configure_logging(settings.log_level)
+            worker_logging.configure(settings.log_level)
             engine = AsyncEngine(settings.engine_config())
             engine.on_fatal = _exit_after_fatal
             serving = OpenAIServing(engine, settings.serving_config())
@@ -67,8 +63,20 @@ def _exit_after_fatal(exc: BaseException) -> None:
 
 async def handler(job: dict[str, Any]) -> AsyncIterator[Any]:
     """The function the platform calls for every job; yields the job's output parts."""
+    worker_logging.current_job.set(str(job.get("id", "-")))
     async for part in get_worker().router.run(job.get("input"), job_id=job.get("id")):
         yield part
+
+
+def health() -> dict[str, Any]:
+    """The worker's state, for the local gateway's /health."""
+    worker = _worker
+    if worker is None or not worker.engine.loaded:
+        return {"status": "ok", "model_loaded": False}
+    core = worker.engine.engine
+    return {"status": "ok" if core.dead is None else "failed", "model_loaded": True, "model": worker.engine.model_name,
+            "running_sequences": core.num_running, "waiting_requests": core.num_waiting,
+            "requests_in_engine": core.num_requests}
 
 
 def concurrency_modifier(current: int) -> int:

@@ -33,7 +33,7 @@ def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(body, ensure_ascii=False), status=status, content_type="application/json")
 
 
-def create_app(handler: Handler) -> web.Application:
+def create_app(handler: Handler, health: Callable[[], dict] | None = None) -> web.Application:
     async def run_job(request: web.Request, route: str, body: Any) -> web.StreamResponse:
         job = {"id": f"local-{uuid.uuid4().hex[:12]}", "input": {"openai_route": route, "openai_input": body}}
         parts = handler(job)
@@ -78,8 +78,9 @@ def create_app(handler: Handler) -> web.Application:
     async def completions(request: web.Request) -> web.StreamResponse:
         return await post(request, COMPLETIONS_ROUTE)
 
-    async def health(request: web.Request) -> web.Response:
-        return _json({"status": "ok"})
+    async def health_check(request: web.Request) -> web.Response:
+        state = health() if health is not None else {"status": "ok"}
+        return _json(state, 200 if state.get("status") == "ok" else 503)
 
     async def not_found(request: web.Request) -> web.Response:
         return _json(error_body(f"no route {request.method} {request.path}", 404), 404)
@@ -89,17 +90,19 @@ def create_app(handler: Handler) -> web.Application:
         app.router.add_get(f"{prefix}/models", models)
         app.router.add_post(f"{prefix}/chat/completions", chat)
         app.router.add_post(f"{prefix}/completions", completions)
-    app.router.add_get("/health", health)
+    app.router.add_get("/health", health_check)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app
 
 
-def load_handler(spec: str) -> Handler:
+def load_handler(spec: str) -> tuple[Handler, Callable[[], dict] | None]:
+    """The job handler named by `module:function`, and the module's `health()` when it has one."""
     module_name, _, attribute = spec.partition(":")
-    return getattr(importlib.import_module(module_name), attribute or "handler")
+    module = importlib.import_module(module_name)
+    return getattr(module, attribute or "handler"), getattr(module, "health", None)
 
 
-async def serve(handler: Handler, host: str, port: int, preload: bool) -> None:
+async def serve(handler: Handler, health: Callable[[], dict] | None, host: str, port: int, preload: bool) -> None:
     if preload:  # the first models call loads the model, so the first real request does not wait for it
         try:
             async for part in handler({"id": "preload", "input": {"openai_route": MODELS_ROUTE}}):
@@ -109,7 +112,7 @@ async def serve(handler: Handler, host: str, port: int, preload: bool) -> None:
             raise
         except Exception as exc:  # bad configuration and the like: one clear line, non-zero exit
             raise SystemExit(f"llm-worker: {exc}") from None
-    runner = web.AppRunner(create_app(handler), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(create_app(handler, health), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     log.info("serving the OpenAI API on http://%s:%d/openai/v1", host, port)
@@ -124,9 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--handler", default="handler:handler", help="module:function of the job handler")
     parser.add_argument("--lazy", action="store_true", help="load the model on the first request, not at start")
     args = parser.parse_args(argv)
-    handler = load_handler(args.handler)
+    handler, health = load_handler(args.handler)
     try:
-        asyncio.run(serve(handler, args.host, args.port, preload=not args.lazy))
+        asyncio.run(serve(handler, health, args.host, args.port, preload=not args.lazy))
     except KeyboardInterrupt:
         pass
 

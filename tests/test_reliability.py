@@ -1,0 +1,99 @@
+"""The worker keeps serving and loses nothing: under load, when clients vanish, and when it must stop."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+from conftest import MODEL, ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import soak  # noqa: E402
+
+
+def health(gateway_url: str) -> dict:
+    with urllib.request.urlopen(gateway_url.removesuffix("/openai/v1") + "/health", timeout=30) as response:
+        return json.loads(response.read())
+
+
+def test_short_soak_loses_nothing(gateway_url):
+    result = asyncio.run(soak.soak(gateway_url, requests=40, concurrency=8))
+    assert result["failures"] == 0, result["first_failures"]
+
+
+def test_cancellation_storm_leaves_nothing_behind(gateway_url, client):
+    from openai import AsyncOpenAI
+
+    async def open_and_drop(aclient, index):
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Tell me a long story number {index}."}],
+            max_tokens=400, temperature=0.7, seed=index, stream=True, extra_body={"ignore_eos": True})
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 2 + index % 3:
+                break
+        await stream.close()
+
+    async def storm():
+        aclient = AsyncOpenAI(base_url=gateway_url, api_key="unused", max_retries=0, timeout=300)
+        await asyncio.gather(*(open_and_drop(aclient, i) for i in range(50)))
+        await aclient.close()
+
+    asyncio.run(storm())
+    deadline = time.monotonic() + 30
+    while True:
+        state = health(gateway_url)
+        if state["requests_in_engine"] == 0 and state["running_sequences"] == 0:
+            break
+        assert time.monotonic() < deadline, f"engine still holds requests: {state}"
+        time.sleep(0.2)
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content":
+                                           "What is the capital of France?"}], max_tokens=20, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+
+
+_DEVICE_FAILURE = """
+import asyncio, sys, time
+import handler
+import engine.runner as runner
+
+def broken(*args, **kwargs):
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+async def main():
+    await handler.get_worker().engine.start()
+    runner.ModelRunner.decode = broken
+    runner.ModelRunner.prefill = broken
+    job = {"openai_route": "/v1/completions", "openai_input": {"prompt": "Hello", "max_tokens": 4}}
+    parts = [p async for p in handler.handler({"id": "doomed", "input": job})]
+    print("JOB", parts[0]["error"]["code"], flush=True)
+    await asyncio.sleep(60)
+    print("STILL ALIVE", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_device_failure_fails_the_job_then_exits():
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", _DEVICE_FAILURE], cwd=ROOT, capture_output=True, text=True,
+                            timeout=240)
+    assert "JOB 500" in result.stdout
+    assert "STILL ALIVE" not in result.stdout
+    assert result.returncode == 1
+    assert "device failure" in result.stderr
+    assert time.monotonic() - started < 120
+
+
+def test_startup_failure_exits_with_one_clear_line(tmp_path):
+    env = {**os.environ, "RUNPOD_WEBHOOK_GET_JOB": "http://127.0.0.1:9/unused", "MODEL_NAME": str(tmp_path / "missing")}
+    result = subprocess.run([sys.executable, "handler.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.startswith("llm-worker:")]
+    assert len(lines) == 1 and str(tmp_path / "missing") in lines[0], result.stderr[-2000:]
