@@ -12,9 +12,9 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 log = logging.getLogger("engine.model_store")
 
@@ -61,18 +61,32 @@ def resolve(source: str | None, *, revision: str | None, cache_dir: Path) -> Loc
 
 
 @contextlib.contextmanager
-def building(target: Path) -> Iterator[Path | None]:
+def building(target: Path, complete: Callable[[Path], bool] | None = None) -> Iterator[Path | None]:
     """Build `target` at most once, even across processes sharing the folder.
 
     Yields a fresh temporary folder to fill, which replaces `target` atomically when the block ends without
-    error; yields None when `target` is already complete. A crash leaves only a temporary folder behind,
-    never a `target` that looks complete.
+    error; yields None when `target` is already there and `complete(target)` (if given) accepts it. A crash
+    leaves only a temporary folder behind, never a `target` that looks complete; the next builder removes it.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target) + ".lock"):
+    lock = FileLock(str(target) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("waiting for another process to finish %s", target)
+        lock.acquire()
+    try:
+        # Holding the lock, any temporary folder of this target belongs to a builder that died.
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         if target.is_dir():
-            yield None
-            return
+            if complete is None or complete(target):
+                yield None
+                return
+            log.warning("%s is incomplete or damaged; building it again", target)
+            damaged = target.parent / f".{target.name}.tmp-damaged-{uuid.uuid4().hex[:8]}"
+            os.replace(target, damaged)
+            shutil.rmtree(damaged, ignore_errors=True)
         scratch = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         scratch.mkdir()
         try:
@@ -80,3 +94,5 @@ def building(target: Path) -> Iterator[Path | None]:
             os.replace(scratch, target)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+    finally:
+        lock.release()
