@@ -127,7 +127,7 @@ def load(config: EngineConfig) -> LoadedModel:
     folder = _local_folder(source, config.cache_dir)
     if config.tokenizer:
         tokenizer_source = model_store.resolve(config.tokenizer, revision=config.tokenizer_revision,
-                                               cache_dir=config.cache_dir)
+                                               cache_dir=config.cache_dir, role="tokenizer")
         tokenizer_folder = _local_folder(tokenizer_source, config.cache_dir)
     else:
         tokenizer_folder = folder

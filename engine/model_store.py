@@ -1,6 +1,9 @@
 """Where model files come from: MODEL_NAME / TOKENIZER_NAME resolved to a local folder.
 
-Forms: unset (the embedded default model), a local folder, a local `.gguf` file.
+Forms, tried in this order:
+- unset: the embedded default model;
+- a local folder (transformers layout, or holding one .gguf file) or a local `.gguf` file;
+- `s3://bucket/prefix`: every object under the prefix, downloaded once into the cache (engine/s3_source.py);
 """
 from __future__ import annotations
 
@@ -46,18 +49,37 @@ def embedded_model() -> LocalModel:
     return LocalModel(folder, EMBEDDED_MODEL_NAME, _EMBEDDED_GGUF)
 
 
-def resolve(source: str | None, *, revision: str | None, cache_dir: Path) -> LocalModel:
-    """Turn a MODEL_NAME-style source into local files, fetching them if needed."""
+def _folder_model(folder: Path, name: str) -> LocalModel:
+    """A folder as a model: transformers layout, or a lone .gguf file to convert."""
+    if not (folder / "config.json").is_file():
+        ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return LocalModel(folder, name, ggufs[0])
+    return LocalModel(folder, name)
+
+
+def resolve(source: str | None, *, revision: str | None, cache_dir: Path, role: str = "model") -> LocalModel:
+    """Turn a MODEL_NAME-style source into local files, downloading them into `cache_dir` if needed.
+    `role` is "model" or "tokenizer": it decides which files a remote folder must hold before it is fetched."""
     if source is None:
         return embedded_model()
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return LocalModel(path.parent, source, path.name)
     if path.is_dir():
-        return LocalModel(path, source)
+        return _folder_model(path, source)
+    if source.startswith("s3://"):
+        from . import s3_source  # boto3 is imported only for S3 sources
+        folder = s3_source.fetch(source, revision=revision, cache_dir=cache_dir, role=role)
+        return _folder_model(folder, source.rstrip("/"))
+    if "://" in source:
+        raise ModelSourceError(f"cannot load {source}: unsupported scheme (use s3:// or a local path)")
     if source.startswith(("/", "./", "../", "~")):
         raise ModelSourceError(f"model path {source} does not exist")
-    raise ModelSourceError(f"cannot load model {source!r}: not a local folder or .gguf file")
+    raise ModelSourceError(f"cannot load model {source!r}: not a local folder or .gguf file, or an s3:// URI")
+
+
+# ---------------------------------------------------------------- building cache entries
 
 
 @contextlib.contextmanager
