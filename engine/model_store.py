@@ -4,6 +4,7 @@ Forms, tried in this order:
 - unset: the embedded default model;
 - a local folder (transformers layout, or holding one .gguf file) or a local `.gguf` file;
 - `s3://bucket/prefix`: every object under the prefix, downloaded once into the cache (engine/s3_source.py);
+- a Hugging Face repo id, downloaded once into the cache (engine/hub_source.py).
 """
 from __future__ import annotations
 
@@ -73,10 +74,15 @@ def resolve(source: str | None, *, revision: str | None, cache_dir: Path, role: 
         folder = s3_source.fetch(source, revision=revision, cache_dir=cache_dir, role=role)
         return _folder_model(folder, source.rstrip("/"))
     if "://" in source:
-        raise ModelSourceError(f"cannot load {source}: unsupported scheme (use s3:// or a local path)")
+        raise ModelSourceError(f"cannot load {source}: unsupported scheme (use s3://, a local path or a Hugging "
+                               f"Face repo id)")
     if source.startswith(("/", "./", "../", "~")):
         raise ModelSourceError(f"model path {source} does not exist")
-    raise ModelSourceError(f"cannot load model {source!r}: not a local folder or .gguf file, or an s3:// URI")
+    from . import hub_source
+    if hub_source.is_repo_id(source):
+        return _folder_model(hub_source.fetch(source, revision=revision, cache_dir=cache_dir, role=role), source)
+    raise ModelSourceError(f"cannot load model {source!r}: not a local folder or .gguf file, an s3:// URI or a "
+                           f"Hugging Face repo id")
 
 
 # ---------------------------------------------------------------- building cache entries

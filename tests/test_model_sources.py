@@ -440,6 +440,38 @@ def test_deploy_mode_exits_with_one_line_naming_the_uri(served_s3, tmp_path):
     assert "no objects under prefix" in last
 
 
+# ---------------------------------------------------------------- the Hugging Face Hub, offline
+
+
+def test_hub_repo_offline_fails_clearly_and_fast(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_TOKEN", "hf_model_source_test_token_do_not_log")
+    started = time.monotonic()
+    with pytest.raises(ModelSourceError) as failure:
+        resolve("llm-worker-tests/no-such-model", tmp_path)
+    message = str(failure.value)
+    assert "llm-worker-tests/no-such-model" in message and "offline mode is on (HF_HUB_OFFLINE)" in message
+    assert "hf_model_source_test_token_do_not_log" not in message
+    assert time.monotonic() - started < 10
+    assert cache_entries(tmp_path, "hf") == []
+
+
+def test_hub_unreachable_fails_clearly_and_fast(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    started = time.monotonic()
+    with pytest.raises(ModelSourceError) as failure:
+        resolve("llm-worker-tests/no-such-model", tmp_path, role="tokenizer")
+    message = str(failure.value)
+    assert "llm-worker-tests/no-such-model" in message and endpoint in message and "Connect" in message
+    assert time.monotonic() - started < 30
+
+
 # ---------------------------------------------------------------- local forms
 
 
