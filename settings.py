@@ -45,6 +45,7 @@ class WorkerSettings(BaseSettings):
     custom_chat_template: str | None = None
     trust_remote_code: bool = False
     base_path: Path = Field(default_factory=_default_base_path)
+    baked_model_dir: Path | None = None
 
     # Engine
     max_model_len: int | None = Field(default=None, gt=0)
@@ -103,6 +104,7 @@ class WorkerSettings(BaseSettings):
             chat_template=self.custom_chat_template,
             trust_remote_code=self.trust_remote_code,
             cache_dir=self.base_path,
+            baked_model_dir=self.baked_model_dir,
             max_model_len=self.max_model_len,
             dtype=self.dtype,
             device=self.device,

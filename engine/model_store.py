@@ -2,6 +2,7 @@
 
 Forms, tried in this order:
 - unset: the embedded default model;
+- a source recorded in the baked-model folder (`python -m engine.prefetch`): used from there, no network;
 - a local folder (transformers layout, or holding one .gguf file) or a local `.gguf` file;
 - `s3://bucket/prefix`: every object under the prefix, downloaded once into the cache (engine/s3_source.py);
 - a Hugging Face repo id, downloaded once into the cache (engine/hub_source.py).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -24,6 +26,7 @@ log = logging.getLogger("engine.model_store")
 
 EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BAKED_RECORD_NAME = "baked-models.json"
 
 
 class ModelSourceError(RuntimeError):
@@ -59,11 +62,16 @@ def _folder_model(folder: Path, name: str) -> LocalModel:
     return LocalModel(folder, name)
 
 
-def resolve(source: str | None, *, revision: str | None, cache_dir: Path, role: str = "model") -> LocalModel:
+def resolve(source: str | None, *, revision: str | None, cache_dir: Path, baked_dir: Path | None = None,
+            role: str = "model") -> LocalModel:
     """Turn a MODEL_NAME-style source into local files, downloading them into `cache_dir` if needed.
     `role` is "model" or "tokenizer": it decides which files a remote folder must hold before it is fetched."""
     if source is None:
         return embedded_model()
+    baked = baked_location(baked_dir, source, revision)
+    if baked is not None:
+        log.info("%s: using the copy baked into %s", source, baked)
+        return _folder_model(baked, source)
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return LocalModel(path.parent, source, path.name)
@@ -83,6 +91,46 @@ def resolve(source: str | None, *, revision: str | None, cache_dir: Path, role: 
         return _folder_model(hub_source.fetch(source, revision=revision, cache_dir=cache_dir, role=role), source)
     raise ModelSourceError(f"cannot load model {source!r}: not a local folder or .gguf file, an s3:// URI or a "
                            f"Hugging Face repo id")
+
+
+# ---------------------------------------------------------------- baked models
+
+
+def _same_source(a: str, b: str) -> bool:
+    return a.rstrip("/") == b.rstrip("/")
+
+
+def baked_location(baked_dir: Path | None, source: str, revision: str | None) -> Path | None:
+    """The folder `python -m engine.prefetch` recorded for this source and revision, or None."""
+    if baked_dir is None:
+        return None
+    record = baked_dir / BAKED_RECORD_NAME
+    try:
+        entries = json.loads(record.read_text(encoding="utf-8"))["models"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelSourceError(f"baked model record {record} is unreadable: {exc}") from exc
+    for entry in entries:
+        if _same_source(entry["source"], source) and entry.get("revision") == revision:
+            folder = baked_dir / entry["path"]
+            if folder.is_dir():
+                return folder
+            log.warning("%s: the baked copy %s is missing; fetching it instead", source, folder)
+    return None
+
+
+def record_baked(baked_dir: Path, source: str, revision: str | None, folder: Path) -> None:
+    """Note in `baked_dir` that `source` at `revision` lives in `folder` (stored relative, so the folder can be
+    copied elsewhere whole)."""
+    record = baked_dir / BAKED_RECORD_NAME
+    entries = json.loads(record.read_text(encoding="utf-8"))["models"] if record.is_file() else []
+    entries = [e for e in entries if not (_same_source(e["source"], source) and e.get("revision") == revision)]
+    entries.append({"source": source, "revision": revision,
+                    "path": os.path.relpath(folder.resolve(), baked_dir.resolve())})
+    scratch = record.with_name(f".{record.name}.tmp-{os.getpid()}")
+    scratch.write_text(json.dumps({"models": entries}, indent=1), encoding="utf-8")
+    os.replace(scratch, record)
 
 
 # ---------------------------------------------------------------- building cache entries

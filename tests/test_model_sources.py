@@ -440,6 +440,37 @@ def test_deploy_mode_exits_with_one_line_naming_the_uri(served_s3, tmp_path):
     assert "no objects under prefix" in last
 
 
+# ---------------------------------------------------------------- baked models
+
+
+def test_baked_model_loads_with_no_network_call(served_s3, small_model, local_completion, tmp_path, monkeypatch):
+    baked = tmp_path / "baked"
+    # What the Dockerfile runs at build time.
+    result = subprocess.run([sys.executable, "-m", "engine.prefetch"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "BAKED_MODEL_DIR": str(baked), "MODEL_NAME": URI})
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((baked / model_store.BAKED_RECORD_NAME).read_text())
+    assert [(e["source"], e["revision"]) for e in record["models"]] == [(URI, None)]
+    served_s3.close()
+
+    attempts = block_network(monkeypatch)
+    cache = tmp_path / "runtime-cache"
+    (body,) = run_jobs(EngineConfig(model=URI, cache_dir=cache, baked_model_dir=baked),
+                       {"openai_route": "/v1/completions", "openai_input": COMPLETION})
+    assert body["choices"][0]["text"] == local_completion["choices"][0]["text"]
+    assert attempts == [] and not cache.exists()
+
+
+def test_baked_record_applies_only_to_its_source_and_revision(served_s3, tmp_path):
+    baked = tmp_path / "baked"
+    from engine.prefetch import main as prefetch
+    assert prefetch(["--into", str(baked), "--model", URI, "--revision", "v1"]) == 0
+    assert model_store.baked_location(baked, URI, "v1") is not None
+    assert model_store.baked_location(baked, URI + "/", "v1") is not None
+    assert model_store.baked_location(baked, URI, None) is None
+    assert model_store.baked_location(baked, f"s3://{BUCKET}/other", "v1") is None
+
+
 # ---------------------------------------------------------------- the Hugging Face Hub, offline
 
 
