@@ -84,6 +84,21 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"must be auto, cpu, cuda, cuda:N or mps (got {value!r})")
         return text
 
+    @field_validator("custom_chat_template")
+    @classmethod
+    def _chat_template(cls, value: str | None) -> str | None:
+        """Compiled now, with the sandboxed environment transformers renders it in, so a typo stops the worker at
+        start-up instead of failing every chat request."""
+        if value is not None:
+            from jinja2 import TemplateError
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+            try:
+                _compile_jinja_template(value)
+            except TemplateError as exc:
+                where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+                raise ValueError(f"not a valid Jinja template: {exc.message or exc}{where}") from None
+        return value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _log_level(cls, value: str) -> str:
