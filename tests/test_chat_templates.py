@@ -74,21 +74,15 @@ def test_passthrough_template_gives_the_plain_completion(plain_model, tmp_path, 
     assert_same_generation(worker.chat(TEXT), worker.complete(TEXT))
 
 
-def test_custom_template_replaces_the_models_own(templated_model, tmp_path, monkeypatch):
-    own = Worker(monkeypatch, tmp_path, MODEL_NAME=str(templated_model))
-    assert own.render(TEXT) == f"<|model template|>[user] {TEXT}\n"
-    custom = Worker(monkeypatch, tmp_path, MODEL_NAME=str(templated_model), CUSTOM_CHAT_TEMPLATE=PASSTHROUGH)
-    assert custom.render(TEXT) == TEXT
-    assert_same_generation(custom.chat(TEXT), custom.complete(TEXT))
-
-
 @pytest.mark.parametrize("content", [
+    TEXT,
     "{{ 7*7 }}",
     "{% for x in range(3) %}x{% endfor %}",
     "{{ messages }} {{ raise_exception('no') }}",
     "{{ ''.__class__.__mro__[1].__subclasses__() }}",
 ])
-def test_message_content_is_never_run_as_template_code(templated_model, tmp_path, monkeypatch, content):
+def test_custom_template_replaces_the_models_own_and_content_stays_text(templated_model, tmp_path, monkeypatch,
+                                                                        content):
     own = Worker(monkeypatch, tmp_path, MODEL_NAME=str(templated_model))
     assert own.render(content) == f"<|model template|>[user] {content}\n"
     custom = Worker(monkeypatch, tmp_path, MODEL_NAME=str(templated_model), CUSTOM_CHAT_TEMPLATE=PASSTHROUGH)
