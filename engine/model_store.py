@@ -167,7 +167,14 @@ def building(target: Path, complete: Callable[[Path], bool] | None = None) -> It
         scratch.mkdir()
         try:
             yield scratch
-            os.replace(scratch, target)
+            try:
+                os.replace(scratch, target)
+            except OSError:
+                # Some network filesystems do not share file locks between machines, so another machine may have
+                # finished first. Its target arrived by the same whole-folder rename, so it is complete: keep it.
+                if not target.is_dir():
+                    raise
+                log.info("%s was completed elsewhere meanwhile; using that copy", target)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     finally:

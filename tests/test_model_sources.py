@@ -404,6 +404,17 @@ def test_two_processes_starting_together_download_once(served_s3, small_model, t
     assert same_files(small_model, Path(paths.pop()))
 
 
+def test_a_build_finished_elsewhere_meanwhile_is_kept(tmp_path):
+    """Where the volume does not share file locks between machines, two may build the same entry at once."""
+    target = tmp_path / "entry"
+    with model_store.building(target) as scratch:
+        (scratch / "mine").write_text("mine")
+        target.mkdir()  # another machine's finished copy, renamed in while this one was downloading
+        (target / "theirs").write_text("theirs")
+    assert [p.name for p in target.iterdir()] == ["theirs"]
+    assert list(tmp_path.glob(".entry.tmp-*")) == []
+
+
 def test_credentials_never_reach_the_log(served_s3, tmp_path, caplog, monkeypatch):
     monkeypatch.setenv("AWS_SESSION_TOKEN", SESSION_TOKEN)
     caplog.set_level(logging.DEBUG)  # the most a LOG_LEVEL can show
