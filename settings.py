@@ -45,6 +45,7 @@ class WorkerSettings(BaseSettings):
     custom_chat_template: str | None = None
     trust_remote_code: bool = False
     base_path: Path = Field(default_factory=_default_base_path)
+    baked_model_dir: Path | None = None
 
     # Engine
     max_model_len: int | None = Field(default=None, gt=0)
@@ -83,6 +84,21 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"must be auto, cpu, cuda, cuda:N or mps (got {value!r})")
         return text
 
+    @field_validator("custom_chat_template")
+    @classmethod
+    def _chat_template(cls, value: str | None) -> str | None:
+        """Compiled now, with the sandboxed environment transformers renders it in, so a typo stops the worker at
+        start-up instead of failing every chat request."""
+        if value is not None:
+            from jinja2 import TemplateError
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+            try:
+                _compile_jinja_template(value)
+            except TemplateError as exc:
+                where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+                raise ValueError(f"not a valid Jinja template: {exc.message or exc}{where}") from None
+        return value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _log_level(cls, value: str) -> str:
@@ -103,6 +119,7 @@ class WorkerSettings(BaseSettings):
             chat_template=self.custom_chat_template,
             trust_remote_code=self.trust_remote_code,
             cache_dir=self.base_path,
+            baked_model_dir=self.baked_model_dir,
             max_model_len=self.max_model_len,
             dtype=self.dtype,
             device=self.device,

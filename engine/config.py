@@ -15,6 +15,7 @@ class EngineConfig:
     chat_template: str | None = None  # replaces the model's own template
     trust_remote_code: bool = False
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "llm-worker")
+    baked_model_dir: Path | None = None  # models downloaded at image build time (python -m engine.prefetch)
 
     max_model_len: int | None = None  # None: the model's own limit
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 elsewhere

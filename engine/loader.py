@@ -129,11 +129,13 @@ def load(config: EngineConfig) -> LoadedModel:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    source = model_store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir)
+    source = model_store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir,
+                                 baked_dir=config.baked_model_dir)
     folder = _local_folder(source, config.cache_dir)
     if config.tokenizer:
         tokenizer_source = model_store.resolve(config.tokenizer, revision=config.tokenizer_revision,
-                                               cache_dir=config.cache_dir)
+                                               cache_dir=config.cache_dir, baked_dir=config.baked_model_dir,
+                                               role="tokenizer")
         tokenizer_folder = _local_folder(tokenizer_source, config.cache_dir)
     else:
         tokenizer_folder = folder

@@ -1,0 +1,63 @@
+"""Download the configured model ahead of time into a folder that then serves it with no network call.
+
+    python -m engine.prefetch [--into DIR] [--model SOURCE] [--revision REV] [--tokenizer SOURCE]
+                              [--tokenizer-revision REV]
+
+Defaults come from the worker's own variables: BAKED_MODEL_DIR, MODEL_NAME, MODEL_REVISION, TOKENIZER_NAME,
+TOKENIZER_REVISION. The Dockerfile runs it at build time to bake a model into the image. It downloads through
+the same code as the worker (so S3 and Hub sources take the same credentials) and records each source in
+DIR/baked-models.json; a worker started with BAKED_MODEL_DIR=DIR and the same MODEL_NAME / MODEL_REVISION
+loads from DIR before it considers any network source.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from . import model_store
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(name) or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.prefetch",
+                                     description="Download a model into a folder the worker loads it from offline.")
+    parser.add_argument("--into", type=Path, default=_env("BAKED_MODEL_DIR"),
+                        help="destination folder (default: $BAKED_MODEL_DIR)")
+    parser.add_argument("--model", default=_env("MODEL_NAME"), help="default: $MODEL_NAME")
+    parser.add_argument("--revision", default=_env("MODEL_REVISION"), help="default: $MODEL_REVISION")
+    parser.add_argument("--tokenizer", default=_env("TOKENIZER_NAME"), help="default: $TOKENIZER_NAME")
+    parser.add_argument("--tokenizer-revision", default=_env("TOKENIZER_REVISION"),
+                        help="default: $TOKENIZER_REVISION")
+    args = parser.parse_args(argv)
+    if args.into is None:
+        parser.error("no destination: pass --into or set BAKED_MODEL_DIR")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    if args.model is None:
+        print("prefetch: MODEL_NAME is unset; the embedded default model needs no download", file=sys.stderr)
+    into = Path(args.into).resolve()
+    for source, revision, role in ((args.model, args.revision, "model"),
+                                   (args.tokenizer, args.tokenizer_revision, "tokenizer")):
+        if source is None:
+            continue
+        try:
+            local = model_store.resolve(source, revision=revision, cache_dir=into, baked_dir=into, role=role)
+        except model_store.ModelSourceError as exc:
+            print(f"prefetch: {exc}", file=sys.stderr)
+            return 1
+        if local.path.resolve().is_relative_to(into):
+            model_store.record_baked(into, source, revision, local.path)
+            print(f"prefetch: {source} is in {local.path}", file=sys.stderr)
+        else:  # a local path: nothing to download, the worker reads it where it is
+            print(f"prefetch: {source} is a local path; nothing to download", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

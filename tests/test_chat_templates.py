@@ -1,0 +1,127 @@
+"""CUSTOM_CHAT_TEMPLATE replaces the model's template; templates render in a sandbox; message content is data.
+
+Workers here are built from environment variables exactly as handler.py builds its own, on a small random model
+(tests/source_fixtures.py) that generates deterministically under greedy decoding.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from source_fixtures import build_small_model
+
+PASSTHROUGH = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+MODEL_TEMPLATE = "<|model template|>{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+TEXT = "The capital of France is"
+GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def plain_model(tmp_path_factory):
+    """A model whose tokenizer has no chat template."""
+    return build_small_model(tmp_path_factory.mktemp("plain-model"))
+
+
+@pytest.fixture(scope="module")
+def templated_model(tmp_path_factory):
+    return build_small_model(tmp_path_factory.mktemp("templated-model"), chat_template=MODEL_TEMPLATE)
+
+
+class Worker:
+    """The handler's worker (settings -> engine -> OpenAI serving -> job router) for the given environment."""
+
+    def __init__(self, monkeypatch, tmp_path, **env):
+        from engine import AsyncEngine
+        from openai_compat.jobs import JobRouter
+        from openai_compat.serving import OpenAIServing
+        from settings import load_settings
+
+        monkeypatch.delenv("CUSTOM_CHAT_TEMPLATE", raising=False)
+        monkeypatch.setenv("BASE_PATH", str(tmp_path))
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        settings = load_settings()
+        self.engine = AsyncEngine(settings.engine_config())
+        self.router = JobRouter(OpenAIServing(self.engine, settings.serving_config()), settings.serving_config())
+
+    def job(self, job_input) -> dict:
+        async def collect():
+            return [part async for part in self.router.run(job_input)]
+        (part,) = asyncio.run(collect())
+        return part
+
+    def chat(self, content: str) -> dict:
+        return self.job({"openai_route": "/v1/chat/completions",
+                         "openai_input": {"messages": [{"role": "user", "content": content}], **GREEDY}})
+
+    def complete(self, prompt: str) -> dict:
+        return self.job({"openai_route": "/v1/completions", "openai_input": {"prompt": prompt, **GREEDY}})
+
+    def render(self, content: str) -> str:
+        asyncio.run(self.engine.start())
+        return self.engine.tokenizer.render_chat([{"role": "user", "content": content}])
+
+
+def assert_same_generation(chat: dict, completion: dict) -> None:
+    assert chat["choices"][0]["message"]["content"] == completion["choices"][0]["text"]
+    assert chat["usage"] == completion["usage"]
+    assert chat["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+
+
+def test_passthrough_template_gives_the_plain_completion(plain_model, tmp_path, monkeypatch):
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(plain_model), CUSTOM_CHAT_TEMPLATE=PASSTHROUGH)
+    assert_same_generation(worker.chat(TEXT), worker.complete(TEXT))
+
+
+@pytest.mark.parametrize("content", [
+    TEXT,
+    "{{ 7*7 }}",
+    "{% for x in range(3) %}x{% endfor %}",
+    "{{ messages }} {{ raise_exception('no') }}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+])
+def test_custom_template_replaces_the_models_own_and_content_stays_text(templated_model, tmp_path, monkeypatch,
+                                                                        content):
+    own = Worker(monkeypatch, tmp_path, MODEL_NAME=str(templated_model))
+    assert own.render(content) == f"<|model template|>[user] {content}\n"
+    custom = Worker(monkeypatch, tmp_path, MODEL_NAME=str(templated_model), CUSTOM_CHAT_TEMPLATE=PASSTHROUGH)
+    assert custom.render(content) == content
+    assert_same_generation(custom.chat(content), custom.complete(content))
+
+
+@pytest.mark.parametrize("template", [
+    "{{ messages.__class__.__mro__[-1].__subclasses__() }}",
+    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+    "{% for m in messages %}{{ m.update({'role': 'system'}) }}{% endfor %}",
+])
+def test_templates_render_in_a_sandbox(plain_model, tmp_path, monkeypatch, template):
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(plain_model), CUSTOM_CHAT_TEMPLATE=template)
+    error = worker.chat(TEXT)["error"]
+    assert error["code"] == 400 and "chat template failed" in error["message"]
+    assert "unsafe" in error["message"] or "not safely callable" in error["message"]
+    assert worker.complete(TEXT)["usage"]["completion_tokens"] == GREEDY["max_tokens"]  # still serving
+
+
+def test_model_without_template_serves_completions_and_refuses_chat(plain_model, tmp_path, monkeypatch):
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(plain_model))
+    assert worker.complete(TEXT)["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+    for body in (worker.chat(TEXT), worker.job({"messages": [{"role": "user", "content": TEXT}]}),
+                 worker.job({"prompt": TEXT, "apply_chat_template": True})):
+        assert body["error"]["code"] == 400
+        assert "no chat template" in body["error"]["message"] and "CUSTOM_CHAT_TEMPLATE" in body["error"]["message"]
+
+
+def test_invalid_custom_template_stops_start_up(monkeypatch):
+    from settings import SettingsError, load_settings
+
+    monkeypatch.setenv("CUSTOM_CHAT_TEMPLATE", "{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(SettingsError) as failure:
+        load_settings()
+    assert "CUSTOM_CHAT_TEMPLATE: not a valid Jinja template" in str(failure.value)
+    assert "\n" not in str(failure.value)
+    # transformers' own template extensions are valid
+    monkeypatch.setenv("CUSTOM_CHAT_TEMPLATE", "{% for m in messages %}{% generation %}{{ m['content'] }}"
+                                               "{% endgeneration %}{% if loop.last %}{% break %}{% endif %}"
+                                               "{% endfor %}")
+    assert load_settings().custom_chat_template.startswith("{% for m")
