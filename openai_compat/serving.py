@@ -73,11 +73,12 @@ class OpenAIServing:
         return ModelList(data=[ModelCard(id=name, root=self.engine.model_name, max_model_len=self.engine.max_model_len)])
 
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
-                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                         logprobs: int | None, prompt_logprobs: int | None = None,
+                         max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs") -> SamplingParams:
         tokenizer = self.engine.tokenizer
         limit = self.engine.max_model_len
         max_logprobs = self.engine.config.max_logprobs
-        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        for name, value in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and value > max_logprobs:
                 raise OpenAIError(f"{name} must be at most {max_logprobs}, got {value}", param=name)
         if prompt_len >= limit:
@@ -90,8 +91,8 @@ class OpenAIServing:
         elif prompt_len + max_tokens > limit:
             raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-                              f"completion). Please reduce the length of the prompt or max_tokens.",
-                              param="max_tokens")
+                              f"completion). Please reduce the length of the prompt or {max_tokens_param}.",
+                              param=max_tokens_param)
         if request.min_tokens > max_tokens:
             raise OpenAIError(f"min_tokens ({request.min_tokens}) must be at most max_tokens ({max_tokens})",
                               param="min_tokens")
@@ -236,9 +237,11 @@ class OpenAIServing:
         self._check_model(request.model)
         prompt = await self.chat_prompt(request)
         top = request.top_logprobs or 0
-        params = self.sampling_params(request, len(prompt.token_ids),
-                                       request.max_completion_tokens or request.max_tokens,
-                                       top if request.logprobs else None)
+        # max_completion_tokens wins over the deprecated max_tokens (as in vLLM); errors name the one used.
+        limit_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        params = self.sampling_params(request, len(prompt.token_ids), getattr(request, limit_param),
+                                      top if request.logprobs else None, max_tokens_param=limit_param,
+                                      logprobs_param="top_logprobs")
         response_id = random_id("chatcmpl")
         if request.stream:
             return self._chat_stream(request, response_id, prompt, params)
