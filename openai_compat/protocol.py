@@ -64,7 +64,7 @@ class SamplingFields(_Request):
 
     n: int = Field(default=1, ge=1)
     best_of: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # OpenAI's and vLLM's range
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
