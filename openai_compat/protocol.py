@@ -317,7 +317,6 @@ class CompletionRequest(OpenAIRequest):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0)
     add_special_tokens: bool = True
-    prompt_logprobs: int | None = Field(default=None, ge=0)
 
     @field_validator("prompt")
     @classmethod

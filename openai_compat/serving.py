@@ -346,9 +346,8 @@ class OpenAIServing:
         await self.ready()
         self._check_model(request.model)
         prompts = await self._completion_prompts(request)
-        prompt_logprobs = request.prompt_logprobs
-        if request.echo and request.logprobs is not None:
-            prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
+        # echo with logprobs scores the prompt too
+        prompt_logprobs = request.logprobs if request.echo else None
         params = [self.sampling_params(request, len(p.token_ids), request.max_tokens, request.logprobs,
                                         prompt_logprobs) for p in prompts]
         response_id = random_id("cmpl")
