@@ -247,9 +247,14 @@ class OpenAIServing:
             return self._chat_stream(request, response_id, prompt, params)
         return await self._chat_full(request, response_id, prompt, params)
 
+    def _response_role(self, request: ChatCompletionRequest) -> str:
+        """Without a generation prompt the model continues the last message, so the reply keeps its role (vLLM)."""
+        return self.config.response_role if request.add_generation_prompt else request.messages[-1].role
+
     def _echo_prefix(self, request: ChatCompletionRequest) -> str:
+        """echo repeats the last message only when the reply continues it (same role), as vLLM does."""
         last = request.messages[-1]
-        if not request.echo or last.content is None:
+        if not request.echo or last.content is None or last.role != self._response_role(request):
             return ""
         if isinstance(last.content, str):
             return last.content
@@ -265,7 +270,7 @@ class OpenAIServing:
         for index in sorted(choices):
             c = choices[index]
             result.append(ChatCompletionChoice(
-                index=index, message=ChatResponseMessage(role=self.config.response_role, content=echo + c.text),
+                index=index, message=ChatResponseMessage(role=self._response_role(request), content=echo + c.text),
                 logprobs=self._chat_logprobs(c.logprobs, params.logprobs) if params.logprobs is not None else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
@@ -287,10 +292,15 @@ class OpenAIServing:
                                                 **extra)
 
         echo = self._echo_prefix(request)
+        role = self._response_role(request)
         for index in range(params.n):
             yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(
-                role=self.config.response_role, content=echo), logprobs=None, finish_reason=None)],
+                role=role, content=""), logprobs=None, finish_reason=None)],
                 _usage(prompt_tokens, 0) if request.continuous_usage else None)
+        if echo:  # the echoed message follows the role chunks, in chunks of its own (vLLM's order)
+            for index in range(params.n):
+                yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=echo))],
+                            _usage(prompt_tokens, 0) if request.continuous_usage else None)
         async for output in self.run(response_id, prompt, params):
             choices = []
             for delta in output.deltas:
