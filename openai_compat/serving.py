@@ -421,25 +421,30 @@ class OpenAIServing:
                              for k in range(n)])
                 for k in range(n):
                     offsets[i * n + k] = len(prompt.text)
+        heads: dict[int, CompletionLogprobs] = {}  # echo with logprobs: the prompt's part, per prompt
+        echoed: set[int] = set()
         async for i, output in self._merged(response_id, prompts, params):
             choices = []
-            if request.echo and output.prompt_logprobs is not None:
-                prompt = prompts[i]
-                head = self._completion_logprobs(output.prompt_logprobs, prompt.token_ids, 0)
-                choices.extend(CompletionChoice(index=i * n + k, text=prompt.text, logprobs=head, finish_reason=None)
-                               for k in range(n))
-                for k in range(n):
-                    offsets[i * n + k] = len(prompt.text)
+            if request.echo and request.logprobs is not None and output.prompt_logprobs is not None:
+                heads[i] = self._completion_logprobs(output.prompt_logprobs, prompts[i].token_ids, 0)
             for delta in output.deltas:
                 index = i * n + delta.index
                 generated += len(delta.token_ids)
+                text, head = delta.text, None
+                if i in heads and index not in echoed:
+                    # The prompt goes out with the choice's first tokens, in one choice (vLLM's shape).
+                    echoed.add(index)
+                    text, head = prompts[i].text + text, heads[i]
+                    offsets[index] = len(prompts[i].text)
                 logprobs = None
                 if request.logprobs is not None and delta.logprobs:
                     logprobs = self._completion_logprobs(delta.logprobs, delta.token_ids, offsets.get(index, 0))
+                if head is not None:
+                    logprobs = _join_logprobs(head, logprobs or CompletionLogprobs())
                 offsets[index] = offsets.get(index, 0) + len(delta.text)
-                if not delta.text and logprobs is None and delta.finish_reason is None:
+                if not text and logprobs is None and delta.finish_reason is None:
                     continue
-                choices.append(CompletionChoice(index=index, text=delta.text, logprobs=logprobs,
+                choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
             if choices:
                 yield chunk(choices, _usage(prompt_tokens, generated) if request.continuous_usage else None)
