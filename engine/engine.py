@@ -86,7 +86,8 @@ class _Sequence:
         self.row: int | None = None
         self.status = _WAITING
         self.sampling = SequenceSamplingState(params, group.prompt_ids, index, vocab_size, device)
-        self.detok = tokenizer.detokenizer(group.prompt_ids, params.skip_special_tokens)
+        self.detok = tokenizer.detokenizer(group.prompt_ids, params.skip_special_tokens,
+                                           params.spaces_between_special_tokens)
         self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.text = ""
         self.sent_chars = 0

@@ -35,8 +35,9 @@ class Tokenizer:
         unk = getattr(self.hf, "unk_token_id", None)
         return ids[0] if ids and ids[0] is not None and ids[0] != unk else None
 
-    def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.hf, prompt_ids, skip_special_tokens)
+    def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool,
+                    spaces_between_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.hf, prompt_ids, skip_special_tokens, spaces_between_special_tokens)
 
     @property
     def has_chat_template(self) -> bool:
