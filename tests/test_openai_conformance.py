@@ -466,6 +466,14 @@ def test_include_usage_adds_a_final_usage_chunk(client, gateway_url, endpoint):
     bad_request(lambda: call(client, stream_options={"include_usage": True}), "stream_options")
 
 
+def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(client):
+    chunks = list(chat(client, max_tokens=4, stream=True, extra_body={"ignore_eos": True}, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 4
+    assert {c.usage.prompt_tokens for c in chunks} == {chat(client, max_tokens=1).usage.prompt_tokens}
+
+
 def test_sync_and_async_clients_agree(client, gateway_url):
     async def ask(async_client):
         return await async_client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=20, temperature=0)
@@ -499,8 +507,17 @@ def test_continue_final_message(client):
 
 
 def test_user_and_parallel_tool_calls_are_accepted_and_ignored(client):
-    reply = chat(client, user="someone", parallel_tool_calls=False)
+    reply = chat(client, user="someone", parallel_tool_calls=False, store=False, metadata={"team": "x"})
     assert reply.choices[0].message.content == PARIS_ANSWER
+
+
+@pytest.mark.parametrize("param,value", [
+    ("response_format", {"type": "json_object"}), ("tool_choice", "auto"), ("chat_template", "{{ messages }}"),
+    ("prompt_logprobs", 1), ("add_special_tokens", True), ("use_beam_search", True),
+])
+def test_unsupported_features_are_400(client, param, value):
+    # Features this worker does not have fail loudly instead of being silently ignored.
+    bad_request(lambda: chat(client, extra_body={param: value}), param)
 
 
 def test_unknown_parameter_is_rejected_by_name(client):
