@@ -13,15 +13,19 @@ class IncrementalDetokenizer:
     the next token.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        # Only Python-backend tokenizers use it; Rust (fast) tokenizers ignore it, as they do in vLLM.
+        self._spaces = spaces_between_special_tokens
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False,
+                                      spaces_between_special_tokens=self._spaces)
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)

@@ -86,7 +86,8 @@ class _Sequence:
         self.row: int | None = None
         self.status = _WAITING
         self.sampling = SequenceSamplingState(params, group.prompt_ids, index, vocab_size, device)
-        self.detok = tokenizer.detokenizer(group.prompt_ids, params.skip_special_tokens)
+        self.detok = tokenizer.detokenizer(group.prompt_ids, params.skip_special_tokens,
+                                           params.spaces_between_special_tokens)
         self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.text = ""
         self.sent_chars = 0
@@ -400,11 +401,12 @@ class Engine:
         self._dirty[seq.group] = None
         generated = seq.num_generated
         is_eos = token in self.tokenizer.eos_token_ids and not params.ignore_eos
-        if generated > params.min_tokens:  # the first min_tokens tokens cannot end the sequence
-            if token in params.stop_token_ids:
-                return self._finish(seq, "stop", token)
-            if is_eos:
-                return self._finish(seq, "stop", None)
+        # The first min_tokens tokens cannot end the sequence. EOS is checked before stop_token_ids (vLLM's order:
+        # an EOS listed in stop_token_ids still reports stop_reason None).
+        if generated > params.min_tokens and (is_eos or token in params.stop_token_ids):
+            if params.include_stop_str_in_output:  # as vLLM: the stop token's text stays (empty if special+skipped)
+                seq.text += seq.detok.push(token)
+            return self._finish(seq, "stop", None if is_eos else token)
         delta = seq.detok.push(token)
         if delta:
             seq.text += delta

@@ -35,8 +35,9 @@ class Tokenizer:
         unk = getattr(self.hf, "unk_token_id", None)
         return ids[0] if ids and ids[0] is not None and ids[0] != unk else None
 
-    def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.hf, prompt_ids, skip_special_tokens)
+    def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool,
+                    spaces_between_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.hf, prompt_ids, skip_special_tokens, spaces_between_special_tokens)
 
     @property
     def has_chat_template(self) -> bool:
@@ -50,10 +51,14 @@ class Tokenizer:
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; set CUSTOM_CHAT_TEMPLATE or use "
                                     "/v1/completions")
+        # Extra template variables never override the explicit arguments (vLLM merges them the same way), and
+        # cannot replace the template or make it tokenize.
+        kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "conversation"}
+        explicit = dict(tools=tools, documents=documents, chat_template=self.chat_template,
+                        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                        tokenize=False, return_dict=False)
+        kwargs.update((k, v) for k, v in explicit.items() if v is not None)
         try:
-            return self.hf.apply_chat_template(
-                messages, tools=tools, documents=documents, chat_template=self.chat_template,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                tokenize=False, **(template_kwargs or {}))
+            return self.hf.apply_chat_template(messages, **kwargs)
         except Exception as exc:  # jinja errors, raise_exception() in templates, bad final message
             raise ChatTemplateError(f"chat template failed: {exc}") from exc

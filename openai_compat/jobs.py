@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .config import ServingConfig
 from .errors import OpenAIError, error_body
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, random_id
+from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, ParamError, SamplingFields,
+                       random_id)
 from .serving import OpenAIServing, Prompt
 from .streaming import DONE, BatchSize, batched, carries_tokens, sse
 
@@ -46,6 +47,9 @@ def parse(model: type[BaseModel], body: Any):
         loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and ("[" in p or p in (
             "str", "int", "list[int]", "list[str]", "list[list[int]]", "function-after"))))
         param = _loc(loc) or None
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, ParamError):
+            param = _loc((*loc, cause.param)) if loc else cause.param
         messages = []
         for error in errors[:3]:
             where = _loc(error["loc"])

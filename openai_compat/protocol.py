@@ -27,6 +27,15 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class ParamError(ValueError):
+    """A request-level check that fails because of one parameter; the 400 names it (pydantic cannot tell which
+    field a model validator meant)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
@@ -34,7 +43,7 @@ class _Request(BaseModel):
     def _unknown_fields(self) -> "_Request":
         unknown = sorted(set(self.model_extra or {}) - IGNORED_FIELDS)
         if unknown:
-            raise ValueError(f"unsupported parameter(s): {', '.join(unknown)}")
+            raise ParamError(unknown[0], f"unsupported parameter(s): {', '.join(unknown)}")
         return self
 
 
@@ -55,7 +64,7 @@ class SamplingFields(_Request):
 
     n: int = Field(default=1, ge=1)
     best_of: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # OpenAI's and vLLM's range
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -104,7 +113,8 @@ class SamplingFields(_Request):
     @model_validator(mode="after")
     def _consistent(self) -> "SamplingFields":
         if self.best_of is not None and self.best_of < self.n:
-            raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}")
+            raise ParamError("best_of", f"best_of must be greater than or equal to n, got n={self.n} and "
+                                        f"best_of={self.best_of}")
         return self
 
     @property
@@ -122,9 +132,9 @@ class OpenAIRequest(SamplingFields):
     @model_validator(mode="after")
     def _streaming(self) -> "OpenAIRequest":
         if self.stream and self.best_of is not None and self.best_of > self.n:
-            raise ValueError("best_of > n is not supported with stream=true")
+            raise ParamError("best_of", "best_of > n is not supported with stream=true")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise ParamError("stream_options", "stream_options is only allowed when stream is true")
         return self
 
     @property
@@ -206,11 +216,13 @@ class ChatCompletionRequest(OpenAIRequest):
     @model_validator(mode="after")
     def _chat_consistent(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+            raise ParamError("continue_final_message",
+                             "add_generation_prompt and continue_final_message cannot both be true")
         if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError("continue_final_message needs the last message to be an assistant message")
+            raise ParamError("continue_final_message",
+                             "continue_final_message needs the last message to be an assistant message")
         return self
 
 
@@ -305,7 +317,6 @@ class CompletionRequest(OpenAIRequest):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0)
     add_special_tokens: bool = True
-    prompt_logprobs: int | None = Field(default=None, ge=0)
 
     @field_validator("prompt")
     @classmethod

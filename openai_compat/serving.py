@@ -73,11 +73,12 @@ class OpenAIServing:
         return ModelList(data=[ModelCard(id=name, root=self.engine.model_name, max_model_len=self.engine.max_model_len)])
 
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
-                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                         logprobs: int | None, prompt_logprobs: int | None = None,
+                         max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs") -> SamplingParams:
         tokenizer = self.engine.tokenizer
         limit = self.engine.max_model_len
         max_logprobs = self.engine.config.max_logprobs
-        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        for name, value in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and value > max_logprobs:
                 raise OpenAIError(f"{name} must be at most {max_logprobs}, got {value}", param=name)
         if prompt_len >= limit:
@@ -90,8 +91,8 @@ class OpenAIServing:
         elif prompt_len + max_tokens > limit:
             raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-                              f"completion). Please reduce the length of the prompt or max_tokens.",
-                              param="max_tokens")
+                              f"completion). Please reduce the length of the prompt or {max_tokens_param}.",
+                              param=max_tokens_param)
         if request.min_tokens > max_tokens:
             raise OpenAIError(f"min_tokens ({request.min_tokens}) must be at most max_tokens ({max_tokens})",
                               param="min_tokens")
@@ -236,17 +237,24 @@ class OpenAIServing:
         self._check_model(request.model)
         prompt = await self.chat_prompt(request)
         top = request.top_logprobs or 0
-        params = self.sampling_params(request, len(prompt.token_ids),
-                                       request.max_completion_tokens or request.max_tokens,
-                                       top if request.logprobs else None)
+        # max_completion_tokens wins over the deprecated max_tokens (as in vLLM); errors name the one used.
+        limit_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        params = self.sampling_params(request, len(prompt.token_ids), getattr(request, limit_param),
+                                      top if request.logprobs else None, max_tokens_param=limit_param,
+                                      logprobs_param="top_logprobs")
         response_id = random_id("chatcmpl")
         if request.stream:
             return self._chat_stream(request, response_id, prompt, params)
         return await self._chat_full(request, response_id, prompt, params)
 
+    def _response_role(self, request: ChatCompletionRequest) -> str:
+        """Without a generation prompt the model continues the last message, so the reply keeps its role (vLLM)."""
+        return self.config.response_role if request.add_generation_prompt else request.messages[-1].role
+
     def _echo_prefix(self, request: ChatCompletionRequest) -> str:
+        """echo repeats the last message only when the reply continues it (same role), as vLLM does."""
         last = request.messages[-1]
-        if not request.echo or last.content is None:
+        if not request.echo or last.content is None or last.role != self._response_role(request):
             return ""
         if isinstance(last.content, str):
             return last.content
@@ -262,7 +270,7 @@ class OpenAIServing:
         for index in sorted(choices):
             c = choices[index]
             result.append(ChatCompletionChoice(
-                index=index, message=ChatResponseMessage(role=self.config.response_role, content=echo + c.text),
+                index=index, message=ChatResponseMessage(role=self._response_role(request), content=echo + c.text),
                 logprobs=self._chat_logprobs(c.logprobs, params.logprobs) if params.logprobs is not None else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
@@ -284,10 +292,15 @@ class OpenAIServing:
                                                 **extra)
 
         echo = self._echo_prefix(request)
+        role = self._response_role(request)
         for index in range(params.n):
             yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(
-                role=self.config.response_role, content=echo), logprobs=None, finish_reason=None)],
+                role=role, content=""), logprobs=None, finish_reason=None)],
                 _usage(prompt_tokens, 0) if request.continuous_usage else None)
+        if echo:  # the echoed message follows the role chunks, in chunks of its own (vLLM's order)
+            for index in range(params.n):
+                yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=echo))],
+                            _usage(prompt_tokens, 0) if request.continuous_usage else None)
         async for output in self.run(response_id, prompt, params):
             choices = []
             for delta in output.deltas:
@@ -343,9 +356,8 @@ class OpenAIServing:
         await self.ready()
         self._check_model(request.model)
         prompts = await self._completion_prompts(request)
-        prompt_logprobs = request.prompt_logprobs
-        if request.echo and request.logprobs is not None:
-            prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
+        # echo with logprobs scores the prompt too
+        prompt_logprobs = request.logprobs if request.echo else None
         params = [self.sampling_params(request, len(p.token_ids), request.max_tokens, request.logprobs,
                                         prompt_logprobs) for p in prompts]
         response_id = random_id("cmpl")
@@ -409,25 +421,30 @@ class OpenAIServing:
                              for k in range(n)])
                 for k in range(n):
                     offsets[i * n + k] = len(prompt.text)
+        heads: dict[int, CompletionLogprobs] = {}  # echo with logprobs: the prompt's part, per prompt
+        echoed: set[int] = set()
         async for i, output in self._merged(response_id, prompts, params):
             choices = []
-            if request.echo and output.prompt_logprobs is not None:
-                prompt = prompts[i]
-                head = self._completion_logprobs(output.prompt_logprobs, prompt.token_ids, 0)
-                choices.extend(CompletionChoice(index=i * n + k, text=prompt.text, logprobs=head, finish_reason=None)
-                               for k in range(n))
-                for k in range(n):
-                    offsets[i * n + k] = len(prompt.text)
+            if request.echo and request.logprobs is not None and output.prompt_logprobs is not None:
+                heads[i] = self._completion_logprobs(output.prompt_logprobs, prompts[i].token_ids, 0)
             for delta in output.deltas:
                 index = i * n + delta.index
                 generated += len(delta.token_ids)
+                text, head = delta.text, None
+                if i in heads and index not in echoed:
+                    # The prompt goes out with the choice's first tokens, in one choice (vLLM's shape).
+                    echoed.add(index)
+                    text, head = prompts[i].text + text, heads[i]
+                    offsets[index] = len(prompts[i].text)
                 logprobs = None
                 if request.logprobs is not None and delta.logprobs:
                     logprobs = self._completion_logprobs(delta.logprobs, delta.token_ids, offsets.get(index, 0))
+                if head is not None:
+                    logprobs = _join_logprobs(head, logprobs or CompletionLogprobs())
                 offsets[index] = offsets.get(index, 0) + len(delta.text)
-                if not delta.text and logprobs is None and delta.finish_reason is None:
+                if not text and logprobs is None and delta.finish_reason is None:
                     continue
-                choices.append(CompletionChoice(index=index, text=delta.text, logprobs=logprobs,
+                choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
             if choices:
                 yield chunk(choices, _usage(prompt_tokens, generated) if request.continuous_usage else None)
