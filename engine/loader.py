@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import attention, cpu_layout, model_store
+from . import attention, cpu_layout, fusion, model_store
 from .config import EngineConfig
 from .tokenizer import Tokenizer
 
@@ -150,6 +150,7 @@ def load(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError(f"model {config.model or source.name}: loading failed: {exc}") from exc
     model.to(device).eval()
     model.requires_grad_(False)
+    fusion.apply(model)
     if device.type == "cpu":
         cpu_layout.apply(model)
 
