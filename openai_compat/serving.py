@@ -128,15 +128,19 @@ class OpenAIServing:
             spaces_between_special_tokens=request.spaces_between_special_tokens)
 
     async def run(self, request_id: str, prompt: Prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        started = time.perf_counter()
+        """The engine's outputs for one prompt; logs the request's timings when it ends (texts at DEBUG only)."""
+        if log.isEnabledFor(logging.DEBUG):
+            text = prompt.text if prompt.text is not None else self.engine.tokenizer.decode(prompt.token_ids, False)
+            log.debug("request=%s prompt=%r", request_id, text)
+        outputs: dict[int, str] = {}
         try:
             async for output in self.engine.generate(request_id, prompt.token_ids, params):
+                for delta in output.deltas:
+                    outputs[delta.index] = outputs.get(delta.index, "") + delta.text
                 if output.finished and output.metrics is not None:
-                    m = output.metrics
-                    log.info("request %s done: prompt %d tokens (%d cached), %d generated, queue %.3f s, first "
-                             "token %.3f s, total %.3f s", request_id, m.prompt_tokens, m.cached_prompt_tokens,
-                             m.output_tokens, (m.admitted or m.arrival) - m.arrival,
-                             (m.first_token or m.arrival) - m.arrival, time.perf_counter() - started)
+                    _log_finished(request_id, output.metrics)
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("request=%s outputs=%r", request_id, [outputs[i] for i in sorted(outputs)])
                 yield output
         except GenerationError as exc:
             raise OpenAIError(f"generation failed: {exc}", status=500) from exc
@@ -450,6 +454,17 @@ class OpenAIServing:
                 yield chunk(choices, _usage(prompt_tokens, generated) if request.continuous_usage else None)
         if request.include_usage:
             yield chunk([], _usage(prompt_tokens, generated))
+
+
+def _log_finished(request_id: str, m) -> None:
+    admitted = m.admitted or m.arrival
+    first = m.first_token or admitted
+    done = m.finished or first
+    decode_s = done - first
+    log.info("request done request=%s prompt_tokens=%d cached_tokens=%d output_tokens=%d queue_s=%.3f "
+             "prefill_s=%.3f decode_s=%.3f total_s=%.3f decode_tok_s=%.1f", request_id, m.prompt_tokens,
+             m.cached_prompt_tokens, m.output_tokens, admitted - m.arrival, first - admitted, decode_s,
+             done - m.arrival, (m.output_tokens - 1) / decode_s if decode_s > 0 else 0.0)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
