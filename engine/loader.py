@@ -60,13 +60,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _converted_gguf(source: model_store.LocalModel, cache_dir: Path) -> Path:
+def _converted_gguf(source: model_store.LocalModel, cache_dir: Path, baked_dir: Path | None) -> Path:
     """A safetensors copy of a GGUF model, made once: GGUF dequantization takes tens of seconds, reloading the
-    copy about one."""
+    copy about one. A copy baked into the image (`python -m engine.prefetch`) is used before the cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = source.path / source.gguf_file
-    target = cache_dir / "converted" / f"{gguf.stem}-{gguf.stat().st_size}"
+    name = f"{gguf.stem}-{gguf.stat().st_size}"
+    if baked_dir is not None and (baked_dir / "converted" / name / "config.json").is_file():
+        return baked_dir / "converted" / name
+    target = cache_dir / "converted" / name
     with model_store.building(target) as scratch:
         if scratch is not None:
             started = time.perf_counter()
@@ -84,14 +87,16 @@ def _converted_gguf(source: model_store.LocalModel, cache_dir: Path) -> Path:
     return target
 
 
-def _local_folder(source: model_store.LocalModel, cache_dir: Path) -> Path:
-    return _converted_gguf(source, cache_dir) if source.gguf_file else source.path
+def local_folder(source: model_store.LocalModel, cache_dir: Path, baked_dir: Path | None = None) -> Path:
+    """The transformers-layout folder of resolved model files (GGUF files converted once)."""
+    return _converted_gguf(source, cache_dir, baked_dir) if source.gguf_file else source.path
 
 
 def model_folder(config: EngineConfig) -> Path:
     """The transformers-layout folder the configured model loads from (fetched or converted if needed)."""
-    source = model_store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir)
-    return _local_folder(source, config.cache_dir)
+    source = model_store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir,
+                                 baked_dir=config.baked_model_dir)
+    return local_folder(source, config.cache_dir, config.baked_model_dir)
 
 
 def _eos_ids(hf_tokenizer, model) -> frozenset[int]:
@@ -131,12 +136,12 @@ def load(config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, device)
     source = model_store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir,
                                  baked_dir=config.baked_model_dir)
-    folder = _local_folder(source, config.cache_dir)
+    folder = local_folder(source, config.cache_dir, config.baked_model_dir)
     if config.tokenizer:
         tokenizer_source = model_store.resolve(config.tokenizer, revision=config.tokenizer_revision,
                                                cache_dir=config.cache_dir, baked_dir=config.baked_model_dir,
                                                role="tokenizer")
-        tokenizer_folder = _local_folder(tokenizer_source, config.cache_dir)
+        tokenizer_folder = local_folder(tokenizer_source, config.cache_dir, config.baked_model_dir)
     else:
         tokenizer_folder = folder
     if not (folder / "config.json").is_file():

@@ -39,18 +39,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no destination: pass --into or set BAKED_MODEL_DIR")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    if args.model is None:
-        print("prefetch: MODEL_NAME is unset; the embedded default model needs no download", file=sys.stderr)
     into = Path(args.into).resolve()
     for source, revision, role in ((args.model, args.revision, "model"),
                                    (args.tokenizer, args.tokenizer_revision, "tokenizer")):
-        if source is None:
+        if source is None and role == "tokenizer":
             continue
         try:
             local = model_store.resolve(source, revision=revision, cache_dir=into, baked_dir=into, role=role)
         except model_store.ModelSourceError as exc:
             print(f"prefetch: {exc}", file=sys.stderr)
             return 1
+        if local.gguf_file:
+            # GGUF weights (the embedded default among them) are converted once here, not at every cold start.
+            from .loader import local_folder
+            print(f"prefetch: converted {local.name} into {local_folder(local, into, into)}", file=sys.stderr)
+            continue
         if local.path.resolve().is_relative_to(into):
             model_store.record_baked(into, source, revision, local.path)
             print(f"prefetch: {source} is in {local.path}", file=sys.stderr)

@@ -204,6 +204,7 @@ def test_requests_beyond_the_cap_wait_and_complete(worker):
     results = asyncio.run(run_all())
     assert peaks["running"] == 2 and peaks["waiting"] >= 1
     reference = asyncio.run(generate(small, "ref", ids[4], greedy(10)))
+    small.close()
     assert_same_greedy(reference["choices"][0], results[4]["choices"][0]["ids"])
     assert all(len(r["choices"][0]["ids"]) == 10 for r in results)
 
