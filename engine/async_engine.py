@@ -34,6 +34,19 @@ class _QueueSink:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
 
 
+def _kv_bytes_per_token(model: LoadedModel) -> int | None:
+    """Bytes of keys and values one token takes in the cache, from the model's config (None if it can't tell)."""
+    config = model.model.config
+    config = getattr(config, "get_text_config", lambda: config)()
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if not (layers and kv_heads and head_dim):
+        return None
+    return layers * 2 * kv_heads * head_dim * model.dtype.itemsize
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, loader: Callable[[EngineConfig], LoadedModel] = load):
         self.config = config
@@ -71,6 +84,13 @@ class AsyncEngine:
                             max_num_batched_tokens=self.config.max_num_batched_tokens,
                             max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes)
             engine.on_fatal = self._fatal
+            per_token = _kv_bytes_per_token(model)
+            if per_token:
+                log.info("KV cache: %.1f KB per token; at most %.0f MB per sequence and %.1f GB for MAX_NUM_SEQS=%d "
+                         "sequences of MAX_MODEL_LEN=%d tokens", per_token / 1024,
+                         per_token * model.max_model_len / 2**20,
+                         per_token * model.max_model_len * self.config.max_num_seqs / 2**30,
+                         self.config.max_num_seqs, model.max_model_len)
             self._model, self._engine = model, engine
             future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
