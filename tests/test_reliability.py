@@ -97,3 +97,18 @@ def test_startup_failure_exits_with_one_clear_line(tmp_path):
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.startswith("llm-worker:")]
     assert len(lines) == 1 and str(tmp_path / "missing") in lines[0], result.stderr[-2000:]
+
+
+def test_gateway_streams_tokens_as_they_are_produced(client):
+    """The first token reaches the client long before the stream ends: nothing is buffered to the end."""
+    started = time.monotonic()
+    arrivals = []
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to a hundred."}],
+                                            max_tokens=120, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.monotonic() - started)
+    total = time.monotonic() - started
+    assert len(arrivals) >= 100
+    assert arrivals[0] < 0.25 * total, (arrivals[0], total)
