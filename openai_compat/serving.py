@@ -20,7 +20,7 @@ from .protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage, ChatTokenLogprob,
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, CompletionStreamResponse,
-    DeltaMessage, ModelCard, ModelList, SamplingFields, TextPart, TopLogprob, UsageInfo, random_id,
+    DeltaMessage, ModelCard, ModelList, SamplingFields, TopLogprob, UsageInfo, random_id,
 )
 
 log = logging.getLogger("openai_compat")
@@ -207,7 +207,7 @@ class OpenAIServing:
             if isinstance(message.content, list):
                 texts = []
                 for j, part in enumerate(message.content):
-                    if not isinstance(part, TextPart):
+                    if part.type != "text":
                         raise OpenAIError(f"content part type {part.type} is not supported: this model takes text "
                                           f"only", param=f"messages[{i}].content[{j}]")
                     texts.append(part.text)
@@ -262,7 +262,7 @@ class OpenAIServing:
             return ""
         if isinstance(last.content, str):
             return last.content
-        return "\n".join(p.text for p in last.content if isinstance(p, TextPart))
+        return "\n".join(p.text for p in last.content if p.type == "text")
 
     async def _chat_full(self, request, response_id: str, prompt: Prompt, params: SamplingParams
                          ) -> ChatCompletionResponse:
