@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+_GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -34,7 +36,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, sampling is argmax in all but name, and dividing logits by the temperature overflows
+        # float32 into inf and NaN (vLLM draws the same line).
+        return self.temperature < _GREEDY_BELOW
 
     @property
     def num_sequences(self) -> int:
@@ -159,7 +163,9 @@ class Sampler:
         if p.greedy:
             return int(logits.argmax())
 
-        logits = logits / p.temperature
+        # An extreme (valid) repetition penalty or temperature can push logits to +inf, and inf - inf makes
+        # softmax NaN; the largest finite value keeps the order and the arithmetic sound.
+        logits = (logits / p.temperature).clamp(max=torch.finfo(logits.dtype).max)
         if 0 < p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -18,6 +18,12 @@ class Tokenizer:
         # Ids the model can take (embedding rows) and the tokenizer can turn back into text.
         self.vocab_size = min(vocab_size, len(hf_tokenizer))
         self.special_ids = frozenset(hf_tokenizer.all_special_ids)
+        # No token stands for more input characters than its own spelling in the vocabulary has (byte-level
+        # BPE spells each byte as one character, SentencePiece spells its pieces out), so a text longer than
+        # n * max_token_chars has more than n tokens. That lets an oversized prompt be refused without
+        # tokenizing megabytes. (A normalizer that deletes input characters would break this; the tokenizers
+        # of causal LMs keep every character.)
+        self.max_token_chars = max((len(token) for token in hf_tokenizer.get_vocab()), default=1) or 1
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))

@@ -8,9 +8,11 @@ object; tracebacks go to the log, never to the caller.
 from __future__ import annotations
 
 import logging
+import math
+import re
 from typing import Any, AsyncIterator
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .config import ServingConfig
 from .errors import OpenAIError, error_body
@@ -26,12 +28,76 @@ COMPLETIONS_ROUTE = "/v1/completions"
 MODELS_ROUTE = "/v1/models"
 ROUTES = (CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE)
 
+# Generous for tool JSON schemas (a few levels each), and far below the interpreter's recursion limit, which
+# pydantic, the chat template and json.dumps all run into on deeper input.
+MAX_DEPTH = 100
+# Far wider than any id, seed or count the API takes; Python refuses to print ints past 4300 digits, so an
+# error message naming a bigger one would itself fail.
+MAX_INT_BITS = 128
+_SURROGATE = re.compile("[\ud800-\udfff]")  # halves of UTF-16 pairs: a Python str holds them, UTF-8 cannot
+
 
 def _loc(parts: tuple) -> str:
     text = ""
     for part in parts:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
     return text
+
+
+def check_json(value: Any) -> None:
+    """Reject input that no JSON text could carry or that would break the layers below: nesting deeper than
+    MAX_DEPTH, lone surrogates (text that cannot be encoded as UTF-8, so neither tokenized nor sent back),
+    NaN and infinities, huge ints, non-string keys and non-JSON types. The one place these become a 400
+    naming the field. Iterative, so the check itself cannot overflow the stack."""
+    stack: list[tuple[Any, tuple]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, (dict, list)):
+            if len(path) >= MAX_DEPTH:
+                where = _loc(path[:1])
+                raise OpenAIError(f"{where or 'the request'} is nested more than {MAX_DEPTH} levels deep",
+                                  param=where or None)
+            if isinstance(item, dict):
+                for key in item:
+                    if not isinstance(key, str) or _SURROGATE.search(key):
+                        where = _loc(path)
+                        raise OpenAIError(f"{where or 'the request'} has a key that is not a valid Unicode string: "
+                                          f"{ascii(key)[:80]}", param=where or None)
+            for key, child in item.items() if isinstance(item, dict) else enumerate(item):
+                # Plain values are settled here (a token-id prompt can hold millions); the rest go on the stack.
+                if not _plain(child):
+                    stack.append((child, (*path, key)))
+        elif not _plain(item):
+            where = _loc(path)
+            raise OpenAIError(f"{where or 'the request'} {_not_json(item)}", param=where or None)
+
+
+def _plain(value: Any) -> bool:
+    """A JSON scalar the layers below can take."""
+    return (isinstance(value, str) and (value.isascii() or not _SURROGATE.search(value))
+            or isinstance(value, int) and value.bit_length() <= MAX_INT_BITS  # bool too
+            or isinstance(value, float) and math.isfinite(value) or value is None)
+
+
+def _not_json(item: Any) -> str:
+    if isinstance(item, str):
+        char = _SURROGATE.search(item).group()
+        return (f"contains a lone surrogate (U+{ord(char):04X}), which is not valid Unicode text; send text as "
+                f"UTF-8")
+    if isinstance(item, float):
+        return f"is {item}, not a finite number (JSON has no NaN or infinity)"
+    if isinstance(item, int):
+        return f"is an integer too large to be valid here (more than {MAX_INT_BITS} bits)"
+    return f"is a {type(item).__name__}, not a JSON value"
+
+
+# Union member names that pydantic puts into error locations; a path without them reads like the request the
+# caller wrote.
+_MEMBER_NAMES = ("str", "int", "float", "bool", "function-after", "function-before", "function-wrap")
+
+
+def _clean_loc(loc: tuple) -> tuple:
+    return tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in _MEMBER_NAMES)))
 
 
 def parse(model: type[BaseModel], body: Any):
@@ -43,19 +109,24 @@ def parse(model: type[BaseModel], body: Any):
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         first = errors[0]
-        # Union members each report a failure; the field path without the member name reads best.
-        loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and ("[" in p or p in (
-            "str", "int", "list[int]", "list[str]", "list[list[int]]", "function-after"))))
+        # For a field with several accepted forms, each form reports why it failed; the one that got furthest
+        # into the value is the form the caller meant.
+        same_field = [e for e in errors if _clean_loc(e["loc"])[:1] == _clean_loc(first["loc"])[:1]]
+        depth = max(len(_clean_loc(e["loc"])) for e in same_field)
+        chosen = [e for e in same_field if len(_clean_loc(e["loc"])) == depth]
+        loc = _clean_loc(chosen[0]["loc"])
         param = _loc(loc) or None
-        cause = (first.get("ctx") or {}).get("error")
+        cause = (chosen[0].get("ctx") or {}).get("error")
         if isinstance(cause, ParamError):
             param = _loc((*loc, cause.param)) if loc else cause.param
-        messages = []
-        for error in errors[:3]:
-            where = _loc(error["loc"])
-            messages.append(f"{where}: {error['msg']}" if where else error["msg"])
-        return_message = "; ".join(m.replace("Value error, ", "") for m in messages)
-        raise OpenAIError(return_message, param=param) from None
+        messages: list[str] = []
+        for error in chosen:
+            where = _loc(_clean_loc(error["loc"]))
+            text = error["msg"].removeprefix("Value error, ")
+            text = f"{where}: {text}" if where else text
+            if text not in messages:
+                messages.append(text)
+        raise OpenAIError("; ".join(messages[:3]), param=param) from None
 
 
 class LegacySamplingParams(SamplingFields):
@@ -68,13 +139,20 @@ class LegacyJob(BaseModel):
     """worker-vllm's native job form."""
     model_config = ConfigDict(extra="forbid")
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     sampling_params: LegacySamplingParams = Field(default_factory=lambda: LegacySamplingParams())
     stream: bool = False
     apply_chat_template: bool = False
     max_batch_size: int | None = Field(default=None, ge=1)
     min_batch_size: int | None = Field(default=None, ge=1)
     batch_size_growth_factor: float | None = Field(default=None, ge=1.0)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "LegacyJob":
+        # Both or neither would leave it to chance which text the model sees.
+        if (self.prompt is None) == (self.messages is None):
+            raise ParamError("prompt", "give either prompt (a string) or messages (a list), not both or neither")
+        return self
 
 
 class JobRouter:
@@ -97,9 +175,12 @@ class JobRouter:
         if not isinstance(job_input, dict):
             raise OpenAIError("the job input must be a JSON object")
         if "openai_route" in job_input:
-            async for part in self._openai(job_input["openai_route"], job_input.get("openai_input")):
+            body = job_input.get("openai_input")
+            check_json(body)  # errors name fields of the request body, as over HTTP
+            async for part in self._openai(job_input["openai_route"], body):
                 yield part
         elif "prompt" in job_input or "messages" in job_input:
+            check_json(job_input)
             async for part in self._legacy(parse(LegacyJob, job_input)):
                 yield part
         else:
@@ -114,7 +195,10 @@ class JobRouter:
     # ---------------------------------------------------------------- OpenAI routes
 
     async def _openai(self, route: Any, body: Any) -> AsyncIterator[Any]:
-        route = route.removeprefix("/openai") if isinstance(route, str) else route
+        if not isinstance(route, str):
+            raise OpenAIError(f"openai_route must be a string such as {CHAT_ROUTE!r}, got {type(route).__name__}",
+                              param="openai_route")
+        route = route.removeprefix("/openai")
         if route == MODELS_ROUTE:
             yield (await self.serving.list_models()).model_dump(mode="json")
             return
@@ -123,8 +207,8 @@ class JobRouter:
         elif route == COMPLETIONS_ROUTE:
             result = await self.serving.create_completion(parse(CompletionRequest, body))
         else:
-            raise OpenAIError(f"unknown openai_route {route!r}; supported: {', '.join(ROUTES)}", status=404,
-                              param="openai_route")
+            raise OpenAIError(f"unknown openai_route {ascii(route)[:200]}; supported: {', '.join(ROUTES)}",
+                              status=404, param="openai_route")
         if isinstance(result, BaseModel):
             yield result.model_dump(mode="json")
             return

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer, model_validator
 
 # Accepted for compatibility with OpenAI clients; they have no effect here.
 IGNORED_FIELDS = frozenset({
@@ -20,6 +20,8 @@ IGNORED_FIELDS = frozenset({
 })
 
 MAX_SEED = 2**63 - 1
+# Token ids must be JSON integers: 1.0, true or "1" are more likely a caller's bug than an id.
+TokenId = StrictInt
 MAX_STOP_STRINGS = 32
 
 
@@ -70,7 +72,7 @@ class SamplingFields(_Request):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-MAX_SEED - 1, le=MAX_SEED)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
@@ -149,18 +151,21 @@ class OpenAIRequest(SamplingFields):
 # ---------------------------------------------------------------- chat
 
 
-class TextPart(BaseModel):
+ContentType = Literal["text", "image_url", "input_audio", "file", "refusal", "video_url", "audio_url", "input_image"]
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content. Every OpenAI part type parses (so the 400 for a non-text part can say
+    that this model takes text only); one model rather than a union keeps validation errors at the field."""
     model_config = ConfigDict(extra="allow")
-    type: Literal["text"]
-    text: str
+    type: ContentType
+    text: str | None = None
 
-
-class OtherPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["image_url", "input_audio", "file", "refusal", "video_url", "audio_url", "input_image"]
-
-
-ContentPart = Annotated[Union[TextPart, OtherPart], Field(discriminator="type")]
+    @model_validator(mode="after")
+    def _text(self) -> "ContentPart":
+        if self.type == "text" and self.text is None:
+            raise ParamError("text", "a text content part needs a text string")
+        return self
 
 
 class ToolCallFunction(BaseModel):
@@ -311,7 +316,7 @@ class ChatCompletionStreamResponse(_StreamChunk):
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     suffix: str | None = None
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False

@@ -28,6 +28,13 @@ log = logging.getLogger("openai_compat.server")
 
 Handler = Callable[[dict[str, Any]], AsyncIterator[Any]]
 
+MAX_BODY_BYTES = 64 * 2**20  # room for a full context of token ids or text many times over
+
+
+def _reject_constant(name: str) -> None:
+    # Python's json reads NaN and Infinity, which JSON does not have; a client sending them has a bug.
+    raise ValueError(f"{name} is not a JSON value (JSON numbers are finite)")
+
 
 def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(body, ensure_ascii=False), status=status, content_type="application/json")
@@ -64,9 +71,17 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None) -> we
 
     async def post(request: web.Request, route: str) -> web.StreamResponse:
         try:
-            body = json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _json(error_body(f"the request body is not valid JSON: {exc}"), 400)
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _json(error_body(f"the request body is larger than the {MAX_BODY_BYTES // 2**20} MiB limit",
+                                    413), 413)
+        try:
+            body = json.loads(raw, parse_constant=_reject_constant)
+        except RecursionError:
+            return _json(error_body("the request body is nested too deeply to parse"), 400)
+        except ValueError as exc:  # also broken UTF-8, NaN and integers too long to convert
+            # What follows a ';' is advice for Python programmers (sys.set_int_max_str_digits), not the caller.
+            return _json(error_body(f"the request body is not valid JSON: {str(exc).split(';')[0]}"), 400)
         return await run_job(request, route, body)
 
     async def models(request: web.Request) -> web.StreamResponse:
@@ -85,7 +100,7 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None) -> we
     async def not_found(request: web.Request) -> web.Response:
         return _json(error_body(f"no route {request.method} {request.path}", 404), 404)
 
-    app = web.Application(client_max_size=64 * 2**20)
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     for prefix in ("/openai/v1", "/v1"):
         app.router.add_get(f"{prefix}/models", models)
         app.router.add_post(f"{prefix}/chat/completions", chat)

@@ -20,7 +20,7 @@ from .protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage, ChatTokenLogprob,
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, CompletionStreamResponse,
-    DeltaMessage, ModelCard, ModelList, SamplingFields, TextPart, TopLogprob, UsageInfo, random_id,
+    DeltaMessage, ModelCard, ModelList, SamplingFields, TopLogprob, UsageInfo, random_id,
 )
 
 log = logging.getLogger("openai_compat")
@@ -81,11 +81,7 @@ class OpenAIServing:
         for name, value in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and value > max_logprobs:
                 raise OpenAIError(f"{name} must be at most {max_logprobs}, got {value}", param=name)
-        if prompt_len >= limit:
-            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                              f"{prompt_len} tokens, leaving no room for a completion. Please reduce the length of "
-                              f"the prompt.", param="messages" if isinstance(request, ChatCompletionRequest)
-                              else "prompt")
+        self._check_prompt_len(prompt_len, "messages" if isinstance(request, ChatCompletionRequest) else "prompt")
         if max_tokens is None:
             max_tokens = limit - prompt_len
         elif prompt_len + max_tokens > limit:
@@ -145,10 +141,30 @@ class OpenAIServing:
         except GenerationError as exc:
             raise OpenAIError(f"generation failed: {exc}", status=500) from exc
 
-    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        self._check_prompt_chars(text, param)
         return await asyncio.to_thread(self.engine.tokenizer.encode, text, add_special_tokens)
 
+    def _check_prompt_chars(self, text: str, param: str) -> None:
+        """Refuse a text that cannot fit the context before tokenizing it: tokenizing runs at about a million
+        characters a second, so a few megabytes would hold the request (and a CPU core) for seconds."""
+        limit = self.engine.max_model_len
+        per_token = self.engine.tokenizer.max_token_chars
+        if len(text) > limit * per_token:
+            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, your prompt is "
+                              f"{len(text)} characters long, which is more than {limit} tokens for this model's "
+                              f"tokenizer (no token spans more than {per_token} characters). Please reduce the "
+                              f"length of the prompt.", param=param)
+
+    def _check_prompt_len(self, prompt_len: int, param: str) -> None:
+        limit = self.engine.max_model_len
+        if prompt_len >= limit:
+            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                              f"{prompt_len} tokens, leaving no room for a completion. Please reduce the length of "
+                              f"the prompt.", param=param)
+
     def _check_token_ids(self, ids: list[int], param: str) -> None:
+        self._check_prompt_len(len(ids), param)  # before walking (and decoding) millions of ids
         vocab = self.engine.tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -207,7 +223,7 @@ class OpenAIServing:
             if isinstance(message.content, list):
                 texts = []
                 for j, part in enumerate(message.content):
-                    if not isinstance(part, TextPart):
+                    if part.type != "text":
                         raise OpenAIError(f"content part type {part.type} is not supported: this model takes text "
                                           f"only", param=f"messages[{i}].content[{j}]")
                     texts.append(part.text)
@@ -227,6 +243,7 @@ class OpenAIServing:
                                          continue_final_message=request.continue_final_message,
                                          tools=request.tools, documents=request.documents,
                                          template_kwargs=request.chat_template_kwargs)
+            self._check_prompt_chars(text, "messages")
             return tokenizer.encode(text, add_special_tokens=False)
 
         try:
@@ -262,7 +279,7 @@ class OpenAIServing:
             return ""
         if isinstance(last.content, str):
             return last.content
-        return "\n".join(p.text for p in last.content if isinstance(p, TextPart))
+        return "\n".join(p.text for p in last.content if p.type == "text")
 
     async def _chat_full(self, request, response_id: str, prompt: Prompt, params: SamplingParams
                          ) -> ChatCompletionResponse:
@@ -333,7 +350,7 @@ class OpenAIServing:
                 if request.suffix is not None:
                     prompts.append(Prompt(await self._fim_ids(item, request.suffix), item))
                     continue
-                ids = await self.tokenize(item, request.add_special_tokens)
+                ids = await self.tokenize(item, request.add_special_tokens, param)
                 if not ids:
                     raise OpenAIError("the prompt is empty after tokenization", param=param)
                 prompts.append(Prompt(ids, item))
@@ -352,8 +369,8 @@ class OpenAIServing:
             raise OpenAIError("suffix is not supported by this model (its tokenizer has no fill-in-the-middle "
                               "tokens)", param="suffix")
         fim_prefix, fim_suffix, fim_middle = markers
-        return ([fim_prefix] + await self.tokenize(prefix, False) + [fim_suffix] + await self.tokenize(suffix, False)
-                + [fim_middle])
+        return ([fim_prefix] + await self.tokenize(prefix, False) + [fim_suffix]
+                + await self.tokenize(suffix, False, "suffix") + [fim_middle])
 
     async def create_completion(self, request: CompletionRequest
                                 ) -> CompletionResponse | AsyncIterator[CompletionStreamResponse]:

@@ -1,0 +1,473 @@
+"""Malformed input, through the real handler (job inputs) and the real gateway process (HTTP bodies, raw bytes
+included), on the real embedded model.
+
+Every case must get one OpenAI error body `{"error": {"message", "type", "param", "code"}}` whose message
+names the problem, with the right status, within seconds, and without traceback text; and the next good
+request on the same worker must still be answered. test_handler.py and test_openai_conformance.py hold the
+basic cases (unknown model, bad ranges, wrong role, empty message list, ...); this file covers the rest.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import httpx
+import pytest
+
+from conftest import run_job
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "Hi"}]
+VOCAB = 49152  # SmolLM2's vocabulary: ids 0..49151
+GOOD = {"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
+HUGE_TEXT = "hello " * 300_000  # 300,000 tokens, far past the 8192-token context
+TIME_LIMIT_S = 10.0  # per request, even on a loaded 2-core machine
+TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError", 500: "InternalServerError"}
+TRACEBACK_MARKERS = ("Traceback", 'File "', '.py", line', "site-packages", "raise ")
+
+
+def nested(depth: int, leaf=1, key: str | None = None):
+    """`depth` levels of lists (or of objects under `key`) around `leaf`, built without recursion."""
+    value = leaf
+    for _ in range(depth):
+        value = [value] if key is None else {key: value}
+    return value
+
+
+def assert_error(body, status: int, words: tuple[str, ...], param="any") -> dict:
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert (error["code"], error["type"]) == (status, TYPES[status]), error
+    message = error["message"]
+    assert isinstance(message, str) and message
+    for word in words:
+        assert word.lower() in message.lower(), (word, message)
+    for marker in TRACEBACK_MARKERS:
+        assert marker not in message, message
+    if param != "any":
+        assert error["param"] == param, error
+    return error
+
+
+def job_error(job_input, job_id: str = "bad-input") -> dict:
+    started = time.monotonic()
+    parts = run_job(job_input, job_id)
+    assert time.monotonic() - started < TIME_LIMIT_S
+    assert len(parts) == 1, parts
+    return parts[0]
+
+
+def http(gateway_url: str, method: str, path: str, content: bytes | None = None) -> httpx.Response:
+    base = gateway_url.removesuffix("/openai/v1")
+    started = time.monotonic()
+    response = httpx.request(method, base + path, content=content, timeout=60,
+                             headers={"content-type": "application/json"})
+    assert time.monotonic() - started < TIME_LIMIT_S
+    return response
+
+
+def http_error(response: httpx.Response, status: int, words: tuple[str, ...], param="any") -> dict:
+    assert response.status_code == status, response.text[:500]
+    assert response.headers["content-type"].startswith("application/json")
+    return assert_error(response.json(), status, words, param)
+
+
+def assert_worker_serves() -> None:
+    (body,) = run_job({"openai_route": COMPLETIONS, "openai_input": GOOD}, "good-after-bad")
+    assert body["choices"][0]["text"] == " Paris", body
+
+
+def assert_gateway_serves(gateway_url: str) -> None:
+    response = http(gateway_url, "POST", "/openai/v1/completions", json.dumps(GOOD).encode())
+    assert response.status_code == 200, response.text[:500]
+    assert response.json()["choices"][0]["text"] == " Paris"
+
+
+# ---------------------------------------------------------------- request bodies, in-process and over HTTP
+
+def chat(**fields) -> tuple[str, dict]:
+    return CHAT, {"messages": USER, "max_tokens": 2, **fields}
+
+
+def content(*parts) -> tuple[str, dict]:
+    return chat(messages=[{"role": "user", "content": list(parts)}])
+
+
+def complete(**fields) -> tuple[str, dict]:
+    return COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, **fields}
+
+
+# id: (route and body factory, status, words the message must contain, param)
+BODY_CASES = {
+    # roles and messages
+    "role-not-a-string": (lambda: chat(messages=[{"role": 5, "content": "x"}]), 400, ("role",), "messages[0].role"),
+    "role-empty": (lambda: chat(messages=[{"role": "", "content": "x"}]), 400, ("role",), "messages[0].role"),
+    "role-missing": (lambda: chat(messages=[{"content": "x"}]), 400, ("role", "required"), "messages[0].role"),
+    "message-not-an-object": (lambda: chat(messages=["Hi"]), 400, ("messages[0]",), "messages[0]"),
+    "message-unknown-field": (lambda: chat(messages=[{"role": "user", "content": "x", "mood": "sad"}]), 400,
+                              ("mood",), "messages[0].mood"),
+    "user-content-null": (lambda: chat(messages=[{"role": "user", "content": None}]), 400, ("needs content",),
+                          "messages[0]"),
+    "content-an-object": (lambda: chat(messages=[{"role": "user", "content": {"text": "hi"}}]), 400,
+                          ("messages[0].content",), "messages[0].content"),
+    "tool-call-malformed": (lambda: chat(messages=[{"role": "assistant", "tool_calls": [{"function": 5}]}]), 400,
+                            ("function",), "messages[0].tool_calls[0].function"),
+    # content parts
+    "part-audio": (lambda: content({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}), 400,
+                   ("input_audio", "text only"), "messages[0].content[0]"),
+    "part-image-after-text": (lambda: content({"type": "text", "text": "Look:"}, {"type": "input_image"}), 400,
+                              ("input_image",), "messages[0].content[1]"),
+    "part-unknown-type": (lambda: content({"type": "hologram", "text": "x"}), 400, ("type", "text"),
+                          "messages[0].content[0].type"),
+    "part-type-missing": (lambda: content({"text": "x"}), 400, ("type", "required"), "messages[0].content[0].type"),
+    "part-text-missing": (lambda: content({"type": "text"}), 400, ("needs a text",), "messages[0].content[0].text"),
+    "part-text-not-a-string": (lambda: content({"type": "text", "text": 5}), 400, ("valid string",),
+                               "messages[0].content[0].text"),
+    "part-not-an-object": (lambda: content("Hi"), 400, ("messages[0].content[0]",), "messages[0].content[0]"),
+    # lone surrogates (valid JSON escapes, but not Unicode text: nothing can tokenize or send them back)
+    "surrogate-chat-content": (lambda: chat(messages=[{"role": "user", "content": "a\ud800b"}]), 400,
+                               ("surrogate", "U+D800"), "messages[0].content"),
+    "surrogate-content-part": (lambda: content({"type": "text", "text": "\udc00"}), 400, ("surrogate",),
+                               "messages[0].content[0].text"),
+    "surrogate-streamed-chat": (lambda: chat(messages=[{"role": "user", "content": "\udfff"}], stream=True), 400,
+                                ("surrogate",), "messages[0].content"),
+    "surrogate-prompt": (lambda: complete(prompt="x\udbff"), 400, ("surrogate",), "prompt"),
+    "surrogate-prompt-list": (lambda: complete(prompt=["fine", "\ud800"]), 400, ("surrogate",), "prompt[1]"),
+    "surrogate-stop": (lambda: complete(stop=["\ud800"]), 400, ("surrogate",), "stop[0]"),
+    "surrogate-model": (lambda: complete(model="\ud800"), 400, ("surrogate",), "model"),
+    "surrogate-key": (lambda: complete(**{"\ud800": 1}), 400, ("key", "unicode"), None),
+    "surrogate-in-tools": (lambda: chat(tools=[{"type": "function", "function": {"name": "f\ud800"}}]), 400,
+                           ("surrogate",), "tools[0].function.name"),
+    # token ids outside the vocabulary or not integers
+    "token-id-negative": (lambda: complete(prompt=[504, -5]), 400, ("-5", "outside the vocabulary"), "prompt"),
+    "token-id-vocab-size": (lambda: complete(prompt=[VOCAB]), 400, (str(VOCAB), "outside"), "prompt"),
+    "token-id-huge": (lambda: complete(prompt=[2**40]), 400, (str(2**40), "outside"), "prompt"),
+    "token-id-fraction": (lambda: complete(prompt=[504, 1.5]), 400, ("prompt[1]", "integer"), "prompt[1]"),
+    "token-id-integral-float": (lambda: complete(prompt=[504, 3575.0]), 400, ("integer",), "prompt[1]"),
+    "token-id-bool": (lambda: complete(prompt=[True]), 400, ("integer",), "prompt[0]"),
+    "token-id-string-among-ids": (lambda: complete(prompt=[504, "7"]), 400, ("integer",), "prompt[1]"),
+    "token-id-batch-negative": (lambda: complete(prompt=[[504], [-1]]), 400, ("outside",), "prompt[1]"),
+    "stop-token-id-fraction": (lambda: complete(stop_token_ids=[0.5]), 400, ("integer",), "stop_token_ids[0]"),
+    "stop-token-id-outside": (lambda: complete(stop_token_ids=[VOCAB]), 400, ("outside",), "stop_token_ids"),
+    "logit-bias-key-not-an-id": (lambda: complete(logit_bias={"abc": 1}), 400, ("token ids", "abc"), "logit_bias"),
+    "logit-bias-key-negative": (lambda: complete(logit_bias={"-1": 1}), 400, ("negative",), "logit_bias"),
+    "logit-bias-key-outside": (lambda: complete(logit_bias={str(VOCAB): 1}), 400, ("outside",), "logit_bias"),
+    # out-of-range values (the basic ranges are in test_openai_conformance)
+    "logit-bias-value-range": (lambda: complete(logit_bias={"5": 1000}), 400, ("-100 and 100",), "logit_bias"),
+    "max-tokens-astronomical": (lambda: complete(max_tokens=10**30), 400, ("maximum context length",),
+                                "max_tokens"),
+    "seed-beyond-any-int": (lambda: complete(seed=2**200), 400, ("seed", "too large"), "seed"),
+    "top-k-below-minus-one": (lambda: complete(top_k=-5), 400, ("top_k",), "top_k"),
+    "top-logprobs-over-max": (lambda: chat(logprobs=True, top_logprobs=21), 400, ("at most 20",), "top_logprobs"),
+    "logprobs-over-max": (lambda: complete(logprobs=21), 400, ("at most 20",), "logprobs"),
+    "stream-options-without-stream": (lambda: chat(stream_options={"include_usage": True}), 400, ("stream",),
+                                      "stream_options"),
+    # empty and oversized prompts
+    "prompt-empty": (lambda: complete(prompt=""), 400, ("empty",), "prompt"),
+    "prompt-empty-in-batch": (lambda: complete(prompt=["Hi", ""]), 400, ("empty",), "prompt[1]"),
+    "prompt-oversized-text": (lambda: complete(prompt=HUGE_TEXT), 400, ("maximum context length is 8192",),
+                              "prompt"),
+    "prompt-oversized-streamed": (lambda: complete(prompt=HUGE_TEXT, stream=True), 400, ("context length",),
+                                  "prompt"),
+    "prompt-oversized-ids": (lambda: complete(prompt=[504] * 300_000), 400, ("300000 tokens",), "prompt"),
+    "chat-oversized-message": (lambda: chat(messages=[{"role": "user", "content": HUGE_TEXT}]), 400,
+                               ("maximum context length is 8192",), "messages"),
+    "chat-oversized-conversation": (lambda: chat(messages=[{"role": "user", "content": "hello " * 50}] * 2000), 400,
+                                    ("maximum context length is 8192",), "messages"),
+    # nesting and body shape
+    "nesting-in-metadata": (lambda: chat(metadata=nested(150)), 400, ("metadata", "nested more than 100"),
+                            "metadata"),
+    "nesting-in-content": (lambda: chat(messages=[{"role": "user", "content": nested(120, "x")}]), 400,
+                           ("nested",), "messages"),
+    "nesting-of-objects": (lambda: chat(chat_template_kwargs=nested(200, 1, "a")), 400, ("nested",),
+                           "chat_template_kwargs"),
+    "body-an-array": (lambda: (CHAT, [USER]), 400, ("JSON object",), None),
+    "body-a-string": (lambda: (COMPLETIONS, "The capital of France is"), 400, ("JSON object",), None),
+    "body-null": (lambda: (CHAT, None), 400, ("JSON object",), None),
+    "body-a-number": (lambda: (COMPLETIONS, 42), 400, ("JSON object",), None),
+}
+
+
+@pytest.mark.parametrize("case", list(BODY_CASES))
+def test_malformed_body_in_process_and_over_http(worker, gateway_url, case):
+    make, status, words, param = BODY_CASES[case]
+    route, body = make()
+    in_process = job_error({"openai_route": route, "openai_input": body})
+    assert_error(in_process, status, words, param)
+    assert_worker_serves()
+
+    response = http(gateway_url, "POST", "/openai" + route, json.dumps(body).encode())
+    assert http_error(response, status, words, param) == in_process["error"]  # one code path, one answer
+    assert_gateway_serves(gateway_url)
+
+
+# ---------------------------------------------------------------- job inputs only the platform path can carry
+
+def legacy(**fields) -> dict:
+    return {"prompt": "Hi", "sampling_params": {"max_tokens": 2}, **fields}
+
+
+def openai_job(route, body) -> dict:
+    return {"openai_route": route, "openai_input": body}
+
+
+class Exploding(dict):
+    """Job input that fails while it is read: stands in for a bug below the router (no generation mocked)."""
+
+    def __iter__(self):
+        raise RuntimeError("boom while reading the job input")
+
+    items = __iter__
+
+
+JOB_CASES = {
+    # input that is not an object, and routes that are not routes
+    "input-null": (lambda: None, 400, ("JSON object",), None),
+    "input-a-number": (lambda: 42, 400, ("JSON object",), None),
+    "input-a-bool": (lambda: True, 400, ("JSON object",), None),
+    "route-not-a-string": (lambda: {"openai_route": ["/v1/completions"]}, 400, ("openai_route", "string"),
+                           "openai_route"),
+    "route-null": (lambda: {"openai_route": None, "openai_input": GOOD}, 400, ("openai_route",), "openai_route"),
+    "route-unknown-version": (lambda: openai_job("/v2/chat/completions", GOOD), 404, ("unknown openai_route",),
+                              "openai_route"),
+    "route-empty": (lambda: openai_job("", GOOD), 404, ("unknown openai_route",), "openai_route"),
+    "route-with-surrogate": (lambda: openai_job("/v1/\ud800", GOOD), 404, ("unknown openai_route", "\\ud800"),
+                             "openai_route"),
+    # the legacy form
+    "legacy-prompt-null": (lambda: {"prompt": None}, 400, ("prompt",), "prompt"),
+    "legacy-prompt-and-messages": (lambda: legacy(messages=USER), 400, ("prompt", "messages"), "prompt"),
+    "legacy-messages-empty": (lambda: {"messages": []}, 400, ("messages",), "messages"),
+    "legacy-apply-template-without-prompt": (lambda: {"messages": None, "apply_chat_template": True}, 400,
+                                             ("prompt",), "prompt"),
+    "legacy-prompt-empty": (lambda: legacy(prompt=""), 400, ("empty",), "prompt"),
+    "legacy-prompt-oversized": (lambda: legacy(prompt=HUGE_TEXT), 400, ("maximum context length",), "prompt"),
+    "legacy-unknown-field": (lambda: legacy(temperature=0), 400, ("temperature",), "temperature"),
+    "legacy-surrogate": (lambda: legacy(prompt="\udfff"), 400, ("surrogate",), "prompt"),
+    "legacy-nan-temperature": (lambda: legacy(sampling_params={"temperature": float("nan")}), 400,
+                               ("sampling_params.temperature", "nan"), "sampling_params.temperature"),
+    "legacy-growth-below-one": (lambda: legacy(batch_size_growth_factor=0.5), 400, ("batch_size_growth_factor",),
+                                "batch_size_growth_factor"),
+    "legacy-nested-deep": (lambda: legacy(sampling_params=nested(5000, 1, "x")), 400, ("nested",),
+                           "sampling_params"),
+    # Python values no JSON text can produce
+    "nan-temperature": (lambda: openai_job(*chat(temperature=float("nan"))), 400, ("temperature", "nan"),
+                        "temperature"),
+    "inf-top-p": (lambda: openai_job(*chat(top_p=float("inf"))), 400, ("top_p", "inf"), "top_p"),
+    "minus-inf-penalty": (lambda: openai_job(*complete(presence_penalty=float("-inf"))), 400,
+                          ("presence_penalty", "-inf"), "presence_penalty"),
+    "nan-max-tokens": (lambda: openai_job(*complete(max_tokens=float("nan"))), 400, ("max_tokens",), "max_tokens"),
+    "nan-logit-bias": (lambda: openai_job(*complete(logit_bias={"5": float("nan")})), 400, ("nan",),
+                       "logit_bias.5"),
+    "nan-inside-tools": (lambda: openai_job(*chat(tools=[{"type": "function", "x": float("nan")}])), 400,
+                         ("tools[0].x",), "tools[0].x"),
+    "int-with-5000-digits": (lambda: openai_job(*complete(max_tokens=10**5000)), 400, ("too large",),
+                             "max_tokens"),
+    "set-not-json": (lambda: openai_job(*complete(stop={"a", "b"})), 400, ("set", "not a JSON value"), "stop"),
+    "bytes-not-json": (lambda: openai_job(*complete(prompt=b"Hi")), 400, ("bytes",), "prompt"),
+    "non-string-key": (lambda: openai_job(*complete(logit_bias={5: 1.0})), 400, ("key",), "logit_bias"),
+    "nesting-100k-levels": (lambda: openai_job(CHAT, nested(100_000)), 400, ("nested more than 100",), "[0]"),
+    "nesting-5000-levels-in-field": (lambda: openai_job(*chat(messages=nested(5000, USER[0]))), 400, ("nested",),
+                                     "messages"),
+}
+
+
+@pytest.mark.parametrize("case", list(JOB_CASES))
+def test_malformed_job_in_process(worker, case):
+    make, status, words, param = JOB_CASES[case]
+    assert_error(job_error(make()), status, words, param)
+    assert_worker_serves()
+
+
+# ---------------------------------------------------------------- bytes only HTTP can carry
+
+def raw_chat(fields: bytes) -> bytes:
+    return b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2' + fields + b"}"
+
+
+# id: (method, path, body bytes, status, words, param)
+HTTP_CASES = {
+    "utf8-invalid-start-byte": ("POST", "/openai/v1/completions", b'{"prompt": "caf\xff"}', 400, ("utf-8",), None),
+    "utf8-truncated-sequence": ("POST", "/openai/v1/completions", b'{"prompt": "\xe2\x82"}', 400, ("utf-8",), None),
+    "utf8-overlong-encoding": ("POST", "/openai/v1/completions", b'{"prompt": "\xc0\xaf"}', 400, ("utf-8",), None),
+    # Python's json decodes UTF-8-encoded surrogates (surrogatepass); the input check refuses them by field.
+    "utf8-encoded-surrogate": ("POST", "/openai/v1/chat/completions",
+                               b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}', 400, ("surrogate",),
+                               "messages[0].content"),
+    "latin1-body": ("POST", "/openai/v1/chat/completions", '{"messages": [{"role": "user", "content": "café"}]}'
+                    .encode("latin-1"), 400, ("not valid JSON",), None),
+    "json-nan-literal": ("POST", "/openai/v1/chat/completions", raw_chat(b', "temperature": NaN'), 400,
+                         ("NaN", "not a JSON value"), None),
+    "json-infinity-literal": ("POST", "/openai/v1/completions", b'{"prompt": "Hi", "top_p": Infinity}', 400,
+                              ("Infinity",), None),
+    "json-minus-infinity": ("POST", "/openai/v1/completions", b'{"prompt": "Hi", "logit_bias": {"5": -Infinity}}',
+                            400, ("-Infinity",), None),
+    "json-number-overflows-to-inf": ("POST", "/openai/v1/chat/completions", raw_chat(b', "temperature": 1e999'),
+                                     400, ("temperature", "inf"), "temperature"),
+    "json-integer-5000-digits": ("POST", "/openai/v1/completions", b'{"prompt": "Hi", "seed": 1' + b"0" * 5000 + b"}",
+                                 400, ("digits",), None),
+    "json-truncated": ("POST", "/openai/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}',
+                       400, ("not valid JSON",), None),
+    "json-trailing-garbage": ("POST", "/openai/v1/completions", b'{"prompt": "Hi"} {"prompt": "again"}', 400,
+                              ("Extra data",), None),
+    "body-empty": ("POST", "/openai/v1/chat/completions", b"", 400, ("not valid JSON",), None),
+    "body-true": ("POST", "/openai/v1/completions", b"true", 400, ("JSON object",), None),
+    "nesting-100k-arrays": ("POST", "/openai/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, 400,
+                            ("nested too deeply",), None),
+    "nesting-5000-in-field": ("POST", "/openai/v1/completions",
+                              b'{"prompt": "Hi", "metadata": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}", 400,
+                              ("nested too deeply",), None),
+    "nesting-unclosed": ("POST", "/openai/v1/completions", b"[" * 1_000_000, 400, ("nested too deeply",), None),
+    "route-embeddings": ("POST", "/openai/v1/embeddings", b'{"input": "Hi"}', 404, ("no route", "embeddings"), None),
+    "route-get-on-chat": ("GET", "/openai/v1/chat/completions", None, 404, ("GET",), None),
+    "route-put-on-completions": ("PUT", "/v1/completions", b"{}", 404, ("PUT",), None),
+    "route-other-version": ("POST", "/openai/v2/chat/completions", raw_chat(b""), 404, ("/openai/v2",), None),
+    "route-root": ("DELETE", "/", None, 404, ("no route",), None),
+    "route-percent-encoded-bytes": ("GET", "/openai/v1/%ff%fe", None, 404, ("no route",), None),
+}
+
+
+@pytest.mark.parametrize("case", list(HTTP_CASES))
+def test_malformed_http_request(gateway_url, case):
+    method, path, body, status, words, param = HTTP_CASES[case]
+    http_error(http(gateway_url, method, path, body), status, words, param)
+    assert_gateway_serves(gateway_url)
+
+
+def test_body_over_the_size_limit_is_413(gateway_url):
+    body = b'{"prompt": "' + b"a" * (64 * 2**20) + b'"}'
+    http_error(http(gateway_url, "POST", "/openai/v1/completions", body), 413, ("64 MiB",), None)
+    assert_gateway_serves(gateway_url)
+
+
+def test_tens_of_megabytes_of_prompt_are_refused_without_tokenizing(gateway_url):
+    # Tokenizing 30 MB takes about 30 s here; the answer must come long before that.
+    body = json.dumps({"prompt": "hello " * 5_000_000, "max_tokens": 2}).encode()
+    error = http_error(http(gateway_url, "POST", "/openai/v1/completions", body), 400,
+                       ("maximum context length is 8192", "30000000 characters"), "prompt")
+    assert "tokens" in error["message"]
+    assert_gateway_serves(gateway_url)
+
+
+# ---------------------------------------------------------------- a wrong type for every field
+
+SAMPLING_WRONG = {
+    "n": "many", "best_of": "many", "temperature": "hot", "top_p": "most", "top_k": "some", "min_p": "low",
+    "seed": "random", "stop": 5, "stop_token_ids": "2", "include_stop_str_in_output": "maybe", "ignore_eos": "maybe",
+    "min_tokens": "few", "presence_penalty": "high", "frequency_penalty": "high", "repetition_penalty": "high",
+    "logit_bias": [5], "skip_special_tokens": "maybe", "spaces_between_special_tokens": "maybe",
+}
+OPENAI_WRONG = {**SAMPLING_WRONG, "model": 5, "stream": "maybe", "stream_options": "usage"}
+CHAT_WRONG = {
+    **OPENAI_WRONG, "messages": "Hi", "max_tokens": "many", "max_completion_tokens": "many", "logprobs": "maybe",
+    "top_logprobs": "five", "echo": "maybe", "add_generation_prompt": "maybe", "continue_final_message": "maybe",
+    "chat_template_kwargs": "x", "chat_template": 5, "tools": "x", "tool_choice": 5, "documents": "x",
+    "response_format": "json",
+}
+COMPLETION_WRONG = {**OPENAI_WRONG, "prompt": {"text": "Hi"}, "suffix": 5, "max_tokens": "many", "echo": "maybe",
+                    "logprobs": "five", "add_special_tokens": "maybe"}
+LEGACY_WRONG = {"prompt": 5, "messages": "Hi", "sampling_params": "hot", "stream": "maybe",
+                "apply_chat_template": "maybe", "max_batch_size": "many", "min_batch_size": "many",
+                "batch_size_growth_factor": "fast"}
+LEGACY_SAMPLING_WRONG = {**SAMPLING_WRONG, "max_tokens": "many", "logprobs": "five", "prompt_logprobs": "five"}
+
+
+def test_every_field_has_a_wrong_type_case():
+    # A field added to a request model without a case here fails this test.
+    from openai_compat.jobs import LegacyJob, LegacySamplingParams
+    from openai_compat.protocol import ChatCompletionRequest, CompletionRequest
+
+    assert set(CHAT_WRONG) == set(ChatCompletionRequest.model_fields)
+    assert set(COMPLETION_WRONG) == set(CompletionRequest.model_fields)
+    assert set(LEGACY_WRONG) == set(LegacyJob.model_fields)
+    assert set(LEGACY_SAMPLING_WRONG) == set(LegacySamplingParams.model_fields)
+
+
+@pytest.mark.parametrize("route,field", [(CHAT, f) for f in CHAT_WRONG] + [(COMPLETIONS, f) for f in COMPLETION_WRONG])
+def test_wrong_type_for_every_request_field(worker, gateway_url, route, field):
+    wrong = CHAT_WRONG[field] if route == CHAT else COMPLETION_WRONG[field]
+    body = {**(chat() if route == CHAT else complete())[1], field: wrong}
+    in_process = job_error({"openai_route": route, "openai_input": body})
+    assert_error(in_process, 400, (field,), field)
+    response = http(gateway_url, "POST", "/openai" + route, json.dumps(body).encode())
+    assert http_error(response, 400, (field,), field) == in_process["error"]
+    assert_worker_serves()
+    assert_gateway_serves(gateway_url)
+
+
+@pytest.mark.parametrize("field", [f"sampling_params.{f}" for f in LEGACY_SAMPLING_WRONG] + list(LEGACY_WRONG))
+def test_wrong_type_for_every_legacy_field(worker, field):
+    if field.startswith("sampling_params."):
+        name = field.removeprefix("sampling_params.")
+        job = legacy(sampling_params={name: LEGACY_SAMPLING_WRONG[name]})
+    else:
+        job = {**({} if field in ("prompt", "messages") else legacy()), field: LEGACY_WRONG[field]}
+    assert_error(job_error(job), 400, (field,), field)
+    assert_worker_serves()
+
+
+# ---------------------------------------------------------------- extremes that are valid must still work
+
+def test_valid_extremes_are_served_not_refused(worker, gateway_url):
+    # A surrogate pair is how JSON spells an emoji: only lone surrogates are refused.
+    emoji = b'{"messages": [{"role": "user", "content": "Say \\ud83d\\ude00"}], "max_tokens": 2}'
+    response = http(gateway_url, "POST", "/openai/v1/chat/completions", emoji)
+    assert response.status_code == 200, response.text[:500]
+    assert response.json()["usage"]["completion_tokens"] == 2
+    # A temperature or a repetition penalty this small overflowed the logits into NaN (a 500) before.
+    for extreme in ({"temperature": 1e-300}, {"temperature": 5e-324, "seed": 1},
+                    {"repetition_penalty": 5e-324, "temperature": 1.0}, {"repetition_penalty": 1e308, "temperature": 1.0}):
+        (body,) = run_job(openai_job(COMPLETIONS, {**GOOD, "max_tokens": 3, **extreme}))
+        assert "error" not in body, (extreme, body)
+        assert body["usage"]["completion_tokens"] == 3
+        if extreme.get("temperature", 1.0) < 1e-5:  # that small is greedy
+            assert body["choices"][0]["text"].startswith(" Paris")
+    # Empty content is a valid message; an empty conversation turn must not be refused.
+    (body,) = run_job(openai_job(CHAT, {"messages": [{"role": "user", "content": ""}], "max_tokens": 2}))
+    assert body["usage"]["completion_tokens"] == 2
+
+
+# ---------------------------------------------------------------- what the worker log keeps
+
+def test_expected_errors_are_logged_at_info_with_the_job_id(worker, caplog):
+    caplog.set_level(logging.INFO)
+    body = job_error(openai_job(*complete(prompt="\ud800")), job_id="job-bad-surrogate")
+    assert_error(body, 400, ("surrogate",), "prompt")
+    records = [r for r in caplog.records if "job-bad-surrogate" in r.getMessage()]
+    assert len(records) == 1
+    assert records[0].levelno == logging.INFO and records[0].exc_info is None
+    assert "400" in records[0].getMessage() and "surrogate" in records[0].getMessage()
+
+
+def test_internal_error_keeps_its_traceback_in_the_log_only(worker, caplog):
+    caplog.set_level(logging.INFO)
+    body = job_error(Exploding(prompt="Hi"), job_id="job-forced-500")
+    error = assert_error(body, 500, ("internal error",), None)
+    assert "boom" not in error["message"]
+    records = [r for r in caplog.records if "job-forced-500" in r.getMessage()]
+    assert len(records) == 1 and records[0].levelno == logging.ERROR
+    assert records[0].exc_info is not None
+    assert "Traceback" in caplog.text and "RuntimeError: boom while reading the job input" in caplog.text
+    assert_worker_serves()
+
+
+def test_concurrent_bad_and_good_jobs_do_not_disturb_each_other(worker):
+    # Bad jobs fail fast beside a generating one, which finishes intact.
+    import handler
+
+    async def collect(job_input, job_id):
+        return [part async for part in handler.handler({"id": job_id, "input": job_input})]
+
+    async def main():
+        good = openai_job(COMPLETIONS, {**GOOD, "max_tokens": 12, "ignore_eos": True})
+        bad = [openai_job(*complete(prompt="\ud800")), openai_job(*complete(prompt=HUGE_TEXT)),
+               openai_job(CHAT, nested(500)), openai_job(*complete(prompt=[-1])), {"prompt": None}]
+        return await asyncio.gather(collect(good, "good"), *(collect(b, f"bad-{i}") for i, b in enumerate(bad)))
+
+    (good,), *bad = asyncio.run(main())
+    assert good["usage"]["completion_tokens"] == 12 and good["choices"][0]["text"].startswith(" Paris")
+    for (body,) in bad:
+        assert_error(body, 400, ())
