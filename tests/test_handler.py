@@ -145,6 +145,7 @@ def test_legacy_default_max_tokens_is_100(worker):
     ({"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "max_tokens": -1}}, 400, "max_tokens"),
     ({"prompt": "x", "sampling_params": {"temperature": -1}}, 400, "temperature"),
     ({"prompt": "x", "sampling_params": {"bogus_knob": 1}}, 400, "bogus_knob"),
+    ({"prompt": "x", "sampling_params": {"logprobs": 2}}, 400, "logprobs"),
 ])
 def test_malformed_jobs_get_openai_errors_and_worker_keeps_serving(worker, job_input, status, fragment):
     (body,) = run_job(job_input)
