@@ -3,21 +3,17 @@ into each other, and requests that leave must free their place."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import pytest
 import torch
 
+from conftest import ROOT
 from engine import AsyncEngine, EngineConfig, GenerationError, SamplingParams
 
-PROMPTS = [
-    "Write a short story about a robot learning to paint.",
-    "Explain why the sky is blue in simple words.",
-    "List five facts about the planet Mars.",
-    "What are the benefits of regular exercise?",
-    "Describe how a bicycle works.",
-    "Why do cats purr?",
-]
+sys.path.insert(0, str(ROOT / "bench"))
+from throughput import PROMPTS  # noqa: E402  (the benchmark's prompts: varied, short chat questions)
 
 
 def chat_ids(engine: AsyncEngine, text: str) -> list[int]:
@@ -69,7 +65,7 @@ def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
 
 
 def test_batched_greedy_equals_solo_greedy(engine):
-    prompts = [chat_ids(engine, p) for p in PROMPTS]
+    prompts = [chat_ids(engine, p) for p in PROMPTS[:6]]
 
     async def solo():
         return [await generate(engine, f"solo-{i}", ids, greedy()) for i, ids in enumerate(prompts)]
@@ -82,7 +78,7 @@ def test_batched_greedy_equals_solo_greedy(engine):
     for a, b in zip(alone, together):
         assert_same_greedy(a["choices"][0], b["choices"][0]["ids"])
         assert len(a["choices"][0]["ids"]) == 24
-    assert len({tuple(r["choices"][0]["ids"]) for r in alone}) == len(PROMPTS)  # the prompts really differ
+    assert len({tuple(r["choices"][0]["ids"]) for r in alone}) == len(prompts)  # the prompts really differ
 
 
 def test_engine_matches_transformers_generate(engine, worker):
