@@ -260,3 +260,43 @@ def test_a_failing_request_fails_alone(engine, monkeypatch):
         alone = asyncio.run(generate(engine, f"r{i}", ids[i], greedy(20)))["choices"][0]
         assert_same_greedy(alone, results[i]["choices"][0]["ids"])
     assert engine.engine.num_requests == 0
+
+
+def test_model_loads_once_for_many_first_jobs_and_failures_reach_every_waiter(worker, tmp_path):
+    from engine.loader import load
+    from openai_compat.config import ServingConfig
+    from openai_compat.jobs import JobRouter
+    from openai_compat.serving import OpenAIServing
+
+    calls = []
+
+    def counting_load(config):
+        calls.append(config.model)
+        time.sleep(0.5)  # a load takes a while: jobs arriving meanwhile must wait for it, not start their own
+        return load(config)
+
+    fresh = AsyncEngine(worker.settings.engine_config(), loader=counting_load)
+
+    async def six_first_jobs():
+        await asyncio.gather(*(fresh.start() for _ in range(6)))
+
+    asyncio.run(six_first_jobs())
+    assert len(calls) == 1
+    fresh.close()
+
+    missing = str(tmp_path / "no-such-model")
+    broken = AsyncEngine(EngineConfig(**{**worker.settings.engine_config().__dict__, "model": missing}),
+                         loader=counting_load)
+    router = JobRouter(OpenAIServing(broken, ServingConfig()), ServingConfig())
+    job = {"openai_route": "/v1/completions", "openai_input": {"prompt": "Hi", "max_tokens": 2}}
+
+    async def four_jobs():
+        async def one():
+            return [part async for part in router.run(job)]
+        return await asyncio.gather(*(one() for _ in range(4)))
+
+    for (error,) in asyncio.run(four_jobs()):
+        assert error["error"]["code"] == 500 and missing in error["error"]["message"]
+    assert calls.count(missing) == 1  # the four waited on one attempt
+    asyncio.run(four_jobs())
+    assert calls.count(missing) == 2  # a later job tries again: the source may have become reachable
