@@ -112,3 +112,26 @@ def test_gateway_streams_tokens_as_they_are_produced(client):
     total = time.monotonic() - started
     assert len(arrivals) >= 100
     assert arrivals[0] < 0.25 * total, (arrivals[0], total)
+
+
+def test_log_lines_name_the_job_and_keep_text_at_debug(worker, caplog):
+    import logging
+
+    from conftest import run_job
+
+    secret = "Zanzibar-7731"
+    job = {"openai_route": "/v1/completions", "openai_input": {"prompt": f"My password is {secret}. It is",
+                                                               "max_tokens": 4, "temperature": 0}}
+    with caplog.at_level(logging.INFO):
+        run_job(job, job_id="job-info")
+    done = [r for r in caplog.records if r.getMessage().startswith("request done")]
+    assert done and done[-1].job == "job-info"
+    for field in ("prompt_tokens=", "queue_s=", "prefill_s=", "decode_s=", "output_tokens=4"):
+        assert field in done[-1].getMessage()
+    assert not any(secret in r.getMessage() for r in caplog.records)
+
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        run_job(job, job_id="job-debug")
+    texts = [r for r in caplog.records if secret in r.getMessage()]
+    assert texts and all(r.levelno == logging.DEBUG and r.job == "job-debug" for r in texts)
