@@ -60,7 +60,6 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     deltas: list[SequenceDelta]
-    prompt_token_ids: list[int]
     finished: bool = False
     prompt_logprobs: list[TokenLogprob | None] | None = None
     metrics: RequestMetrics | None = None
@@ -458,7 +457,7 @@ class Engine:
                 deltas = [self._take_delta(s, index) for index, s in enumerate(ranked)]
             else:
                 deltas = [d for s in seqs if (d := self._take_delta(s, s.index)) is not None]
-            output = RequestOutput(group.request_id, deltas, group.prompt_ids, finished=finished,
+            output = RequestOutput(group.request_id, deltas, finished=finished,
                                    metrics=group.metrics if finished else None)
             if group.prompt_logprobs is not None and not group.prompt_logprobs_sent and \
                     len(group.prompt_logprobs) == len(group.prompt_ids):
@@ -494,12 +493,13 @@ class Engine:
         if group.done:
             return
         log.error("request %s failed in generation: %s", group.request_id, exc, exc_info=exc)
-        self._deliver(group, RequestOutput(group.request_id, [], group.prompt_ids, finished=True, error=exc))
+        self._deliver(group, RequestOutput(group.request_id, [], finished=True, error=exc))
         self._finish_group(group)
 
     def _fail_all(self, exc: BaseException) -> None:
         for group in list(self._groups.values()):
             self._fail_group(group, exc)
+        self._rows.clear()  # every row belonged to a failed request, and the buffers go with them
         self.runner.kv.clear()
 
     def _drain_and_fail_forever(self, exc: BaseException) -> None:

@@ -99,10 +99,6 @@ class SlotKVCache:
             kb[row, :, start:start + k.shape[1]] = k
             vb[row, :, start:start + v.shape[1]] = v
 
-    @property
-    def num_layers_allocated(self) -> int:
-        return len(self._k)
-
     def step(self, rows: list[int], columns: torch.Tensor, kv_len: int) -> "StepCache":
         return StepCache(self, rows, columns, kv_len)
 

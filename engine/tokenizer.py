@@ -17,7 +17,6 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         # Ids the model can take (embedding rows) and the tokenizer can turn back into text.
         self.vocab_size = min(vocab_size, len(hf_tokenizer))
-        self.special_ids = frozenset(hf_tokenizer.all_special_ids)
         # No token stands for more input characters than its own spelling in the vocabulary has (byte-level
         # BPE spells each byte as one character, SentencePiece spells its pieces out), so a text longer than
         # n * max_token_chars has more than n tokens. That lets an oversized prompt be refused without

@@ -196,6 +196,15 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {self.role} message needs content")
         return self
 
+    @property
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines (as vLLM joins them)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content if part.type == "text")
+
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")

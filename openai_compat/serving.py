@@ -75,7 +75,6 @@ class OpenAIServing:
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
                          logprobs: int | None, prompt_logprobs: int | None = None,
                          max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs") -> SamplingParams:
-        tokenizer = self.engine.tokenizer
         limit = self.engine.max_model_len
         max_logprobs = self.engine.config.max_logprobs
         for name, value in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
@@ -96,16 +95,9 @@ class OpenAIServing:
         if sequences > self.engine.config.max_num_seqs:
             raise OpenAIError(f"n and best_of must be at most {self.engine.config.max_num_seqs} (MAX_NUM_SEQS)",
                               param="best_of" if (request.best_of or 0) > request.n else "n")
-        vocab = tokenizer.vocab_size
-        for token in request.stop_token_ids or ():
-            if not 0 <= token < vocab:
-                raise OpenAIError(f"stop_token_ids contains {token}, outside the vocabulary (0..{vocab - 1})",
-                                  param="stop_token_ids")
+        self._check_in_vocabulary(request.stop_token_ids or (), "stop_token_ids")
         bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
-        for token in bias:
-            if token >= vocab:
-                raise OpenAIError(f"logit_bias token id {token} is outside the vocabulary (0..{vocab - 1})",
-                                  param="logit_bias")
+        self._check_in_vocabulary(bias, "logit_bias")
         defaults = self.engine.generation_defaults
 
         def pick(name: str, fallback):
@@ -165,10 +157,13 @@ class OpenAIServing:
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         self._check_prompt_len(len(ids), param)  # before walking (and decoding) millions of ids
+        self._check_in_vocabulary(ids, param)
+
+    def _check_in_vocabulary(self, ids, param: str) -> None:
         vocab = self.engine.tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise OpenAIError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param=param)
+            raise OpenAIError(f"{param}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param=param)
 
     # ---------------------------------------------------------------- logprobs
 
@@ -220,16 +215,11 @@ class OpenAIServing:
         messages = []
         for i, message in enumerate(request.messages):
             entry: dict[str, Any] = {"role": message.role}
-            if isinstance(message.content, list):
-                texts = []
-                for j, part in enumerate(message.content):
-                    if part.type != "text":
-                        raise OpenAIError(f"content part type {part.type} is not supported: this model takes text "
-                                          f"only", param=f"messages[{i}].content[{j}]")
-                    texts.append(part.text)
-                entry["content"] = "\n".join(texts)
-            else:
-                entry["content"] = message.content if message.content is not None else ""
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                if part.type != "text":
+                    raise OpenAIError(f"content part type {part.type} is not supported: this model takes text only",
+                                      param=f"messages[{i}].content[{j}]")
+            entry["content"] = message.text
             for key in ("name", "tool_call_id", "reasoning_content"):
                 if getattr(message, key) is not None:
                     entry[key] = getattr(message, key)
@@ -277,9 +267,7 @@ class OpenAIServing:
         last = request.messages[-1]
         if not request.echo or last.content is None or last.role != self._response_role(request):
             return ""
-        if isinstance(last.content, str):
-            return last.content
-        return "\n".join(p.text for p in last.content if p.type == "text")
+        return last.text
 
     async def _chat_full(self, request, response_id: str, prompt: Prompt, params: SamplingParams
                          ) -> ChatCompletionResponse:
