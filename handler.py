@@ -74,9 +74,12 @@ def health() -> dict[str, Any]:
     if worker is None or not worker.engine.loaded:
         return {"status": "ok", "model_loaded": False}
     core = worker.engine.engine
+    stats = core.stats()
     return {"status": "ok" if core.dead is None else "failed", "model_loaded": True, "model": worker.engine.model_name,
             "running_sequences": core.num_running, "waiting_requests": core.num_waiting,
-            "requests_in_engine": core.num_requests}
+            "requests_in_engine": core.num_requests,
+            "kv_cache": {key: stats[key] for key in ("kv_used_tokens", "kv_capacity_tokens", "kv_used_bytes",
+                                                     "kv_capacity_bytes", "preemptions")}}
 
 
 def concurrency_modifier(current: int) -> int:

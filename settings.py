@@ -54,6 +54,8 @@ class WorkerSettings(BaseSettings):
     max_num_seqs: int = Field(default=32, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=512, ge=16)
     prefix_cache_mb: int = Field(default=256, ge=0)
+    kv_cache_memory: int | None = Field(default=None, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     torch_num_threads: int | None = Field(default=None, ge=1)
 
     # Serving
@@ -126,6 +128,8 @@ class WorkerSettings(BaseSettings):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             prefix_cache_bytes=self.prefix_cache_mb * 2**20,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             num_threads=self.torch_num_threads,
             max_logprobs=self.max_logprobs,
         )

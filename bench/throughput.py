@@ -1,13 +1,17 @@
 """Streaming throughput of the worker's gateway against plain `model.generate`, in one run.
 
-    .venv/bin/python bench/throughput.py [--levels 1,4,8,16] [--max-tokens 64] [--rounds 2] [--env KEY=VALUE ...]
+    .venv/bin/python bench/throughput.py [--levels 1,4,8,16] [--long-levels 4] [--long-words 1000]
+                                         [--max-tokens 64] [--rounds 2] [--env KEY=VALUE ...]
 
 1. Baseline: transformers' `model.generate`, batch 1, greedy, `--max-tokens` new tokens, on the same model in
    this process (stock attention and cache), over the same prompts.
 2. Starts `python -m openai_compat.server` on a free port and drives streaming chat requests through the
    official `openai` client (greedy, `ignore_eos`, `--max-tokens` tokens each, usage from include_usage) at
    each concurrency level: a closed loop of `concurrency x rounds` requests.
-Prints a table (aggregate output tok/s, TTFT p50/p95, ratio to the baseline) and one JSON line.
+3. The long-document load: each request carries its own ~1300-token document (`--long-words`), at each of
+   `--long-levels`, `--long-requests` requests per level.
+Prints the machine's own ceilings (matmul GFLOP/s in float32 and bfloat16, copy GB/s), a table (aggregate
+output tok/s, TTFT p50/mean/p95, ratio to the baseline) and one JSON line.
 """
 from __future__ import annotations
 
@@ -80,7 +84,48 @@ def start_gateway(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"gateway failed to start (exit {process.wait()})")
 
 
-async def drive(base_url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+FILLER = ("the river carried old boats past the mill while farmers argued about rain prices and the school bell "
+          "rang twice before noon as children ran across the square to the bakery ").split()
+
+
+def long_document_prompt(index: int, words: int) -> str:
+    """A prompt with its own long document (~1.3 tokens a word): no two share more than a few leading tokens,
+    so the prefix cache cannot shortcut the prefill (a RAG-like load)."""
+    body = " ".join(FILLER[(index * 7 + k) % len(FILLER)] for k in range(words))
+    return f"Document {index * 7919 % 10007}: {body}\n\nQuestion: {PROMPTS[index % len(PROMPTS)]}"
+
+
+def machine_ceilings(threads: int | None) -> dict:
+    """This machine's own limits with torch: matmul GFLOP/s in float32 and bfloat16, and memory copy GB/s
+    (read + write), so every report carries the ceiling it is measured against."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+    def best(fn, repeats=5):
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    n = 2048
+    out = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
+        out[f"matmul_{name}_gflops"] = round(2 * n ** 3 / best(lambda: torch.mm(a, b)) / 1e9, 1)
+    src = torch.empty(64 * 2**20, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    out["copy_gb_s"] = round(2 * src.numel() * 4 / best(lambda: dst.copy_(src)) / 1e9, 1)
+    return out
+
+
+async def drive(base_url: str, model: str, concurrency: int, requests: int, max_tokens: int,
+                long_words: int = 0) -> dict:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=900, max_retries=0)
@@ -95,7 +140,8 @@ async def drive(base_url: str, model: str, concurrency: int, requests: int, max_
         usage = None
         try:
             stream = await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": PROMPTS[index % len(PROMPTS)]}],
+                model=model, messages=[{"role": "user", "content": long_document_prompt(index, long_words)
+                                        if long_words else PROMPTS[index % len(PROMPTS)]}],
                 max_tokens=max_tokens, temperature=0.0, stream=True, stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True})
             async for chunk in stream:
@@ -124,10 +170,11 @@ async def drive(base_url: str, model: str, concurrency: int, requests: int, max_
     await client.close()
     ordered = sorted(ttfts)
     return {
-        "concurrency": concurrency, "requests": requests, "output_tokens": sum(tokens), "wall_s": round(wall, 2),
+        "concurrency": concurrency, "long_words": long_words, "requests": requests, "output_tokens": sum(tokens), "wall_s": round(wall, 2),
         "tok_s": round(sum(tokens) / wall, 1),
         "ttft_p50_s": round(statistics.median(ordered), 3) if ordered else None,
         "ttft_p95_s": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 3) if ordered else None,
+        "ttft_mean_s": round(statistics.fmean(ordered), 3) if ordered else None,
         "errors": len(errors), "first_error": errors[:1],
     }
 
@@ -135,40 +182,58 @@ async def drive(base_url: str, model: str, concurrency: int, requests: int, max_
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--levels", default="1,4,8,16")
+    parser.add_argument("--long-levels", default="4",
+                        help="concurrency levels of the long-document load ('' to skip)")
+    parser.add_argument("--long-words", type=int, default=1000, help="words of each long document")
+    parser.add_argument("--long-requests", type=int, default=8, help="requests per long-document level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="requests per level = concurrency x rounds")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the gateway (e.g. DTYPE=bfloat16)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip model.generate and the ceilings")
     args = parser.parse_args()
-    levels = [int(x) for x in args.levels.split(",")]
+    levels = [int(x) for x in args.levels.split(",") if x]
+    long_levels = [int(x) for x in args.long_levels.split(",") if x]
     env = dict(item.split("=", 1) for item in args.env)
+    threads = int(env["TORCH_NUM_THREADS"]) if "TORCH_NUM_THREADS" in env else None
 
-    base, folder = baseline_tok_s(args.max_tokens, int(env["TORCH_NUM_THREADS"]) if "TORCH_NUM_THREADS" in env
-                                  else None)
-    print(f"baseline (model.generate, batch 1, {args.max_tokens} tokens): {base:.1f} tok/s  [{folder}]", flush=True)
+    base, folder, ceilings = 0.0, "", {}
+    if not args.no_baseline:
+        ceilings = machine_ceilings(threads)
+        print(f"machine: {ceilings['matmul_float32_gflops']} GFLOP/s float32 matmul, "
+              f"{ceilings['matmul_bfloat16_gflops']} GFLOP/s bfloat16 matmul, {ceilings['copy_gb_s']} GB/s copy "
+              f"(read + write), torch {__import__('torch').get_num_threads()} threads", flush=True)
+        base, folder = baseline_tok_s(args.max_tokens, threads)
+        print(f"baseline (model.generate, batch 1, {args.max_tokens} tokens): {base:.1f} tok/s  [{folder}]",
+              flush=True)
     process, url = start_gateway(env)
+    runs = [(level, level * args.rounds, 0) for level in levels]
+    runs += [(level, args.long_requests, args.long_words) for level in long_levels]
     try:
         model_id = json.loads(__import__("urllib.request").request.urlopen(f"{url}/models").read())["data"][0]["id"]
         asyncio.run(drive(url, model_id, 1, 1, 8))  # warm-up
         results = []
-        for level in levels:
-            result = asyncio.run(drive(url, model_id, level, level * args.rounds, args.max_tokens))
-            result["ratio_to_baseline"] = round(result["tok_s"] / base, 2)
+        for level, requests, words in runs:
+            result = asyncio.run(drive(url, model_id, level, requests, args.max_tokens, words))
+            result["ratio_to_baseline"] = round(result["tok_s"] / base, 2) if base else None
             results.append(result)
-            print(f"  concurrency {level:>3}: {result['tok_s']:7.1f} tok/s  ttft p50 {result['ttft_p50_s']} s  "
-                  f"p95 {result['ttft_p95_s']} s  errors {result['errors']}", flush=True)
+            print(f"  concurrency {level:>3}{f' long {words} words' if words else ''}: {result['tok_s']:7.1f} tok/s  "
+                  f"ttft p50 {result['ttft_p50_s']} s  mean {result['ttft_mean_s']} s  errors {result['errors']}",
+                  flush=True)
     finally:
         process.terminate()
         process.wait(timeout=30)
 
     print()
-    print(f"| streams | output tok/s | TTFT p50 | TTFT p95 | vs model.generate ({base:.1f} tok/s) | errors |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print(f"| load | output tok/s | TTFT p50 | TTFT mean | TTFT p95 | vs model.generate ({base:.1f} tok/s) | errors |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['concurrency']} | {r['tok_s']:.1f} | {r['ttft_p50_s']:.2f} s | {r['ttft_p95_s']:.2f} s | "
-              f"{r['ratio_to_baseline']:.2f}x | {r['errors']} |")
+        load = f"{r['concurrency']} streams" + (f", {r['long_words']}-word documents" if r["long_words"] else "")
+        ratio = f"{r['ratio_to_baseline']:.2f}x" if r["ratio_to_baseline"] else "-"
+        print(f"| {load} | {r['tok_s']:.1f} | {r['ttft_p50_s']:.2f} s | {r['ttft_mean_s']:.2f} s | "
+              f"{r['ttft_p95_s']:.2f} s | {ratio} | {r['errors']} |")
     print(json.dumps({"bench": "throughput", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-                      "max_tokens": args.max_tokens, "gateway_env": env, "baseline_tok_s": round(base, 1),
-                      "levels": results}))
+                      "ceilings": ceilings, "max_tokens": args.max_tokens, "gateway_env": env,
+                      "baseline_tok_s": round(base, 1), "levels": results}))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 RequestOutputs."""
 from .async_engine import AsyncEngine, GenerationError
 from .config import EngineConfig
-from .engine import EngineDeadError, RequestOutput, SequenceDelta
+from .engine import EngineDeadError, RequestOutput, RequestTooLarge, SequenceDelta
 from .sampling import SamplingParams, TokenLogprob
 from .tokenizer import ChatTemplateError, Tokenizer
 
 __all__ = ["AsyncEngine", "ChatTemplateError", "EngineConfig", "EngineDeadError", "GenerationError",
-           "RequestOutput", "SamplingParams", "SequenceDelta", "TokenLogprob", "Tokenizer"]
+           "RequestOutput", "RequestTooLarge", "SamplingParams", "SequenceDelta", "TokenLogprob", "Tokenizer"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 from typing import AsyncIterator, Callable
 
@@ -34,17 +35,17 @@ class _QueueSink:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
 
 
-def _kv_bytes_per_token(model: LoadedModel) -> int | None:
-    """Bytes of keys and values one token takes in the cache, from the model's config (None if it can't tell)."""
-    config = model.model.config
-    config = getattr(config, "get_text_config", lambda: config)()
-    layers = getattr(config, "num_hidden_layers", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
-    if not (layers and kv_heads and head_dim):
-        return None
-    return layers * 2 * kv_heads * head_dim * model.dtype.itemsize
+_DEFAULT_CPU_KV_BYTES = 4 * 2**30
+
+
+def default_cpu_kv_budget() -> int:
+    """A quarter of the machine's memory, at most 4 GiB (vLLM's CPU default): pool pages count towards resident
+    memory only once used, so a generous bound costs nothing until the load needs it."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return _DEFAULT_CPU_KV_BYTES
+    return min(_DEFAULT_CPU_KV_BYTES, total // 4)
 
 
 class AsyncEngine:
@@ -78,19 +79,24 @@ class AsyncEngine:
     def _load(self, future: concurrent.futures.Future) -> None:
         try:
             model = self._loader(self.config)
-            runner = ModelRunner(model.model, model.device, model.dtype, max_rows=self.config.max_num_seqs,
-                                 max_len=model.max_model_len)
+            runner = ModelRunner(model.model, model.device, model.dtype,
+                                 kv_budget_bytes=self.config.kv_cache_memory or default_cpu_kv_budget(),
+                                 gpu_memory_utilization=self.config.gpu_memory_utilization,
+                                 max_num_batched_tokens=self.config.max_num_batched_tokens)
+            kv = runner.kv
+            log.info("KV cache: %d tokens in %.1f MB (%.1f KB per token, %s)", kv.capacity_tokens, kv.nbytes / 2**20,
+                     kv.nbytes / kv.capacity_tokens / 1024,
+                     f"GPU_MEMORY_UTILIZATION={self.config.gpu_memory_utilization}" if model.device.type == "cuda"
+                     else "KV_CACHE_MEMORY")
+            if kv.capacity_tokens < model.max_model_len:
+                raise RuntimeError(
+                    f"the KV cache holds {kv.capacity_tokens} tokens, fewer than one sequence of MAX_MODEL_LEN="
+                    f"{model.max_model_len}: raise " + ("GPU_MEMORY_UTILIZATION" if model.device.type == "cuda"
+                                                         else "KV_CACHE_MEMORY") + " or lower MAX_MODEL_LEN")
             engine = Engine(runner, model.tokenizer, max_num_seqs=self.config.max_num_seqs,
                             max_num_batched_tokens=self.config.max_num_batched_tokens,
                             max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes)
             engine.on_fatal = self._fatal
-            per_token = _kv_bytes_per_token(model)
-            if per_token:
-                log.info("KV cache: %.1f KB per token; at most %.0f MB per sequence and %.1f GB for MAX_NUM_SEQS=%d "
-                         "sequences of MAX_MODEL_LEN=%d tokens", per_token / 1024,
-                         per_token * model.max_model_len / 2**20,
-                         per_token * model.max_model_len * self.config.max_num_seqs / 2**30,
-                         self.config.max_num_seqs, model.max_model_len)
             self._model, self._engine = model, engine
             future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
@@ -128,6 +134,10 @@ class AsyncEngine:
     @property
     def generation_defaults(self) -> dict:
         return self._require().generation_defaults
+
+    def check_fits(self, prompt_len: int, max_tokens: int, num_sequences: int) -> str | None:
+        """Why such a request could never run in the KV cache (too large even alone), or None."""
+        return self.engine.check_fits(prompt_len, max_tokens, num_sequences)
 
     @property
     def engine(self) -> Engine:

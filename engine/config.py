@@ -22,8 +22,12 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available
 
     # Bounds on what runs at once. Requests beyond them wait in a queue.
-    max_num_seqs: int = 32  # sequences decoding together (rows of the KV cache)
-    max_num_batched_tokens: int = 512  # prompt tokens computed per step; longer prompts prefill in chunks
-    prefix_cache_bytes: int = 256 * 2**20  # KV of recently seen prompt prefixes, reused across requests
+    max_num_seqs: int = 32  # sequences decoding together
+    max_num_batched_tokens: int = 512  # tokens computed per step; longer prompts prefill in chunks
+    prefix_cache_bytes: int = 256 * 2**20  # KV of finished prompts kept for reuse (within the KV budget)
+    # The KV cache's budget, fixed at start-up: bytes on CPU (None: a share of system memory), a share of the
+    # device's memory on CUDA.
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     max_logprobs: int = 20

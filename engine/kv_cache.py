@@ -1,131 +1,205 @@
-"""Key/value cache with one row per running sequence.
+"""The KV cache: a fixed pool of token slots per layer, sized once from the memory budget.
 
-Each layer keeps two buffers shaped [rows, kv_heads, columns, head_dim]. A sequence owns one row and its
-tokens sit in columns 0..len-1, so rows of different lengths live side by side and a decode step attends to
-columns 0..max_len of the rows it runs, with a mask hiding each row's unused tail. The last column is a
-scratch column that padding positions of a prefill batch write into.
+Each attention layer has a key pool and a value pool shaped [blocks, BLOCK_SIZE, kv_heads, head_dim] (keys and
+values may differ in width, as in MLA models). A token's slot is `block * BLOCK_SIZE + offset`; which blocks a
+sequence owns is the block manager's business. Memory is the pool, allocated at start-up: what a sequence uses is
+proportional to the tokens it holds, and nothing grows or copies while serving.
 
-Buffers are created when the model first writes a layer (so per-layer shapes come from the model itself) and
-grow geometrically as rows and lengths grow (each growth copies the cache, so it must be rare).
+One forward pass sees the cache through a `StepCache` (passed to the model as `past_key_values`): writing new
+keys and values to their slots, and the per-sequence layout (`StepLayout`) the engine's attention function reads
+keys and values back with.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import threading
+from dataclasses import dataclass, field
+
 import torch
 
-_COLUMN_CHUNK = 256
-_MIN_ROWS = 8
-_IDLE_KEEP_BYTES = 512 * 2**20  # buffers up to this size stay allocated while idle, ready for the next burst
+from .block_manager import BLOCK_SIZE
 
 
-def _round_up(value: int, chunk: int) -> int:
-    return -(-value // chunk) * chunk
+@dataclass(frozen=True)
+class LayerShape:
+    kv_heads: int
+    key_dim: int
+    value_dim: int
 
 
-class SlotKVCache:
-    def __init__(self, device: torch.device, dtype: torch.dtype, max_rows: int, max_len: int):
+class PagedKVCache:
+    def __init__(self, device: torch.device, dtype: torch.dtype, layers: dict[int, LayerShape], num_blocks: int):
         self.device = device
         self.dtype = dtype
-        self.max_rows = max_rows
-        self.max_columns = max_len + 1  # + the scratch column
-        self.rows = 0
-        self.columns = 0
-        self._k: dict[int, torch.Tensor] = {}
-        self._v: dict[int, torch.Tensor] = {}
+        self.layers = layers
+        self.num_blocks = num_blocks
+        # torch.empty: pages of the pool count towards resident memory only once a block is written.
+        self._k = {i: torch.empty((num_blocks, BLOCK_SIZE, s.kv_heads, s.key_dim), dtype=dtype, device=device)
+                   for i, s in layers.items()}
+        self._v = {i: torch.empty((num_blocks, BLOCK_SIZE, s.kv_heads, s.value_dim), dtype=dtype, device=device)
+                   for i, s in layers.items()}
 
-    @property
-    def scratch_column(self) -> int:
-        return self.columns - 1
+    @staticmethod
+    def bytes_per_token(layers: dict[int, LayerShape], dtype: torch.dtype) -> int:
+        return sum(s.kv_heads * (s.key_dim + s.value_dim) for s in layers.values()) * dtype.itemsize
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self._k.values(), *self._v.values()))
+        return self.bytes_per_token(self.layers, self.dtype) * BLOCK_SIZE * self.num_blocks
 
-    def reserve(self, rows: int, length: int) -> None:
-        """Make room for `rows` rows of `length` tokens each (plus the scratch column)."""
-        if rows > self.max_rows or length + 1 > self.max_columns:
-            raise ValueError(f"KV cache request {rows}x{length} exceeds {self.max_rows}x{self.max_columns - 1}")
-        if rows <= self.rows and length + 1 <= self.columns:
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * BLOCK_SIZE
+
+    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k[layer], self._v[layer]
+
+    def zero_blocks(self, start: int, end: int) -> None:
+        """Clear blocks [start, end) before their first use: attention reads a block's unwritten slots (masked
+        out), and masked weights of 0 times whatever bits were there must not make NaN."""
+        for store in (self._k, self._v):
+            for pool in store.values():
+                pool[start:end].zero_()
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's slots (a forked sequence gets its own copy of a shared, partly filled block)."""
+        for store in (self._k, self._v):
+            for pool in store.values():
+                pool[dst] = pool[src]
+
+    def give_back(self, blocks: list[int]) -> None:
+        """Return the memory of blocks holding nothing to the operating system (CPU only; on next write the
+        pages come back zeroed). Called while the engine is idle, so long prompts leave no lasting footprint."""
+        if self.device.type != "cpu" or not blocks or _madvise is None:
             return
-        new_rows = self.rows if rows <= self.rows else min(self.max_rows, max(rows, 2 * self.rows, _MIN_ROWS))
-        new_columns = self.columns
-        if length + 1 > self.columns:
-            new_columns = min(self.max_columns, max(_round_up(length + 1, _COLUMN_CHUNK), 2 * self.columns))
-        self._resize(new_rows, new_columns)
-
-    def release_if_idle(self) -> None:
-        """With no sequence running, give back buffers that grew large for a burst of long sequences."""
-        if self.nbytes > _IDLE_KEEP_BYTES:
-            self.clear()
-
-    def clear(self) -> None:
-        self._k.clear()
-        self._v.clear()
-        self.rows = self.columns = 0
-
-    def _resize(self, rows: int, columns: int) -> None:
-        keep_rows = min(self.rows, rows)
-        keep_columns = min(self.columns - 1, columns - 1)
+        page = _PAGE_SIZE
         for store in (self._k, self._v):
-            for layer, old in store.items():
-                new = torch.zeros((rows, old.shape[1], columns, old.shape[3]), dtype=old.dtype, device=old.device)
-                if keep_rows > 0 and keep_columns > 0:
-                    new[:keep_rows, :, :keep_columns] = old[:keep_rows, :, :keep_columns]
-                store[layer] = new
-        self.rows, self.columns = rows, columns
+            for pool in store.values():
+                block_bytes = pool[0].numel() * pool.element_size()
+                base = pool.data_ptr()
+                for start, end in _runs(sorted(blocks)):
+                    lo = -(-(base + start * block_bytes) // page) * page
+                    hi = (base + end * block_bytes) // page * page
+                    if hi > lo:
+                        _madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
 
-    def _buffers(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self._k.get(layer)
-        if k is None:
-            shape = (self.rows, like.shape[1], self.columns, like.shape[3])
-            k = self._k[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self._v[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        return k, self._v[layer]
 
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` columns of row `src` into row `dst` (compaction, and forking n choices)."""
-        for store in (self._k, self._v):
-            for buf in store.values():
-                buf[dst, :, :length] = buf[src, :, :length]
+def _runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """Sorted block ids as [start, end) runs of consecutive ids."""
+    runs: list[tuple[int, int]] = []
+    for block in blocks:
+        if runs and runs[-1][1] == block:
+            runs[-1] = (runs[-1][0], block + 1)
+        else:
+            runs.append((block, block + 1))
+    return runs
 
-    def export(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of columns [start, end) of a row, per layer (for the prefix cache)."""
-        return [(self._k[i][row, :, start:end].clone(), self._v[i][row, :, start:end].clone())
-                for i in sorted(self._k)]
 
-    def load(self, row: int, start: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write per-layer blocks (from `export`) into a row at column `start`."""
-        for i, (k, v) in enumerate(layers):
-            kb, vb = self._buffers(i, k.unsqueeze(0))
-            kb[row, :, start:start + k.shape[1]] = k
-            vb[row, :, start:start + v.shape[1]] = v
+def _load_madvise():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError):
+        return None
 
-    def step(self, rows: list[int], columns: torch.Tensor, kv_len: int) -> "StepCache":
-        return StepCache(self, rows, columns, kv_len)
+
+_madvise = _load_madvise()
+_MADV_DONTNEED = 4
+_PAGE_SIZE = 4096
+
+
+@dataclass
+class PrefillSegment:
+    """One sequence's chunk of new tokens inside a packed step."""
+    offset: int  # where its tokens start among the step's tokens
+    length: int  # new tokens
+    start: int  # tokens of this sequence already in the cache (its first new token's position)
+    blocks: torch.Tensor  # block ids covering positions [0, start + length)
+
+
+@dataclass
+class StepLayout:
+    """Where every sequence of one packed forward pass sits. The step's tokens are the decode rows' single
+    tokens first (one per row), then each prefill segment's tokens."""
+    num_decode: int
+    decode_blocks: torch.Tensor | None  # [rows, max_blocks] block ids (padding repeats a valid block)
+    decode_lengths: torch.Tensor | None  # [rows] keys each decode row attends to, its new token included
+    decode_max_len: int
+    segments: list[PrefillSegment]
+    slots: torch.Tensor  # [tokens] pool slot each new token's key and value go to
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[rows, 1, 1, max_len] True where a decode row may attend (its own keys, within a sliding window)."""
+        mask = self._masks.get(("decode", window))
+        if mask is None:
+            columns = torch.arange(self.decode_max_len, device=self.decode_lengths.device).view(1, -1)
+            lengths = self.decode_lengths.view(-1, 1)
+            mask = columns < lengths
+            if window:
+                mask &= columns >= lengths - window
+            mask = self._masks[("decode", window)] = mask.view(-1, 1, 1, self.decode_max_len)
+        return mask
+
+    def segment_mask(self, index: int, window: int | None) -> torch.Tensor:
+        """[1, 1, new, keys] causal mask of a prefill segment that has keys before its first new token."""
+        key = ("segment", index, window)
+        mask = self._masks.get(key)
+        if mask is None:
+            seg = self.segments[index]
+            device = seg.blocks.device
+            query_pos = torch.arange(seg.start, seg.start + seg.length, device=device).view(-1, 1)
+            key_pos = torch.arange(seg.start + seg.length, device=device).view(1, -1)
+            mask = key_pos <= query_pos
+            if window:
+                mask &= key_pos > query_pos - window
+            mask = self._masks[key] = mask.view(1, 1, seg.length, -1)
+        return mask
+
+
+_current = threading.local()
+
+
+def current_layout() -> tuple[PagedKVCache, StepLayout] | None:
+    """The cache and layout of the forward pass running on this thread, or None outside the engine's steps."""
+    return getattr(_current, "step", None)
 
 
 class StepCache:
-    """The cache as one forward pass sees it: which rows run, which column each new token is written to,
-    and how many columns attention reads. Passed to the model as `past_key_values`."""
+    """The cache as one forward pass sees it, passed to the model as `past_key_values`. Writes each layer's new
+    keys and values to their slots; the attention function reads them back per sequence."""
 
     is_compileable = False
+    is_sliding = False
 
-    def __init__(self, store: SlotKVCache, rows: list[int], columns: torch.Tensor, kv_len: int):
-        self._store = store
-        self._kv_len = kv_len
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        self._row_slice = slice(rows[0], rows[0] + len(rows)) if contiguous else None
-        self._row_index = torch.tensor(rows, device=store.device)
-        self._write_rows = self._row_index.view(-1, 1)
-        self._columns = columns
+    def __init__(self, cache: PagedKVCache, layout: StepLayout):
+        self.cache = cache
+        self.layout = layout
+
+    def __enter__(self) -> "StepCache":
+        _current.step = (self.cache, self.layout)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _current.step = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        k_buf, v_buf = self._store._buffers(layer_idx, key_states)
-        # key_states: [batch, kv_heads, new_tokens, head_dim] -> rows x new-token columns
-        k_buf[self._write_rows, :, self._columns] = key_states.transpose(1, 2).to(k_buf.dtype)
-        v_buf[self._write_rows, :, self._columns] = value_states.transpose(1, 2).to(v_buf.dtype)
-        if self._row_slice is not None:
-            return k_buf[self._row_slice, :, :self._kv_len], v_buf[self._row_slice, :, :self._kv_len]
-        return k_buf[self._row_index, :, :self._kv_len], v_buf[self._row_index, :, :self._kv_len]
+        k_pool, v_pool = self.cache.pools(layer_idx)
+        slots = self.layout.slots
+        # [1, kv_heads, tokens, dim] -> [tokens, kv_heads, dim] rows of the flattened pool
+        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, key_states[0].transpose(0, 1).to(k_pool.dtype))
+        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, value_states[0].transpose(0, 1).to(v_pool.dtype))
+        return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._kv_len
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0

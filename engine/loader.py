@@ -52,11 +52,19 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+_BFLOAT16_GAIN_NEEDED = 1.5
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+        # bfloat16 halves the bytes every decode step reads and, where the CPU has native bfloat16 products,
+        # multiplies several times faster; a probe confirms the gain on this machine before it is used.
+        gain = cpu_layout.bfloat16_gain()
+        log.info("DTYPE=auto on CPU: bfloat16 products %.2fx float32 here; using %s", gain,
+                 "bfloat16" if gain >= _BFLOAT16_GAIN_NEEDED else "float32")
+        return torch.bfloat16 if gain >= _BFLOAT16_GAIN_NEEDED else torch.float32
     return getattr(torch, name)
 
 

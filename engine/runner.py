@@ -1,64 +1,149 @@
-"""Forward passes over the KV cache: prefill chunks of prompts and batched decode steps."""
+"""Forward passes over the paged KV cache: one packed pass per engine step, decode rows and prefill chunks
+together, with no padding (a step costs the tokens it computes)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import SlotKVCache
+from .block_manager import BLOCK_SIZE
+from .kv_cache import LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
+
+log = logging.getLogger("engine")
+
+
+@dataclass
+class DecodeRow:
+    token: int  # the sequence's last token, not yet in the cache
+    position: int
+    blocks: list[int]
 
 
 @dataclass
 class PrefillChunk:
-    row: int  # KV cache row of the sequence
-    start: int  # tokens of this sequence already in the cache
-    token_ids: list[int]  # the next tokens to compute
+    token_ids: list[int]  # the next tokens of the sequence to compute
+    start: int  # tokens of the sequence already in the cache
+    blocks: list[int]  # covering at least start + len(token_ids) slots
+    logits: str = "none"  # "none" | "last" | "all": which positions' logits the step returns
+
+
+def _slot(blocks: list[int], position: int) -> int:
+    return blocks[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
+
+
+class _ShapeProbe:
+    """A cache that only records the key/value shapes each attention layer writes (start-up probe)."""
+
+    is_compileable = False
+
+    def __init__(self):
+        self.layers: dict[int, LayerShape] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.layers[layer_idx] = LayerShape(key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
 
 
 class ModelRunner:
-    def __init__(self, model, device: torch.device, dtype: torch.dtype, max_rows: int, max_len: int):
+    def __init__(self, model, device: torch.device, dtype: torch.dtype, kv_budget_bytes: int | None = None,
+                 gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 512):
         self.model = model
         self.device = device
-        self.kv = SlotKVCache(device, dtype, max_rows=max_rows, max_len=max_len)
-
-    def _forward(self, input_ids, positions, mask, rows, columns, kv_len, logits_to_keep):
-        cache = self.kv.step(rows, columns, kv_len)
-        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
-                         past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
-        return out.logits
-
-    @torch.inference_mode()
-    def prefill(self, chunks: list[PrefillChunk], all_logits: bool = False) -> torch.Tensor:
-        """Compute the chunks' tokens into the cache. Returns logits [chunks, vocab] of each chunk's last token,
-        or [chunks, width, vocab] for every position (left-padded to the widest chunk) when `all_logits`."""
-        width = max(len(c.token_ids) for c in chunks)
-        kv_len = max(c.start + len(c.token_ids) for c in chunks)
-        rows = [c.row for c in chunks]
-        self.kv.reserve(max(rows) + 1, kv_len)
-        # Chunks are left-padded to a common width so that the last position holds every chunk's last token.
-        # Padding positions write to the scratch column and see only column 0.
-        ids = torch.zeros((len(chunks), width), dtype=torch.long)
-        positions = torch.full((len(chunks), width), -1, dtype=torch.long)
-        for i, chunk in enumerate(chunks):
-            n = len(chunk.token_ids)
-            ids[i, width - n:] = torch.tensor(chunk.token_ids, dtype=torch.long)
-            positions[i, width - n:] = torch.arange(chunk.start, chunk.start + n)
-        columns = torch.where(positions >= 0, positions, self.kv.scratch_column)
-        mask = torch.arange(kv_len).view(1, 1, -1) <= positions.unsqueeze(-1)
-        mask[:, :, 0] |= positions < 0
-        logits = self._forward(ids.to(self.device), positions.clamp(min=0).to(self.device),
-                               mask.unsqueeze(1).to(self.device), rows, columns.to(self.device), kv_len,
-                               logits_to_keep=0 if all_logits else 1)
-        return logits if all_logits else logits[:, -1]
+        self.dtype = dtype
+        self.layer_shapes = self._probe_layers()
+        per_block = PagedKVCache.bytes_per_token(self.layer_shapes, dtype) * BLOCK_SIZE
+        if device.type == "cuda":
+            budget = self._cuda_budget(gpu_memory_utilization, max_num_batched_tokens)
+        else:
+            budget = kv_budget_bytes
+        self.kv = PagedKVCache(device, dtype, self.layer_shapes, max(1, budget // per_block))
 
     @torch.inference_mode()
-    def decode(self, rows: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """One new token per row at the given positions. Returns logits [rows, vocab]."""
-        kv_len = max(positions) + 1
-        self.kv.reserve(max(rows) + 1, kv_len)
-        pos = torch.tensor(positions, dtype=torch.long).view(-1, 1)
-        mask = (torch.arange(kv_len).view(1, -1) <= pos).view(len(rows), 1, 1, kv_len)
-        ids = torch.tensor(token_ids, dtype=torch.long).view(-1, 1)
-        pos = pos.to(self.device)
-        logits = self._forward(ids.to(self.device), pos, mask.to(self.device), rows, pos, kv_len, logits_to_keep=1)
-        return logits[:, -1]
+    def _probe_layers(self) -> dict[int, LayerShape]:
+        probe = _ShapeProbe()
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        self.model(input_ids=ids, position_ids=torch.arange(2, device=self.device).view(1, 2),
+                   past_key_values=probe, use_cache=True, logits_to_keep=1)
+        if not probe.layers:
+            raise RuntimeError("the model wrote no keys or values to the cache")
+        return probe.layers
+
+    @torch.inference_mode()
+    def _cuda_budget(self, utilization: float, profile_tokens: int) -> int:
+        """Device memory left for the KV cache: the utilization share of the card, less the weights and the peak
+        a full-size step needs (measured by running one on a provisional cache)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        provisional_blocks = -(-profile_tokens // BLOCK_SIZE)
+        self.kv = PagedKVCache(self.device, self.dtype, self.layer_shapes, provisional_blocks)
+        blocks = list(range(provisional_blocks))
+        self.execute([], [PrefillChunk([0] * profile_tokens, 0, blocks, "last")])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self.kv.nbytes
+        del self.kv
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * utilization) - peak
+        if budget <= 0:
+            raise RuntimeError(f"no device memory left for the KV cache: the weights and a step of {profile_tokens} "
+                               f"tokens take {peak / 2**30:.1f} GiB of the {utilization:.0%} of "
+                               f"{total / 2**30:.1f} GiB allowed (GPU_MEMORY_UTILIZATION)")
+        return budget
+
+    @torch.inference_mode()
+    def execute(self, decodes: list[DecodeRow], chunks: list[PrefillChunk]) -> torch.Tensor | None:
+        """Compute one step. Returns logits [rows, vocab]: one row per decode row, then per chunk none, its last
+        position's or all its positions', in order; None when no position asked for logits."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        keep: list[int] = []
+        for row in decodes:
+            keep.append(len(ids))
+            ids.append(row.token)
+            positions.append(row.position)
+            slots.append(_slot(row.blocks, row.position))
+        segments = []
+        for chunk in chunks:
+            offset, n = len(ids), len(chunk.token_ids)
+            ids.extend(chunk.token_ids)
+            span = range(chunk.start, chunk.start + n)
+            positions.extend(span)
+            slots.extend(_slot(chunk.blocks, p) for p in span)
+            needed = -(-(chunk.start + n) // BLOCK_SIZE)
+            segments.append(PrefillSegment(offset, n, chunk.start,
+                                           torch.tensor(chunk.blocks[:needed], device=self.device)))
+            if chunk.logits == "all":
+                keep.extend(range(offset, offset + n))
+            elif chunk.logits == "last":
+                keep.append(offset + n - 1)
+        decode_blocks = decode_lengths = None
+        max_len = 0
+        if decodes:
+            max_len = max(r.position for r in decodes) + 1
+            width = -(-max_len // BLOCK_SIZE)
+            decode_blocks = torch.tensor([r.blocks[:width] + [r.blocks[0]] * (width - min(width, len(r.blocks)))
+                                          for r in decodes], device=self.device)
+            decode_lengths = torch.tensor([r.position + 1 for r in decodes], device=self.device)
+        layout = StepLayout(len(decodes), decode_blocks, decode_lengths, max_len, segments,
+                            torch.tensor(slots, device=self.device))
+        if not keep:
+            keep = [len(ids) - 1]  # the model computes at least one logit row; it is dropped below
+        with StepCache(self.kv, layout) as cache:
+            out = self.model(input_ids=torch.tensor([ids], device=self.device),
+                             position_ids=torch.tensor([positions], device=self.device),
+                             past_key_values=cache, use_cache=True,
+                             logits_to_keep=torch.tensor(keep, device=self.device))
+        if not any(c.logits != "none" for c in chunks) and not decodes:
+            return None
+        return out.logits[0]

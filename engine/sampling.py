@@ -85,16 +85,20 @@ class SequenceSamplingState:
         if self.seen is not None:
             self.seen[token_id] = True
 
-    @property
-    def is_plain(self) -> bool:
-        """True when the row can be sampled without any per-row processing (the common greedy case)."""
-        p = self.params
-        return (p.greedy and self.output_counts is None and self.seen is None and self.bias_ids is None
-                and p.min_tokens == 0)
+    def adjusts_logits(self, generated: int) -> bool:
+        """True when this row's logits need a per-row treatment (bias, penalties, min_tokens) before choosing."""
+        return (self.output_counts is not None or self.seen is not None or self.bias_ids is not None
+                or generated < self.params.min_tokens)
 
 
 class Sampler:
-    """Samples one token per row of a [rows, vocab] logits tensor, each row with its own parameters."""
+    """Samples one token per row of a [rows, vocab] logits tensor, each row with its own parameters.
+
+    The whole batch is processed with tensor operations (rows that share a treatment share the operation) and
+    everything the caller needs leaves the device in one transfer, so a step costs one synchronisation however
+    many rows it samples. Random draws use the exponential race (argmax of p / E with E ~ Exp(1) is a draw from
+    p), so each seeded row only needs its own noise vector from its own generator.
+    """
 
     def __init__(self, eos_token_ids: frozenset[int], vocab_size: int):
         self.eos_token_ids = eos_token_ids
@@ -103,31 +107,52 @@ class Sampler:
     def sample(self, logits: torch.Tensor, states: list[SequenceSamplingState],
                num_generated: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
         logits = logits[:, : self.vocab_size].float()
+        device = logits.device
         rows = len(states)
-        tokens: list[int] = [0] * rows
-        logprobs: list[TokenLogprob | None] = [None] * rows
-
-        plain = [i for i, s in enumerate(states) if s.is_plain]
-        if plain:
-            index = torch.tensor(plain, device=logits.device)
-            chosen = logits.index_select(0, index).argmax(dim=-1).tolist() if len(plain) < rows else \
-                logits.argmax(dim=-1).tolist()
-            for row, token in zip(plain, chosen):
-                tokens[row] = token
-        for row, state in enumerate(states):
-            if not state.is_plain:
-                tokens[row] = self._sample_row(logits[row], state, num_generated[row])
-
         wanted = [i for i, s in enumerate(states) if s.params.needs_logprobs]
+        raw_logp = torch.log_softmax(logits[wanted], dim=-1) if wanted else None  # as vLLM reports them
+
+        adjusted = [i for i, s in enumerate(states) if s.adjusts_logits(num_generated[i])]
+        if adjusted:
+            logits = logits.clone()
+            for i in adjusted:
+                logits[i] = self._adjust_row(logits[i], states[i], num_generated[i])
+
+        tokens = torch.empty(rows, dtype=torch.long, device=device)
+        greedy = [i for i, s in enumerate(states) if s.params.greedy]
+        if len(greedy) == rows:
+            tokens = logits.argmax(dim=-1)
+        elif greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        drawn = [i for i, s in enumerate(states) if not s.params.greedy]
+        if drawn:
+            tokens[drawn] = self._draw(logits[drawn], [states[i] for i in drawn])
+
+        # One transfer for the chosen tokens and every logprob asked for.
+        parts = [tokens.double()]
+        top_k = 0
         if wanted:
-            index = torch.tensor(wanted, device=logits.device)
-            chosen_ids = torch.tensor([tokens[i] for i in wanted], device=logits.device)
-            for row, entry in zip(wanted, self.logprobs_of(logits.index_select(0, index), chosen_ids,
-                                                             [states[i].params.logprobs or 0 for i in wanted])):
-                logprobs[row] = entry
-        for row, state in enumerate(states):
-            state.record(tokens[row])
-        return tokens, logprobs
+            chosen = raw_logp.gather(1, tokens[wanted].view(-1, 1)).view(-1)
+            parts.append(chosen.double())
+            top_k = max(states[i].params.logprobs or 0 for i in wanted)
+            if top_k:
+                top_vals, top_ids = raw_logp.topk(top_k, dim=-1)
+                parts += [top_vals.double().flatten(), top_ids.double().flatten()]
+        flat = torch.cat(parts).tolist()
+        token_list = [int(t) for t in flat[:rows]]
+        logprobs: list[TokenLogprob | None] = [None] * rows
+        if wanted:
+            n = len(wanted)
+            chosen_lp = flat[rows:rows + n]
+            vals = flat[rows + n:rows + n + n * top_k]
+            ids = flat[rows + n + n * top_k:]
+            for j, row in enumerate(wanted):
+                k = states[row].params.logprobs or 0
+                top = [(int(ids[j * top_k + c]), vals[j * top_k + c]) for c in range(k)]
+                logprobs[row] = TokenLogprob(token_list[row], chosen_lp[j], top)
+        for state, token in zip(states, token_list):
+            state.record(token)
+        return token_list, logprobs
 
     @staticmethod
     def logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, top_counts: list[int]) -> list[TokenLogprob]:
@@ -145,9 +170,9 @@ class Sampler:
             out.append(TokenLogprob(token, chosen_lp[i], top))
         return out
 
-    def _sample_row(self, logits: torch.Tensor, state: SequenceSamplingState, generated: int) -> int:
+    def _adjust_row(self, logits: torch.Tensor, state: SequenceSamplingState, generated: int) -> torch.Tensor:
+        """Logit bias, min_tokens and the penalties: per-row treatments (rare), still without synchronising."""
         p = state.params
-        logits = logits.clone()
         if state.bias_ids is not None:
             logits.index_add_(0, state.bias_ids, state.bias_values)
         if generated < p.min_tokens:
@@ -160,24 +185,47 @@ class Sampler:
         if state.output_counts is not None:
             counts = state.output_counts
             logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
-        if p.greedy:
-            return int(logits.argmax())
+        return logits
 
+    @staticmethod
+    def _draw(logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
+        """Temperature, top-k, min-p and top-p for the drawn rows at once, then one draw per row."""
+        device = logits.device
+        params = [s.params for s in states]
+        temperature = torch.tensor([p.temperature for p in params], device=device).view(-1, 1)
         # An extreme (valid) repetition penalty or temperature can push logits to +inf, and inf - inf makes
         # softmax NaN; the largest finite value keeps the order and the arithmetic sound.
-        logits = (logits / p.temperature).clamp(max=torch.finfo(logits.dtype).max)
-        if 0 < p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.min_p > 0.0:
+        logits = (logits / temperature).clamp(max=torch.finfo(logits.dtype).max)
+        vocab = logits.shape[-1]
+        if any(0 < p.top_k < vocab for p in params):
+            ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+            kth = logits.topk(max(ks), dim=-1).values
+            cut = kth.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device).view(-1, 1))
+            cut = cut.masked_fill(torch.tensor([k == 0 for k in ks], device=device).view(-1, 1), float("-inf"))
+            logits = logits.masked_fill(logits < cut, float("-inf"))
+        if any(p.min_p > 0.0 for p in params):
             probs = torch.softmax(logits, dim=-1)
-            logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+            floor = torch.tensor([p.min_p for p in params], device=device).view(-1, 1) * probs.max(-1, True).values
+            logits = logits.masked_fill(probs < floor, float("-inf"))
+        nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        if nucleus:
+            part = logits[nucleus]
+            sorted_logits, order = torch.sort(part, descending=True)
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
             # Drop a token when the mass before it already reaches top_p; the best token always stays.
-            drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
-            drop_sorted[0] = False
-            logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+            top_p = torch.tensor([params[i].top_p for i in nucleus], device=device).view(-1, 1)
+            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+            drop_sorted[:, 0] = False
+            logits[nucleus] = part.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted),
+                                               float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=state.generator))
+        noise = torch.empty_like(probs)
+        for row, state in enumerate(states):
+            if state.generator is not None:
+                noise[row].exponential_(generator=state.generator)
+        unseeded = [row for row, state in enumerate(states) if state.generator is None]
+        if len(unseeded) == len(states):
+            noise.exponential_()
+        elif unseeded:
+            noise[unseeded] = torch.empty((len(unseeded), vocab), device=device).exponential_()
+        return (probs / noise.clamp_(min=1e-30)).argmax(dim=-1)

@@ -95,6 +95,10 @@ class OpenAIServing:
         if sequences > self.engine.config.max_num_seqs:
             raise OpenAIError(f"n and best_of must be at most {self.engine.config.max_num_seqs} (MAX_NUM_SEQS)",
                               param="best_of" if (request.best_of or 0) > request.n else "n")
+        too_large = self.engine.check_fits(prompt_len, max_tokens, sequences)
+        if too_large is not None:
+            raise OpenAIError(f"This request cannot be served: {too_large}. Please reduce {max_tokens_param}, n or "
+                              f"the prompt.", param=max_tokens_param)
         self._check_in_vocabulary(request.stop_token_ids or (), "stop_token_ids")
         bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
         self._check_in_vocabulary(bias, "logit_bias")

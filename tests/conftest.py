@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# The exactness tests compare with transformers in float32; DTYPE=auto may pick bfloat16 on CPUs that run it
+# natively (tests/test_dtype.py covers that choice), so the shared worker and gateways pin float32.
+os.environ.setdefault("DTYPE", "float32")
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PARIS_REQUEST = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20,
                  "temperature": 0}

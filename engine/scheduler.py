@@ -1,0 +1,225 @@
+"""The scheduling policy: which requests run, what each step computes, and who gives way when memory runs out.
+
+- Admission is first come, first served, by budget: a request starts when its prompt's blocks (less those found in
+  the prefix cache) fit in the free pool with one block of growth room per running sequence, and the sequence cap
+  (MAX_NUM_SEQS) allows.
+- Each step decodes one token for every decoding sequence, then fills the rest of the token budget
+  (MAX_NUM_BATCHED_TOKENS) with prefill chunks, oldest request first.
+- When a decoding sequence needs a new block and none is free, the youngest running request is preempted: its
+  blocks are freed and it goes back to the front of the queue, to be recomputed later from its tokens (its
+  sampling state is kept, so a seeded or greedy run continues exactly as it would have).
+- A request that could not run even alone in the whole pool is refused at arrival (`check_fits`).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BLOCK_SIZE, BlockManager, chain_key
+from .sequence import Sequence, SequenceGroup, Status
+
+
+@dataclass
+class PrefillWork:
+    seq: Sequence
+    length: int  # tokens of this chunk
+    logits: str  # "none" | "last" | "all"
+
+
+@dataclass
+class StepPlan:
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[PrefillWork] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+def blocks_for(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []  # admission order: oldest first
+        self.preemptions = 0
+
+    # ---- requests coming and going ----
+
+    def check_fits(self, prompt_len: int, max_tokens: int, num_sequences: int) -> str | None:
+        """Why a request can never run, or None. Worst case: every choice holds its whole sequence alone."""
+        need = num_sequences * blocks_for(prompt_len + max_tokens)
+        if need > self.blocks.num_blocks:
+            return (f"the request needs up to {need * BLOCK_SIZE} tokens of KV cache ({num_sequences} x "
+                    f"({prompt_len} prompt + {max_tokens} max_tokens)), more than the whole cache holds "
+                    f"({self.blocks.num_blocks * BLOCK_SIZE} tokens)")
+        return None
+
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def remove(self, group: SequenceGroup) -> None:
+        """A request leaves (finished, aborted or failed): out of the queue, its blocks freed."""
+        try:
+            self.waiting.remove(group)
+        except ValueError:
+            pass
+        if group in self.running:
+            self.running.remove(group)
+        for seq in group.seqs:
+            self.free(seq)
+
+    def free(self, seq: Sequence) -> None:
+        self.blocks.release(seq.blocks)
+        seq.blocks = []
+        seq.block_keys = []
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(1 for g in self.running for s in g.seqs if not s.finished)
+
+    # ---- one step ----
+
+    def schedule(self) -> StepPlan:
+        self._admit()
+        plan = StepPlan()
+        for group in list(self.running):
+            if group not in self.running:  # preempted while making room for an older one
+                continue
+            rows = []
+            for seq in group.seqs:
+                if seq.status == Status.DECODING:
+                    if not self._make_room(seq):
+                        rows = []  # its own request gave way: none of its sequences runs this step
+                        break
+                    rows.append(seq)
+            plan.decodes.extend(rows)
+        budget = self.max_num_batched_tokens - len(plan.decodes)
+        for group in self.running:
+            for seq in group.seqs:
+                if seq.status != Status.PREFILLING or budget <= 0:
+                    continue
+                take = min(seq.prefill_target - seq.num_computed, budget)
+                fresh = not group.started
+                last = seq.num_computed + take == seq.prefill_target
+                wants_all = fresh and group.params.prompt_logprobs is not None
+                plan.prefills.append(PrefillWork(seq, take, "all" if wants_all else
+                                                 "last" if (fresh and last) else "none"))
+                budget -= take
+        return plan
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Ensure the slot for `seq`'s next token exists, preempting younger requests (or, if it is the youngest,
+        its own) when the pool is full. False if `seq`'s own request was preempted."""
+        position = len(seq.tokens) - 1
+        while position // BLOCK_SIZE >= len(seq.blocks):
+            if self.blocks.num_free == 0:
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq.group:
+                    return False
+                continue
+            seq.blocks.append(self.blocks.allocate())
+        return True
+
+    def preempt(self, group: SequenceGroup) -> None:
+        self.running.remove(group)
+        for seq in group.seqs:
+            if seq.finished:
+                continue
+            self.free(seq)
+            seq.num_computed = 0
+            seq.status = Status.WAITING
+        if not group.started:
+            group.prompt_logprobs = None  # collected again when the prompt is recomputed
+        group.metrics.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(group)
+
+    def _admit(self) -> None:
+        while self.waiting:
+            group = self.waiting[0]
+            members = [s for s in group.seqs if not s.finished]
+            if self.num_running_seqs + len(members) > self.max_num_seqs:
+                return
+            if not self._allocate(group, members):
+                return
+            self.waiting.popleft()
+            self.running.append(group)
+            if group.metrics.admitted is None:
+                group.metrics.admitted = time.perf_counter()
+
+    def _allocate(self, group: SequenceGroup, members: list[Sequence]) -> bool:
+        """Give an admitted request's sequences their blocks (prefix-cache hits first), all or nothing."""
+        fresh = not group.started
+        prefilling = members[:1] if fresh else members
+        hits: list[list[tuple[int, int]]] = []
+        need = 0
+        for seq in prefilling:
+            found = []
+            if group.params.prompt_logprobs is None or not fresh:
+                # leave at least one token to compute: its logits give the next token
+                found = self.blocks.lookup(seq.tokens, seq.prefill_target - (1 if fresh else 0))
+            hits.append(found)
+            need += blocks_for(seq.prefill_target) - len(found)
+        forks = len(members) - 1 if fresh else 0  # each further choice gets its own copy of the last block
+        headroom = self.num_running_seqs + len(members)
+        if need + forks + headroom > self.blocks.num_free and self.running:
+            for found in hits:
+                self.blocks.release([b for b, _ in found])
+            return False
+        if need + forks > self.blocks.num_free:  # alone in the pool it must fit (check_fits), so this is rare
+            for found in hits:
+                self.blocks.release([b for b, _ in found])
+            return False
+        for seq, found in zip(prefilling, hits):
+            seq.blocks = [b for b, _ in found]
+            seq.block_keys = [k for _, k in found]
+            seq.num_computed = len(found) * BLOCK_SIZE
+            while len(seq.blocks) < blocks_for(seq.prefill_target):
+                seq.blocks.append(self.blocks.allocate())
+            seq.status = Status.PREFILLING if seq.num_computed < seq.prefill_target else Status.DECODING
+        if fresh:
+            group.metrics.cached_prompt_tokens = prefilling[0].num_computed
+            for seq in members[1:]:
+                seq.blocks = [self.blocks.allocate()]  # reserved for the fork
+                seq.status = Status.FORK_PENDING
+        return True
+
+    def fork(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """The prompt is computed: the further choices share its full blocks and take their own copy of its
+        partly filled one. Returns the (source, destination) block copies the cache must make."""
+        first = group.seqs[0]
+        full = first.num_computed // BLOCK_SIZE
+        copies = []
+        for seq in group.seqs[1:]:
+            if seq.status != Status.FORK_PENDING:
+                continue
+            own = seq.blocks[0]
+            for block in first.blocks[:full]:
+                self.blocks.hold(block)
+            seq.blocks = first.blocks[:full] + [own]
+            seq.block_keys = list(first.block_keys[:full])
+            seq.num_computed = first.num_computed
+            seq.status = Status.DECODING
+            if first.num_computed % BLOCK_SIZE:
+                copies.append((first.blocks[full], own))
+        return copies
+
+    def computed(self, seq: Sequence, count: int) -> None:
+        """`count` more of `seq`'s tokens are in the cache: full blocks become findable by their prefix."""
+        seq.num_computed += count
+        if not self.blocks.enabled:
+            return
+        previous = seq.block_keys[-1] if seq.block_keys else 0
+        for index in range(len(seq.block_keys), seq.num_computed // BLOCK_SIZE):
+            tokens = tuple(seq.tokens[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE])
+            previous = chain_key(previous, tokens)
+            seq.block_keys.append(previous)
+            self.blocks.register(seq.blocks[index], previous, tokens)

@@ -1,0 +1,147 @@
+"""The KV cache under a deliberately small budget: admission by free blocks, preemption of the youngest requests
+and their exact resumption, refusal of what can never fit, and one request's memory failure staying its own."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from engine import AsyncEngine, EngineConfig, GenerationError, SamplingParams
+from test_engine import PROMPTS, assert_same_greedy, chat_ids, generate, greedy
+
+BUDGET_TOKENS = 768  # 48 blocks: a handful of the 32 requests below fit at once
+
+
+@pytest.fixture(scope="module")
+def small(worker):
+    config = worker.settings.engine_config()
+    bytes_per_token = _bytes_per_token(config)
+    small_config = EngineConfig(**{**config.__dict__, "max_model_len": 512, "max_num_seqs": 32,
+                                   "kv_cache_memory": BUDGET_TOKENS * bytes_per_token})
+    engine = AsyncEngine(small_config)
+    asyncio.run(engine.start())
+    yield engine
+    engine.close()
+
+
+def _bytes_per_token(config: EngineConfig) -> int:
+    from transformers import AutoConfig
+
+    from engine.loader import model_folder
+    hf = AutoConfig.from_pretrained(model_folder(config))
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    return hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * torch.float32.itemsize
+
+
+def seeded(max_tokens: int, seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=seed, ignore_eos=True)
+
+
+def test_budget_is_fixed_and_reported(small):
+    stats = small.engine.stats()
+    assert stats["kv_capacity_tokens"] == BUDGET_TOKENS
+    assert stats["kv_capacity_bytes"] <= small.config.kv_cache_memory
+
+
+def test_many_long_requests_under_a_small_budget_all_complete_exactly(small):
+    core = small.engine
+    prompts = [chat_ids(small, p) for p in PROMPTS]
+    # Half greedy, half seeded sampling: 32 requests of ~90 tokens each need ~4x the budget at once.
+    params = [greedy(40) if i % 2 == 0 else seeded(40, seed=i % 8) for i in range(32)]
+    before = core.stats()["preemptions"]
+    peak = {"used": 0}
+
+    async def run_all():
+        async def watch():
+            while True:
+                peak["used"] = max(peak["used"], core.stats()["kv_used_tokens"])
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+        results = await asyncio.gather(*(generate(small, f"load-{i}", prompts[i % 8], params[i])
+                                         for i in range(32)))
+        watcher.cancel()
+        return results
+
+    together = asyncio.run(run_all())
+    stats = core.stats()
+    assert stats["preemptions"] > before, "the budget was meant to force preemption"
+    assert max(peak["used"], stats["kv_peak_used_tokens"]) <= stats["kv_capacity_tokens"]
+    assert stats["kv_used_tokens"] == 0 or core.num_requests == 0
+    assert core.num_requests == 0
+
+    alone: dict[tuple[int, int], dict] = {}
+    for i in range(32):
+        key = (i % 8, i % 2)
+        if key not in alone:
+            alone[key] = asyncio.run(generate(small, f"alone-{i}", prompts[i % 8], params[i]))["choices"][0]
+        got = together[i]["choices"][0]
+        assert len(got["ids"]) == 40
+        if i % 2 == 0:
+            assert_same_greedy(alone[key], got["ids"])
+        else:
+            assert got["ids"] == alone[key]["ids"], f"seeded request {i} changed after preemption"
+
+
+def test_n_choices_survive_preemption(small):
+    """Choices of one request share prompt blocks; preempted and recomputed, they still match a quiet run."""
+    ids = chat_ids(small, PROMPTS[2])
+    three = SamplingParams(max_tokens=30, temperature=0.8, seed=5, n=3, ignore_eos=True)
+    quiet = asyncio.run(generate(small, "n-quiet", ids, three))
+
+    async def crowded():
+        others = [generate(small, f"crowd-{i}", chat_ids(small, PROMPTS[i]), greedy(60)) for i in range(8)]
+        mine = generate(small, "n-crowded", ids, three)
+        return (await asyncio.gather(mine, *others))[0]
+
+    loud = asyncio.run(crowded())
+    assert [c["ids"] for c in loud["choices"]] == [c["ids"] for c in quiet["choices"]]
+
+
+def test_a_request_larger_than_the_whole_cache_is_a_400(small):
+    from openai_compat.config import ServingConfig
+    from openai_compat.jobs import JobRouter
+    from openai_compat.serving import OpenAIServing
+
+    router = JobRouter(OpenAIServing(small, ServingConfig()), ServingConfig())
+
+    async def job(body):
+        return [part async for part in router.run({"openai_route": "/v1/completions", "openai_input": body})]
+
+    # Fits the context (512) but two choices of it cannot both live in a 768-token cache.
+    (error,) = asyncio.run(job({"prompt": "Hello", "max_tokens": 500, "n": 2}))
+    assert error["error"]["code"] == 400 and "KV cache" in error["error"]["message"]
+    (ok,) = asyncio.run(job({"prompt": "Hello", "max_tokens": 4}))
+    assert ok["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_memory_failure_fails_only_its_request(small, monkeypatch):
+    """An out-of-memory error in a step that holds one marked request fails that request; the others finish."""
+    from engine.runner import ModelRunner
+
+    original = ModelRunner.execute
+    marker = 31337
+
+    def failing(self, decodes, chunks):
+        if any(marker in c.token_ids for c in chunks) or any(r.token == marker for r in decodes):
+            raise torch.OutOfMemoryError("injected: could not allocate activations")
+        return original(self, decodes, chunks)
+
+    monkeypatch.setattr(ModelRunner, "execute", failing)
+    prompts = [chat_ids(small, p) for p in PROMPTS[:4]]
+    doomed = prompts[1][:-3] + [marker] + prompts[1][-3:]
+
+    async def run():
+        async def guarded(i, ids):
+            try:
+                return await generate(small, f"oom-{i}", ids, greedy(16))
+            except GenerationError as exc:
+                return exc
+        return await asyncio.gather(*(guarded(i, ids) for i, ids in enumerate([prompts[0], doomed, *prompts[2:]])))
+
+    results = asyncio.run(run())
+    assert isinstance(results[1], GenerationError) and "injected" in str(results[1])
+    for i in (0, 2, 3):
+        assert len(results[i]["choices"][0]["ids"]) == 16
+    assert small.engine.num_requests == 0
