@@ -39,6 +39,7 @@ def _sdpa(query, key, value, mask, scaling, softcap, is_causal=False):
 def _paged(module, query, key, value, scaling, softcap, window):
     cache, layout = current_layout()
     k_pool, v_pool = cache.pools(module.layer_idx)
+    layout = layout.on(k_pool.device)
     kv_heads, key_dim, value_dim = k_pool.shape[2], k_pool.shape[3], v_pool.shape[3]
     tokens = query.shape[2]
     out = query.new_empty((1, tokens, query.shape[1], value_dim))

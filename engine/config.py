@@ -28,6 +28,7 @@ class EngineConfig:
     # The KV cache's budget, fixed at start-up: bytes on CPU (None: a share of system memory), a share of the
     # device's memory on CUDA.
     kv_cache_memory: int | None = None
+    tensor_parallel_size: int = 1  # GPUs the model's layers are split over
     gpu_memory_utilization: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     max_logprobs: int = 20

@@ -26,6 +26,7 @@ class LayerShape:
     kv_heads: int
     key_dim: int
     value_dim: int
+    device: torch.device  # where the layer runs (layers may be split over GPUs)
 
 
 class PagedKVCache:
@@ -35,14 +36,16 @@ class PagedKVCache:
         self.layers = layers
         self.num_blocks = num_blocks
         # torch.empty: pages of the pool count towards resident memory only once a block is written.
-        self._k = {i: torch.empty((num_blocks, BLOCK_SIZE, s.kv_heads, s.key_dim), dtype=dtype, device=device)
+        self._k = {i: torch.empty((num_blocks, BLOCK_SIZE, s.kv_heads, s.key_dim), dtype=dtype, device=s.device)
                    for i, s in layers.items()}
-        self._v = {i: torch.empty((num_blocks, BLOCK_SIZE, s.kv_heads, s.value_dim), dtype=dtype, device=device)
+        self._v = {i: torch.empty((num_blocks, BLOCK_SIZE, s.kv_heads, s.value_dim), dtype=dtype, device=s.device)
                    for i, s in layers.items()}
 
     @staticmethod
-    def bytes_per_token(layers: dict[int, LayerShape], dtype: torch.dtype) -> int:
-        return sum(s.kv_heads * (s.key_dim + s.value_dim) for s in layers.values()) * dtype.itemsize
+    def bytes_per_token(layers: dict[int, LayerShape], dtype: torch.dtype, device: torch.device | None = None) -> int:
+        """Bytes one token takes over all layers (or over the layers on `device`)."""
+        return sum(s.kv_heads * (s.key_dim + s.value_dim) for s in layers.values()
+                   if device is None or s.device == device) * dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -71,11 +74,13 @@ class PagedKVCache:
     def give_back(self, blocks: list[int]) -> None:
         """Return the memory of blocks holding nothing to the operating system (CPU only; on next write the
         pages come back zeroed). Called while the engine is idle, so long prompts leave no lasting footprint."""
-        if self.device.type != "cpu" or not blocks or _madvise is None:
+        if not blocks or _madvise is None:
             return
         page = _PAGE_SIZE
         for store in (self._k, self._v):
             for pool in store.values():
+                if pool.device.type != "cpu":
+                    continue
                 block_bytes = pool[0].numel() * pool.element_size()
                 base = pool.data_ptr()
                 for start, end in _runs(sorted(blocks)):
@@ -132,6 +137,20 @@ class StepLayout:
     segments: list[PrefillSegment]
     slots: torch.Tensor  # [tokens] pool slot each new token's key and value go to
     _masks: dict = field(default_factory=dict)
+    _copies: dict = field(default_factory=dict)
+
+    def on(self, device: torch.device) -> "StepLayout":
+        """This layout with its tensors on `device` (layers split over GPUs each read their own copy)."""
+        if self.slots.device == device:
+            return self
+        copy = self._copies.get(device)
+        if copy is None:
+            move = (lambda t: None if t is None else t.to(device))
+            copy = self._copies[device] = StepLayout(
+                self.num_decode, move(self.decode_blocks), move(self.decode_lengths), self.decode_max_len,
+                [PrefillSegment(s.offset, s.length, s.start, s.blocks.to(device)) for s in self.segments],
+                self.slots.to(device))
+        return copy
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
         """[rows, 1, 1, max_len] True where a decode row may attend (its own keys, within a sliding window)."""
@@ -189,7 +208,7 @@ class StepCache:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         k_pool, v_pool = self.cache.pools(layer_idx)
-        slots = self.layout.slots
+        slots = self.layout.on(k_pool.device).slots
         # [1, kv_heads, tokens, dim] -> [tokens, kv_heads, dim] rows of the flattened pool
         k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, key_states[0].transpose(0, 1).to(k_pool.dtype))
         v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, value_states[0].transpose(0, 1).to(v_pool.dtype))

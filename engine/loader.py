@@ -134,6 +134,20 @@ def _model_max_len(config) -> int:
     return limit
 
 
+def _placement(config: EngineConfig, device: torch.device) -> dict:
+    """Where the weights load: straight onto the device (no full copy in host memory first), or split by layers
+    over the first TENSOR_PARALLEL_SIZE GPUs (accelerate's device map; the KV cache follows each layer)."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return {"device_map": {"": device}}
+    if device.type != "cuda":
+        raise ModelLoadError(f"TENSOR_PARALLEL_SIZE={size} needs CUDA devices; this worker runs on {device.type}")
+    available = torch.cuda.device_count()
+    if available < size:
+        raise ModelLoadError(f"TENSOR_PARALLEL_SIZE={size} but only {available} CUDA devices are visible")
+    return {"device_map": "auto", "max_memory": {i: torch.cuda.mem_get_info(i)[0] for i in range(size)}}
+
+
 def load(config: EngineConfig) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -158,10 +172,10 @@ def load(config: EngineConfig) -> LoadedModel:
         hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, trust_remote_code=config.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, attn_implementation=attention.ATTENTION_IMPLEMENTATION,
-            trust_remote_code=config.trust_remote_code)
+            trust_remote_code=config.trust_remote_code, **_placement(config, device))
     except Exception as exc:
         raise ModelLoadError(f"model {config.model or source.name}: loading failed: {exc}") from exc
-    model.to(device).eval()
+    model.eval()
     model.requires_grad_(False)
     fusion.apply(model)
     if device.type == "cpu":

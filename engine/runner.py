@@ -41,7 +41,8 @@ class _ShapeProbe:
         self.layers: dict[int, LayerShape] = {}
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.layers[layer_idx] = LayerShape(key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
+        self.layers[layer_idx] = LayerShape(key_states.shape[1], key_states.shape[-1], value_states.shape[-1],
+                                            key_states.device)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -61,12 +62,11 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.layer_shapes = self._probe_layers()
-        per_block = PagedKVCache.bytes_per_token(self.layer_shapes, dtype) * BLOCK_SIZE
         if device.type == "cuda":
-            budget = self._cuda_budget(gpu_memory_utilization, max_num_batched_tokens)
+            num_blocks = self._cuda_blocks(gpu_memory_utilization, max_num_batched_tokens)
         else:
-            budget = kv_budget_bytes
-        self.kv = PagedKVCache(device, dtype, self.layer_shapes, max(1, budget // per_block))
+            num_blocks = kv_budget_bytes // (PagedKVCache.bytes_per_token(self.layer_shapes, dtype) * BLOCK_SIZE)
+        self.kv = PagedKVCache(device, dtype, self.layer_shapes, max(1, num_blocks))
 
     @torch.inference_mode()
     def _probe_layers(self) -> dict[int, LayerShape]:
@@ -79,26 +79,30 @@ class ModelRunner:
         return probe.layers
 
     @torch.inference_mode()
-    def _cuda_budget(self, utilization: float, profile_tokens: int) -> int:
-        """Device memory left for the KV cache: the utilization share of the card, less the weights and the peak
-        a full-size step needs (measured by running one on a provisional cache)."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        provisional_blocks = -(-profile_tokens // BLOCK_SIZE)
-        self.kv = PagedKVCache(self.device, self.dtype, self.layer_shapes, provisional_blocks)
-        blocks = list(range(provisional_blocks))
-        self.execute([], [PrefillChunk([0] * profile_tokens, 0, blocks, "last")])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - self.kv.nbytes
+    def _cuda_blocks(self, utilization: float, profile_tokens: int) -> int:
+        """Blocks that fit each GPU's share (GPU_MEMORY_UTILIZATION) after its weights and the peak a full-size
+        step needs there (measured by running one on a provisional cache)."""
+        devices = sorted({s.device for s in self.layer_shapes.values()}, key=str)
+        for d in devices:
+            torch.cuda.reset_peak_memory_stats(d)
+        provisional = -(-profile_tokens // BLOCK_SIZE)
+        self.kv = PagedKVCache(self.device, self.dtype, self.layer_shapes, provisional)
+        self.execute([], [PrefillChunk([0] * profile_tokens, 0, list(range(provisional)), "last")])
+        blocks = None
+        for d in devices:
+            torch.cuda.synchronize(d)
+            per_block = PagedKVCache.bytes_per_token(self.layer_shapes, self.dtype, d) * BLOCK_SIZE
+            peak = torch.cuda.max_memory_allocated(d) - per_block * provisional
+            total = torch.cuda.get_device_properties(d).total_memory
+            budget = int(total * utilization) - peak
+            if budget < per_block:
+                raise RuntimeError(f"no memory left for the KV cache on {d}: the weights and a step of "
+                                   f"{profile_tokens} tokens take {peak / 2**30:.1f} GiB of the {utilization:.0%} of "
+                                   f"{total / 2**30:.1f} GiB allowed (GPU_MEMORY_UTILIZATION)")
+            blocks = budget // per_block if blocks is None else min(blocks, budget // per_block)
         del self.kv
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = int(total * utilization) - peak
-        if budget <= 0:
-            raise RuntimeError(f"no device memory left for the KV cache: the weights and a step of {profile_tokens} "
-                               f"tokens take {peak / 2**30:.1f} GiB of the {utilization:.0%} of "
-                               f"{total / 2**30:.1f} GiB allowed (GPU_MEMORY_UTILIZATION)")
-        return budget
+        return blocks
 
     @torch.inference_mode()
     def execute(self, decodes: list[DecodeRow], chunks: list[PrefillChunk]) -> torch.Tensor | None:
