@@ -125,7 +125,9 @@ def machine_ceilings(threads: int | None) -> dict:
 
 
 async def drive(base_url: str, model: str, concurrency: int, requests: int, max_tokens: int,
-                long_words: int = 0) -> dict:
+                long_words: int = 0, long_every: int = 1) -> dict:
+    """A closed loop of `requests` streaming chats at `concurrency`. With `long_words`, every `long_every`-th
+    request carries its own long document (1: all of them; 8: a few long prompts among many short ones)."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=900, max_retries=0)
@@ -141,7 +143,8 @@ async def drive(base_url: str, model: str, concurrency: int, requests: int, max_
         try:
             stream = await client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": long_document_prompt(index, long_words)
-                                        if long_words else PROMPTS[index % len(PROMPTS)]}],
+                                        if long_words and index % long_every == 0
+                                        else PROMPTS[index % len(PROMPTS)]}],
                 max_tokens=max_tokens, temperature=0.0, stream=True, stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True})
             async for chunk in stream:
@@ -170,7 +173,7 @@ async def drive(base_url: str, model: str, concurrency: int, requests: int, max_
     await client.close()
     ordered = sorted(ttfts)
     return {
-        "concurrency": concurrency, "long_words": long_words, "requests": requests, "output_tokens": sum(tokens), "wall_s": round(wall, 2),
+        "concurrency": concurrency, "long_words": long_words, "long_every": long_every, "requests": requests, "output_tokens": sum(tokens), "wall_s": round(wall, 2),
         "tok_s": round(sum(tokens) / wall, 1),
         "ttft_p50_s": round(statistics.median(ordered), 3) if ordered else None,
         "ttft_p95_s": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 3) if ordered else None,
@@ -186,6 +189,8 @@ def main() -> None:
                         help="concurrency levels of the long-document load ('' to skip)")
     parser.add_argument("--long-words", type=int, default=1000, help="words of each long document")
     parser.add_argument("--long-requests", type=int, default=8, help="requests per long-document level")
+    parser.add_argument("--mixed-levels", default="16",
+                        help="levels of the mixed load: one request in 8 carries a ~2000-token document")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="requests per level = concurrency x rounds")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the gateway (e.g. DTYPE=bfloat16)")
@@ -193,6 +198,7 @@ def main() -> None:
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",") if x]
     long_levels = [int(x) for x in args.long_levels.split(",") if x]
+    mixed_levels = [int(x) for x in args.mixed_levels.split(",") if x]
     env = dict(item.split("=", 1) for item in args.env)
     threads = int(env["TORCH_NUM_THREADS"]) if "TORCH_NUM_THREADS" in env else None
 
@@ -206,17 +212,19 @@ def main() -> None:
         print(f"baseline (model.generate, batch 1, {args.max_tokens} tokens): {base:.1f} tok/s  [{folder}]",
               flush=True)
     process, url = start_gateway(env)
-    runs = [(level, level * args.rounds, 0) for level in levels]
-    runs += [(level, args.long_requests, args.long_words) for level in long_levels]
+    runs = [(level, level * args.rounds, 0, 1) for level in levels]
+    runs += [(level, args.long_requests, args.long_words, 1) for level in long_levels]
+    runs += [(level, level * args.rounds, 1500, 8) for level in mixed_levels]
     try:
         model_id = json.loads(__import__("urllib.request").request.urlopen(f"{url}/models").read())["data"][0]["id"]
         asyncio.run(drive(url, model_id, 1, 1, 8))  # warm-up
         results = []
-        for level, requests, words in runs:
-            result = asyncio.run(drive(url, model_id, level, requests, args.max_tokens, words))
+        for level, requests, words, every in runs:
+            result = asyncio.run(drive(url, model_id, level, requests, args.max_tokens, words, every))
             result["ratio_to_baseline"] = round(result["tok_s"] / base, 2) if base else None
             results.append(result)
-            print(f"  concurrency {level:>3}{f' long {words} words' if words else ''}: {result['tok_s']:7.1f} tok/s  "
+            print(f"  concurrency {level:>3}{f' long {words} words every {every}' if words else ''}: "
+                  f"{result['tok_s']:7.1f} tok/s  "
                   f"ttft p50 {result['ttft_p50_s']} s  mean {result['ttft_mean_s']} s  errors {result['errors']}",
                   flush=True)
     finally:
@@ -227,7 +235,9 @@ def main() -> None:
     print(f"| load | output tok/s | TTFT p50 | TTFT mean | TTFT p95 | vs model.generate ({base:.1f} tok/s) | errors |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        load = f"{r['concurrency']} streams" + (f", {r['long_words']}-word documents" if r["long_words"] else "")
+        load = f"{r['concurrency']} streams" + (
+            "" if not r["long_words"] else f", {r['long_words']}-word documents" if r["long_every"] == 1
+            else f", 1 in {r['long_every']} with a {r['long_words']}-word document")
         ratio = f"{r['ratio_to_baseline']:.2f}x" if r["ratio_to_baseline"] else "-"
         print(f"| {load} | {r['tok_s']:.1f} | {r['ttft_p50_s']:.2f} s | {r['ttft_mean_s']:.2f} s | "
               f"{r['ttft_p95_s']:.2f} s | {ratio} | {r['errors']} |")

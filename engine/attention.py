@@ -5,7 +5,7 @@ Registered with transformers' AttentionInterface, so every model whose attention
 
 Inside an engine step the model sees one packed sequence of tokens (no padding): the decode rows' single tokens,
 then each prefill chunk. This function splits it again: all decode rows attend in one batched product over their
-own blocks (gathered to the longest row, masked to each row's length), and each prefill chunk attends causally
+own blocks (in buckets of similar lengths, each gathered to its longest row and masked to each row's length), and each prefill chunk attends causally
 over its sequence's keys. Outside a step (pooling forwards) it is plain SDPA with the mask it is given.
 """
 from __future__ import annotations
@@ -43,13 +43,14 @@ def _paged(module, query, key, value, scaling, softcap, window):
     kv_heads, key_dim, value_dim = k_pool.shape[2], k_pool.shape[3], v_pool.shape[3]
     tokens = query.shape[2]
     out = query.new_empty((1, tokens, query.shape[1], value_dim))
-    rows = layout.num_decode
-    if rows:
-        q = query[0, :, :rows].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
-        length = layout.decode_max_len
-        k = k_pool[layout.decode_blocks].view(rows, -1, kv_heads, key_dim)[:, :length].transpose(1, 2)
-        v = v_pool[layout.decode_blocks].view(rows, -1, kv_heads, value_dim)[:, :length].transpose(1, 2)
-        out[0, :rows] = _sdpa(q, k, v, layout.decode_mask(window), scaling, softcap)[:, :, 0]
+    for index, bucket in enumerate(layout.buckets):
+        rows, span = bucket.rows, slice(bucket.offset, bucket.offset + bucket.rows)
+        q = query[0, :, span].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
+        # index_select copies whole blocks (several times faster than advanced indexing on CPU)
+        k = k_pool.index_select(0, bucket.blocks).view(rows, -1, kv_heads, key_dim)[:, :bucket.max_len]
+        v = v_pool.index_select(0, bucket.blocks).view(rows, -1, kv_heads, value_dim)[:, :bucket.max_len]
+        o = _sdpa(q, k.transpose(1, 2), v.transpose(1, 2), layout.bucket_mask(index, window), scaling, softcap)
+        out[0, span] = o[:, :, 0]
     for index, seg in enumerate(layout.segments):
         span = slice(seg.offset, seg.offset + seg.length)
         q = query[:, :, span]
@@ -58,8 +59,9 @@ def _paged(module, query, key, value, scaling, softcap, window):
             o = _sdpa(q, key[:, :, span], value[:, :, span], None, scaling, softcap, is_causal=True)
         else:
             length = seg.start + seg.length
-            k = k_pool[seg.blocks].view(-1, kv_heads, key_dim)[:length].transpose(0, 1).unsqueeze(0)
-            v = v_pool[seg.blocks].view(-1, kv_heads, value_dim)[:length].transpose(0, 1).unsqueeze(0)
+            k = k_pool.index_select(0, seg.blocks).view(-1, kv_heads, key_dim)[:length].transpose(0, 1).unsqueeze(0)
+            v = v_pool.index_select(0, seg.blocks).view(-1, kv_heads, value_dim)[:length].transpose(0, 1)
+            v = v.unsqueeze(0)
             o = _sdpa(q, k, v, layout.segment_mask(index, window), scaling, softcap)
         out[0, span] = o[0].transpose(0, 1)
     return out

@@ -118,6 +118,19 @@ _PAGE_SIZE = 4096
 
 
 @dataclass
+class DecodeBucket:
+    """Decode rows of similar lengths that attend in one batched product (gathered to the longest of them)."""
+    offset: int  # where its rows start among the step's tokens
+    rows: int
+    blocks: torch.Tensor  # [rows * width] block ids, row by row (padding repeats a valid block)
+    lengths: torch.Tensor  # [rows] keys each row attends to, its new token included
+    max_len: int
+
+    def to(self, device: torch.device) -> "DecodeBucket":
+        return DecodeBucket(self.offset, self.rows, self.blocks.to(device), self.lengths.to(device), self.max_len)
+
+
+@dataclass
 class PrefillSegment:
     """One sequence's chunk of new tokens inside a packed step."""
     offset: int  # where its tokens start among the step's tokens
@@ -125,15 +138,15 @@ class PrefillSegment:
     start: int  # tokens of this sequence already in the cache (its first new token's position)
     blocks: torch.Tensor  # block ids covering positions [0, start + length)
 
+    def to(self, device: torch.device) -> "PrefillSegment":
+        return PrefillSegment(self.offset, self.length, self.start, self.blocks.to(device))
+
 
 @dataclass
 class StepLayout:
     """Where every sequence of one packed forward pass sits. The step's tokens are the decode rows' single
-    tokens first (one per row), then each prefill segment's tokens."""
-    num_decode: int
-    decode_blocks: torch.Tensor | None  # [rows, max_blocks] block ids (padding repeats a valid block)
-    decode_lengths: torch.Tensor | None  # [rows] keys each decode row attends to, its new token included
-    decode_max_len: int
+    tokens first (bucket by bucket, one per row), then each prefill segment's tokens."""
+    buckets: list[DecodeBucket]
     segments: list[PrefillSegment]
     slots: torch.Tensor  # [tokens] pool slot each new token's key and value go to
     _masks: dict = field(default_factory=dict)
@@ -145,23 +158,22 @@ class StepLayout:
             return self
         copy = self._copies.get(device)
         if copy is None:
-            move = (lambda t: None if t is None else t.to(device))
-            copy = self._copies[device] = StepLayout(
-                self.num_decode, move(self.decode_blocks), move(self.decode_lengths), self.decode_max_len,
-                [PrefillSegment(s.offset, s.length, s.start, s.blocks.to(device)) for s in self.segments],
-                self.slots.to(device))
+            copy = self._copies[device] = StepLayout([b.to(device) for b in self.buckets],
+                                                     [s.to(device) for s in self.segments], self.slots.to(device))
         return copy
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[rows, 1, 1, max_len] True where a decode row may attend (its own keys, within a sliding window)."""
-        mask = self._masks.get(("decode", window))
+    def bucket_mask(self, index: int, window: int | None) -> torch.Tensor:
+        """[rows, 1, 1, max_len] True where a bucket's row may attend (its own keys, within a sliding window)."""
+        key = ("bucket", index, window)
+        mask = self._masks.get(key)
         if mask is None:
-            columns = torch.arange(self.decode_max_len, device=self.decode_lengths.device).view(1, -1)
-            lengths = self.decode_lengths.view(-1, 1)
+            bucket = self.buckets[index]
+            columns = torch.arange(bucket.max_len, device=bucket.lengths.device).view(1, -1)
+            lengths = bucket.lengths.view(-1, 1)
             mask = columns < lengths
             if window:
                 mask &= columns >= lengths - window
-            mask = self._masks[("decode", window)] = mask.view(-1, 1, 1, self.decode_max_len)
+            mask = self._masks[key] = mask.view(-1, 1, 1, bucket.max_len)
         return mask
 
     def segment_mask(self, index: int, window: int | None) -> torch.Tensor:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_manager import BLOCK_SIZE
-from .kv_cache import LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
+from .kv_cache import DecodeBucket, LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
 
 log = logging.getLogger("engine")
 
@@ -30,6 +30,25 @@ class PrefillChunk:
 
 def _slot(blocks: list[int], position: int) -> int:
     return blocks[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
+
+
+_PADDING_TOLERANCE = 1.5  # a bucket's gathered keys may be at most this many times the keys its rows hold
+
+
+def _length_buckets(decodes: list[DecodeRow]) -> list[list[int]]:
+    """Decode rows (indices) grouped by length, shortest first, so that one long row does not make every
+    short row gather and attend over its length."""
+    buckets: list[list[int]] = []
+    held = 0
+    for i in sorted(range(len(decodes)), key=lambda i: decodes[i].position):
+        length = decodes[i].position + 1
+        if buckets and (len(buckets[-1]) + 1) * length <= _PADDING_TOLERANCE * (held + length):
+            buckets[-1].append(i)
+            held += length
+        else:
+            buckets.append([i])
+            held = length
+    return buckets
 
 
 class _ShapeProbe:
@@ -111,12 +130,25 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        keep: list[int] = []
-        for row in decodes:
-            keep.append(len(ids))
-            ids.append(row.token)
-            positions.append(row.position)
-            slots.append(_slot(row.blocks, row.position))
+        buckets = []
+        packed_at = [0] * len(decodes)  # where each decode row (in the caller's order) sits among the tokens
+        for members in _length_buckets(decodes):
+            max_len = decodes[members[-1]].position + 1
+            width = -(-max_len // BLOCK_SIZE)
+            table = []
+            for i in members:
+                row = decodes[i]
+                packed_at[i] = len(ids)
+                ids.append(row.token)
+                positions.append(row.position)
+                slots.append(_slot(row.blocks, row.position))
+                table.extend(row.blocks[:width])
+                table.extend([row.blocks[0]] * (width - min(width, len(row.blocks))))
+            buckets.append(DecodeBucket(packed_at[members[0]], len(members),
+                                        torch.tensor(table, device=self.device),
+                                        torch.tensor([decodes[i].position + 1 for i in members], device=self.device),
+                                        max_len))
+        keep: list[int] = list(packed_at)
         segments = []
         for chunk in chunks:
             offset, n = len(ids), len(chunk.token_ids)
@@ -131,16 +163,7 @@ class ModelRunner:
                 keep.extend(range(offset, offset + n))
             elif chunk.logits == "last":
                 keep.append(offset + n - 1)
-        decode_blocks = decode_lengths = None
-        max_len = 0
-        if decodes:
-            max_len = max(r.position for r in decodes) + 1
-            width = -(-max_len // BLOCK_SIZE)
-            decode_blocks = torch.tensor([r.blocks[:width] + [r.blocks[0]] * (width - min(width, len(r.blocks)))
-                                          for r in decodes], device=self.device)
-            decode_lengths = torch.tensor([r.position + 1 for r in decodes], device=self.device)
-        layout = StepLayout(len(decodes), decode_blocks, decode_lengths, max_len, segments,
-                            torch.tensor(slots, device=self.device))
+        layout = StepLayout(buckets, segments, torch.tensor(slots, device=self.device))
         if not keep:
             keep = [len(ids) - 1]  # the model computes at least one logit row; it is dropped below
         with StepCache(self.kv, layout) as cache:
