@@ -100,17 +100,10 @@ def machine_ceilings(threads: int | None) -> dict:
     (read + write), so every report carries the ceiling it is measured against."""
     import torch
 
+    from engine.cpu_layout import best_time as best
+
     if threads:
         torch.set_num_threads(threads)
-
-    def best(fn, repeats=5):
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
 
     n = 2048
     out = {}

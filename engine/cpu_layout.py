@@ -38,7 +38,8 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     return _packed_linear(x, self.weight_packed, self.bias)
 
 
-def _best_time(fn, repeats: int = 5) -> float:
+def best_time(fn, repeats: int = 5) -> float:
+    """The fastest of `repeats` timed calls, after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -59,7 +60,7 @@ def _probe(weight: torch.Tensor) -> float:
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
             if not torch.allclose(_packed_linear(x, packed, None), F.linear(x, weight), rtol=1e-3, atol=1e-3):
                 return 0.0
-            gains.append(_best_time(lambda: F.linear(x, weight)) / _best_time(lambda: _packed_linear(x, packed, None)))
+            gains.append(best_time(lambda: F.linear(x, weight)) / best_time(lambda: _packed_linear(x, packed, None)))
         return min(gains)
     except (RuntimeError, AttributeError, NotImplementedError):  # a torch build without these oneDNN ops
         return 0.0
@@ -85,7 +86,7 @@ def bfloat16_gain(hidden: int = 1024) -> float:
         for rows in (16, 256):
             x = torch.randn(rows, hidden)
             xb, wb = x.bfloat16(), weight.bfloat16()
-            gains.append(_best_time(lambda: F.linear(x, weight)) / _best_time(lambda: F.linear(xb, wb)))
+            gains.append(best_time(lambda: F.linear(x, weight)) / best_time(lambda: F.linear(xb, wb)))
     return min(gains)
 
 

@@ -200,12 +200,26 @@ def current_layout() -> tuple[PagedKVCache, StepLayout] | None:
     return getattr(_current, "step", None)
 
 
-class StepCache:
-    """The cache as one forward pass sees it, passed to the model as `past_key_values`. Writes each layer's new
-    keys and values to their slots; the attention function reads them back per sequence."""
+class ForwardCache:
+    """What transformers asks of a `past_key_values` object besides `update`: this engine keeps positions and
+    masks itself, so the model sees an empty cache and builds no mask."""
 
     is_compileable = False
     is_sliding = False
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+class StepCache(ForwardCache):
+    """The cache as one forward pass sees it, passed to the model as `past_key_values`. Writes each layer's new
+    keys and values to their slots; the attention function reads them back per sequence."""
 
     def __init__(self, cache: PagedKVCache, layout: StepLayout):
         self.cache = cache
@@ -225,12 +239,3 @@ class StepCache:
         k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, key_states[0].transpose(0, 1).to(k_pool.dtype))
         v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, value_states[0].transpose(0, 1).to(v_pool.dtype))
         return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return query_length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return 0

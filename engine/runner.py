@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_manager import BLOCK_SIZE
-from .kv_cache import DecodeBucket, LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
+from .kv_cache import DecodeBucket, ForwardCache, LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
 
 log = logging.getLogger("engine")
 
@@ -51,10 +51,8 @@ def _length_buckets(decodes: list[DecodeRow]) -> list[list[int]]:
     return buckets
 
 
-class _ShapeProbe:
+class _ShapeProbe(ForwardCache):
     """A cache that only records the key/value shapes each attention layer writes (start-up probe)."""
-
-    is_compileable = False
 
     def __init__(self):
         self.layers: dict[int, LayerShape] = {}
@@ -63,15 +61,6 @@ class _ShapeProbe:
         self.layers[layer_idx] = LayerShape(key_states.shape[1], key_states.shape[-1], value_states.shape[-1],
                                             key_states.device)
         return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return query_length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return 0
 
 
 class ModelRunner:
