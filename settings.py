@@ -111,6 +111,10 @@ class WorkerSettings(BaseSettings):
     def _batch_sizes(self) -> "WorkerSettings":
         if self.min_batch_size > self.default_batch_size:
             raise ValueError("MIN_BATCH_SIZE must not exceed DEFAULT_BATCH_SIZE")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # every decoding sequence takes one token of a step's budget; prompts need room beside them
+            raise ValueError(f"MAX_NUM_BATCHED_TOKENS ({self.max_num_batched_tokens}) must be at least MAX_NUM_SEQS "
+                             f"({self.max_num_seqs})")
         return self
 
     def engine_config(self) -> EngineConfig:

@@ -145,3 +145,27 @@ def test_a_memory_failure_fails_only_its_request(small, monkeypatch):
     for i in (0, 2, 3):
         assert len(results[i]["choices"][0]["ids"]) == 16
     assert small.engine.num_requests == 0
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"KV_CACHE_MEMORY": "0"}, "KV_CACHE_MEMORY"),
+    ({"KV_CACHE_MEMORY": "lots"}, "KV_CACHE_MEMORY"),
+    ({"GPU_MEMORY_UTILIZATION": "1.5"}, "GPU_MEMORY_UTILIZATION"),
+    ({"TENSOR_PARALLEL_SIZE": "0"}, "TENSOR_PARALLEL_SIZE"),
+    ({"MAX_NUM_SEQS": "64", "MAX_NUM_BATCHED_TOKENS": "32"}, "MAX_NUM_BATCHED_TOKENS"),
+])
+def test_memory_settings_are_checked_at_start(monkeypatch, env, named):
+    from settings import SettingsError, load_settings
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SettingsError, match=named):
+        load_settings()
+
+
+def test_a_cache_smaller_than_one_context_stops_the_load(worker):
+    config = EngineConfig(**{**worker.settings.engine_config().__dict__, "max_model_len": 2048,
+                             "kv_cache_memory": 1000 * _bytes_per_token(worker.settings.engine_config())})
+    engine = AsyncEngine(config)
+    with pytest.raises(RuntimeError, match="KV_CACHE_MEMORY or lower MAX_MODEL_LEN"):
+        asyncio.run(engine.start())
