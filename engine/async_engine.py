@@ -14,6 +14,7 @@ from typing import AsyncIterator, Callable
 from .config import EngineConfig
 from .engine import Engine, RequestOutput
 from .loader import LoadedModel, load
+from .pooling import PoolingConfig, PoolingInput, PoolingModel, PoolingOutput, PoolingParams, PoolingQueue, Task
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -28,9 +29,9 @@ class GenerationError(RuntimeError):
 class _QueueSink:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestOutput | PoolingOutput] = asyncio.Queue()
 
-    def deliver(self, output: RequestOutput) -> None:
+    def deliver(self, output: RequestOutput | PoolingOutput) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
 
 
@@ -80,11 +81,15 @@ class AsyncEngine:
             model = self._loader(self.config)
             runner = ModelRunner(model.model, model.device, model.dtype, max_rows=self.config.max_num_seqs,
                                  max_len=model.max_model_len)
+            pooling = PoolingQueue(PoolingModel(model.model, model.device, model.task,
+                                                engine_attention=model.task == "generate"),
+                                   max_batch_tokens=self.config.max_num_batched_tokens)
             engine = Engine(runner, model.tokenizer, max_num_seqs=self.config.max_num_seqs,
                             max_num_batched_tokens=self.config.max_num_batched_tokens,
-                            max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes)
+                            max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes,
+                            pooling=pooling)
             engine.on_fatal = self._fatal
-            per_token = _kv_bytes_per_token(model)
+            per_token = _kv_bytes_per_token(model) if model.task == "generate" else None
             if per_token:
                 log.info("KV cache: %.1f KB per token; at most %.0f MB per sequence and %.1f GB for MAX_NUM_SEQS=%d "
                          "sequences of MAX_MODEL_LEN=%d tokens", per_token / 1024,
@@ -130,6 +135,15 @@ class AsyncEngine:
         return self._require().generation_defaults
 
     @property
+    def task(self) -> Task:
+        """generate, embed or classify: what the served model's architecture can do."""
+        return self._require().task
+
+    @property
+    def pooling_config(self) -> PoolingConfig:
+        return self._require().pooling
+
+    @property
     def engine(self) -> Engine:
         self._require()
         return self._engine
@@ -158,3 +172,20 @@ class AsyncEngine:
         finally:
             if not done:
                 self._engine.abort(request_id)
+
+    # ---- pooling ----
+
+    async def pool(self, request_id: str, inputs: list[PoolingInput], params: PoolingParams) -> PoolingOutput:
+        """One vector per input (embedding or classification scores), computed on the engine thread in batches
+        shared with other requests. Cancelling the wait takes the request out of the queue."""
+        await self.start()
+        sink = _QueueSink(asyncio.get_running_loop())
+        self._engine.submit_pooling(request_id, inputs, params, sink)
+        try:
+            output = await sink.queue.get()
+        except BaseException:
+            self._engine.abort_pooling(request_id)
+            raise
+        if output.error is not None:
+            raise GenerationError(str(output.error)) from output.error
+        return output

@@ -27,3 +27,7 @@ class EngineConfig:
     prefix_cache_bytes: int = 256 * 2**20  # KV of recently seen prompt prefixes, reused across requests
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     max_logprobs: int = 20
+    # Embeddings: None takes the model's sentence-transformers config, else last token (decoders) or first
+    # token (encoders), normalised.
+    pooling_type: str | None = None  # last | mean | cls | max
+    embedding_normalize: bool | None = None

@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 import torch
 
 from .detokenizer import StopStringMatcher
+from .pooling import PoolingInput, PoolingParams, PoolingQueue, PoolingSink
 from .prefix_cache import PrefixCache
 from .runner import ModelRunner, PrefillChunk
 from .sampling import Sampler, SamplingParams, SequenceSamplingState, TokenLogprob
@@ -128,8 +129,9 @@ def _is_fatal(exc: BaseException) -> bool:
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, prefix_cache_bytes: int):
+                 max_model_len: int, prefix_cache_bytes: int, pooling: PoolingQueue | None = None):
         self.runner = runner
+        self.pooling = pooling  # embeddings and scores, run between generation steps (engine/pooling.py)
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -160,6 +162,36 @@ class Engine:
                                                                                    prompt_tokens=len(prompt_ids)))
         self._commands.put(("add", group))
         self._wake.set()
+
+    # ---- pooling hook: engine/pooling.py batches the work; the loop gives it one batch per iteration ----
+
+    def submit_pooling(self, request_id: str, inputs: list[PoolingInput], params: PoolingParams,
+                       sink: PoolingSink) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped after a device failure: {self._dead}")
+        if self._stopping:
+            raise EngineDeadError("the engine was shut down")
+        if self.pooling is None:
+            raise RuntimeError("this engine has no pooling queue")
+        self.pooling.add(request_id, inputs, params, sink)
+        self._wake.set()
+
+    def abort_pooling(self, request_id: str) -> None:
+        if self.pooling is not None:
+            self.pooling.abort(request_id)
+
+    def _pooling_pending(self) -> bool:
+        return self.pooling is not None and self.pooling.pending
+
+    # ---- stats: a minimal version over today's fields (the scheduler rewrite replaces the body) ----
+
+    def stats(self) -> dict:
+        rows = list(self._rows)
+        return {"num_running": len(rows), "num_waiting": len(self._waiting),
+                "kv_used_tokens": sum(s.num_computed for s in rows),
+                "kv_capacity_tokens": self.max_num_seqs * self.max_model_len, "preemptions": 0}
+
+    # ---- end of pooling and stats hooks ----
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop: requests still held fail, the KV cache is freed."""
@@ -197,15 +229,18 @@ class Engine:
 
     def _run(self) -> None:
         while not self._stopping:
-            idle = not self._waiting and not self._rows
+            idle = not self._waiting and not self._rows and not self._pooling_pending()
             if idle:
                 self._wake.wait(timeout=1.0)
             self._wake.clear()
             self._drain_commands()
-            if not self._waiting and not self._rows:
+            if not self._waiting and not self._rows and not self._pooling_pending():
                 continue
             try:
-                self._step()
+                if self._pooling_pending():  # pooling hook: one batch between generation steps
+                    self.pooling.run_next_batch(_is_fatal)
+                if self._waiting or self._rows:
+                    self._step()
             except BaseException as exc:  # a failure the per-request guards could not pin on one request
                 self._fail_all(exc)
                 if _is_fatal(exc):
@@ -499,6 +534,8 @@ class Engine:
     def _fail_all(self, exc: BaseException) -> None:
         for group in list(self._groups.values()):
             self._fail_group(group, exc)
+        if self.pooling is not None:  # pooling hook
+            self.pooling.fail_all(exc)
         self._rows.clear()  # every row belonged to a failed request, and the buffers go with them
         self.runner.kv.clear()
 
