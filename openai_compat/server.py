@@ -143,9 +143,9 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None) -> we
         return await run_job(request, job_route(request.path), None)
 
     @web.middleware
-    async def echo_request_id(request: web.Request, handler_fn) -> web.StreamResponse:
+    async def echo_request_id(request: web.Request, handler) -> web.StreamResponse:  # noqa: F811 - aiohttp's name
         # Responses made before a job exists (unparsable bodies, unknown routes) still carry the caller's id.
-        response = await handler_fn(request)
+        response = await handler(request)
         given = request.headers.get(REQUEST_ID_HEADER)
         if given is not None and not response.prepared and REQUEST_ID_HEADER not in response.headers:
             response.headers[REQUEST_ID_HEADER] = given
@@ -186,6 +186,7 @@ async def serve(handler: Handler, health: Callable[[], dict] | None, host: str, 
             raise
         except Exception as exc:  # bad configuration and the like: one clear line, non-zero exit
             raise SystemExit(f"llm-worker: {exc}") from None
+        worker_logging.current_job.set("-")  # request tasks copy this context; the preload job is over
     runner = web.AppRunner(create_app(handler, health), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
