@@ -83,35 +83,36 @@ class PoolingSink(Protocol):
     def deliver(self, output: PoolingOutput) -> None: ...
 
 
-def read_sentence_transformers(folder: Path) -> tuple[str | None, bool | None, str | None]:
-    """(pooling type, normalize, unsupported reason) from a sentence-transformers model's `modules.json` and
-    pooling config; Nones where the folder has no such configuration."""
+def read_sentence_transformers(folder: Path) -> tuple[str | None, bool | None, str | None, str | None]:
+    """(pooling type, normalize, unsupported modules, pooling problem) from a sentence-transformers model's
+    `modules.json` and pooling config; Nones where the folder has no such configuration. A pooling problem
+    (a mode this worker does not compute) goes away when POOLING_TYPE chooses the pooling; modules stay."""
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
-        return None, None, None
+        return None, None, None, None
     try:
         modules = json.loads(modules_file.read_text())
         types = [m.get("type", "") for m in modules]
     except (OSError, ValueError, AttributeError, TypeError) as exc:
-        return None, None, f"modules.json could not be read: {exc}"
+        return None, None, f"modules.json could not be read: {exc}", None
     unknown = [t for t in types if t not in (_ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE)]
     unsupported = (f"the model's sentence-transformers pipeline has modules this worker does not run: "
                    f"{', '.join(unknown)}") if unknown else None
-    pooling_type = None
+    pooling_type = problem = None
     pooling_module = next((m for m in modules if m.get("type") == _ST_POOLING), None)
     if pooling_module is not None:
         try:
             config = json.loads((folder / pooling_module.get("path", "1_Pooling") / "config.json").read_text())
         except (OSError, ValueError) as exc:
-            return None, None, f"the sentence-transformers pooling config could not be read: {exc}"
+            return None, None, unsupported, f"the sentence-transformers pooling config could not be read: {exc}"
         chosen = [mode for key, mode in _ST_MODES.items() if config.get(key)]
         odd = [key for key in _ST_UNSUPPORTED_MODES if config.get(key)]
         if odd or len(chosen) != 1:
-            unsupported = unsupported or f"the sentence-transformers pooling config asks for {odd or chosen}; " \
-                                         f"this worker pools with exactly one of {', '.join(POOLING_TYPES)}"
+            problem = (f"the sentence-transformers pooling config asks for {odd or chosen}; this worker pools with "
+                       f"exactly one of {', '.join(POOLING_TYPES)} (set POOLING_TYPE to choose)")
         else:
             pooling_type = chosen[0]
-    return pooling_type, _ST_NORMALIZE in types, unsupported
+    return pooling_type, _ST_NORMALIZE in types, unsupported, problem
 
 
 def pooling_config(folder: Path, model_config, task: Task, pooling_type: str | None,
@@ -119,7 +120,9 @@ def pooling_config(folder: Path, model_config, task: Task, pooling_type: str | N
     """The model's pooling: explicit settings (POOLING_TYPE, EMBEDDING_NORMALIZE) first, then the model's own
     sentence-transformers configuration, then the usual default (last token for decoders, the first token
     for encoders, normalised)."""
-    st_type, st_normalize, unsupported = read_sentence_transformers(folder)
+    st_type, st_normalize, unsupported, problem = read_sentence_transformers(folder)
+    if pooling_type is None:
+        unsupported = unsupported or problem
     text_config = getattr(model_config, "get_text_config", lambda: model_config)()
     is_decoder = task == "generate" or bool(getattr(text_config, "is_decoder", False))
     source = "sentence-transformers config" if st_type is not None else "default"

@@ -73,8 +73,9 @@ class OpenAIServing:
         """Embedding and cross-encoder models have no language-model head: generation routes are a 400."""
         task = self.engine.task
         if task != "generate":
-            raise OpenAIError(f"the served model {self.served_model_name} is a {task} model (no language-model "
-                              f"head), so it cannot do {endpoint}; it serves /v1/embeddings, /pooling, /score, "
+            kind = "an embedding" if task == "embed" else "a classification (cross-encoder)"
+            raise OpenAIError(f"the served model {self.served_model_name} is {kind} model with no language-model "
+                              f"head, so it cannot do {endpoint}; it serves /v1/embeddings, /pooling, /score, "
                               f"/rerank and /tokenize")
 
     async def list_models(self) -> ModelList:

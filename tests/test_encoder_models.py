@@ -1,9 +1,12 @@
-"""A sequence-classification model served as MODEL_NAME: a tiny random BertForSequenceClassification (built
-here with the embedded model's tokenizer) scores pairs with its head on /score and /rerank, gives its
-encoder's embeddings, and refuses chat and completions with a 400 that says why. Its gateway's log also
-proves that X-Request-Id tags every line of a request."""
+"""Models without a language-model head served as MODEL_NAME. A tiny random BertForSequenceClassification
+(built here with the embedded model's tokenizer) scores pairs with its head on /score and /rerank, gives its
+encoder's embeddings, and refuses chat and completions with a 400 that says why; its gateway's log also
+proves that X-Request-Id tags every line of a request. A plain BertModel with a sentence-transformers
+configuration embeds with the pooling that configuration names."""
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 
 import httpx
@@ -123,3 +126,74 @@ def test_request_id_tags_the_response_and_every_log_line(gateway):
     assert any("request done" in line for line in mentions), log[-20:]
     assert all("job=trace-7f3a" in line for line in mentions), mentions
     assert any("job=trace-bad-9" in line and "400" in line for line in log), log[-20:]
+
+
+def _plain_encoder(tmp_path, tokenizer, modules: list[dict]):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(1)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128, initializer_range=0.5)
+    model = BertModel(config, add_pooling_layer=False).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True}))
+    return model
+
+
+def _router(folder):
+    from engine import AsyncEngine, EngineConfig
+    from openai_compat.config import ServingConfig
+    from openai_compat.jobs import JobRouter
+    from openai_compat.serving import OpenAIServing
+
+    engine = AsyncEngine(EngineConfig(model=str(folder), cache_dir=folder.parent / "cache"))
+    return engine, JobRouter(OpenAIServing(engine, ServingConfig()), ServingConfig())
+
+
+def _job(router, route, body):
+    async def collect():
+        return [part async for part in router.run({"openai_route": route, "openai_input": body})]
+
+    parts = asyncio.run(collect())
+    assert len(parts) == 1
+    return parts[0]
+
+
+ST_MODULES = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+              {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+
+
+def test_plain_encoder_embeds_with_its_sentence_transformers_pooling(tmp_path, cross_encoder):
+    tokenizer = cross_encoder[2]
+    model = _plain_encoder(tmp_path / "encoder", tokenizer, ST_MODULES)  # mean pooling, no Normalize module
+    engine, router = _router(tmp_path / "encoder")
+    try:
+        texts = [QUERY, DOCUMENTS[1]]
+        data = _job(router, "/v1/embeddings", {"input": texts})["data"]
+        with torch.inference_mode():
+            for text, item in zip(texts, data):
+                expected = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0].mean(dim=0)
+                assert np.allclose(item["embedding"], expected.numpy(), atol=1e-5)
+        assert abs(np.linalg.norm(data[0]["embedding"]) - 1) > 0.01  # the pipeline has no Normalize module
+        score = _job(router, "/score", {"text_1": texts[0], "text_2": texts[1]})["data"][0]["score"]
+        a, b = (np.array(item["embedding"]) for item in data)
+        assert score == pytest.approx(float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)), abs=1e-5)
+        refused = _job(router, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
+        assert refused["error"]["code"] == 400 and "an embedding model" in refused["error"]["message"]
+    finally:
+        engine.close()
+
+
+def test_a_sentence_transformers_module_the_worker_cannot_run_is_a_400(tmp_path, cross_encoder):
+    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    _plain_encoder(tmp_path / "encoder", cross_encoder[2], ST_MODULES + [dense])
+    engine, router = _router(tmp_path / "encoder")
+    try:
+        error = _job(router, "/v1/embeddings", {"input": QUERY})["error"]
+        assert error["code"] == 400 and "sentence_transformers.models.Dense" in error["message"]
+    finally:
+        engine.close()
