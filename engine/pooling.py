@@ -151,10 +151,13 @@ class PoolingModel:
         self.device = device
         self.task = task
         self.engine_attention = engine_attention  # the engine's attention function: 4-D boolean masks
+        # Decoder classification heads score the last token that is not padding, found by the pad id, so
+        # padding must use that id; without one, such inputs run one per forward.
+        self.pad_id = getattr(model.config, "pad_token_id", None)
 
     def _batch(self, inputs: list[PoolingInput]):
         width = max(len(i.token_ids) for i in inputs)
-        ids = torch.zeros((len(inputs), width), dtype=torch.long)
+        ids = torch.full((len(inputs), width), self.pad_id or 0, dtype=torch.long)
         types = None
         if any(i.token_type_ids is not None for i in inputs):
             types = torch.zeros((len(inputs), width), dtype=torch.long)
@@ -189,11 +192,15 @@ class PoolingModel:
         results: list[torch.Tensor | None] = [None] * len(inputs)
         embed = [i for i, p in enumerate(params) if p.task == "embed"]
         classify = [i for i, p in enumerate(params) if p.task == "classify"]
-        if classify:
-            out, _, _ = self._forward(self.model, [inputs[i] for i in classify])
+        if not classify:
+            groups = []
+        else:
+            groups = [classify] if self.pad_id is not None else [[i] for i in classify]
+        for group in groups:
+            out, _, _ = self._forward(self.model, [inputs[i] for i in group])
             logits = out.logits.float()
             scores = torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
-            for row, i in enumerate(classify):
+            for row, i in enumerate(group):
                 results[i] = scores[row].cpu()
         if embed:
             out, lengths, valid = self._forward(self.base, [inputs[i] for i in embed])

@@ -197,3 +197,26 @@ def test_a_sentence_transformers_module_the_worker_cannot_run_is_a_400(tmp_path,
         assert error["code"] == 400 and "sentence_transformers.models.Dense" in error["message"]
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("pad_token_id", [2, None])
+def test_decoder_cross_encoder_scores_a_batch_as_one_pair_at_a_time(tmp_path, cross_encoder, pad_token_id):
+    """A decoder's classification head reads the last token that is not padding: batched pairs of different
+    lengths must score as each pair alone, with or without a pad id in the config."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    tokenizer = cross_encoder[2]
+    torch.manual_seed(2)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256, num_labels=1,
+                         pad_token_id=pad_token_id, initializer_range=0.5)
+    model = LlamaForSequenceClassification(config).eval()
+    model.save_pretrained(tmp_path / "reranker")
+    tokenizer.save_pretrained(tmp_path / "reranker")
+    engine, router = _router(tmp_path / "reranker")
+    try:
+        scores = _job(router, "/score", {"text_1": QUERY, "text_2": DOCUMENTS})["data"]
+        expected = reference_scores((None, model, tokenizer), QUERY, DOCUMENTS)
+        assert [d["score"] for d in scores] == pytest.approx(expected, abs=1e-5)
+    finally:
+        engine.close()
