@@ -59,6 +59,10 @@ class WorkerSettings(BaseSettings):
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     torch_num_threads: int | None = Field(default=None, ge=1)
 
+    # Embeddings (unset: the model's sentence-transformers config, else the architecture's usual choice)
+    pooling_type: Literal["last", "mean", "cls", "max"] | None = None
+    embedding_normalize: bool | None = None
+
     # Serving
     max_concurrency: int = Field(default=30, ge=1)
     openai_served_model_name_override: str | None = None
@@ -102,6 +106,11 @@ class WorkerSettings(BaseSettings):
                 raise ValueError(f"not a valid Jinja template: {exc.message or exc}{where}") from None
         return value
 
+    @field_validator("pooling_type", mode="before")
+    @classmethod
+    def _pooling_type(cls, value):
+        return str(value).strip().lower() if value is not None else None
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _log_level(cls, value: str) -> str:
@@ -138,6 +147,8 @@ class WorkerSettings(BaseSettings):
             tensor_parallel_size=self.tensor_parallel_size,
             num_threads=self.torch_num_threads,
             max_logprobs=self.max_logprobs,
+            pooling_type=self.pooling_type,
+            embedding_normalize=self.embedding_normalize,
         )
 
     def serving_config(self) -> ServingConfig:

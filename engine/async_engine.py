@@ -15,6 +15,7 @@ from typing import AsyncIterator, Callable
 from .config import EngineConfig
 from .engine import Engine, RequestOutput
 from .loader import LoadedModel, load
+from .pooling import PoolingConfig, PoolingInput, PoolingModel, PoolingOutput, PoolingParams, PoolingQueue, Task
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -29,9 +30,9 @@ class GenerationError(RuntimeError):
 class _QueueSink:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestOutput | PoolingOutput] = asyncio.Queue()
 
-    def deliver(self, output: RequestOutput) -> None:
+    def deliver(self, output: RequestOutput | PoolingOutput) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
 
 
@@ -46,6 +47,23 @@ def default_cpu_kv_budget() -> int:
     except (ValueError, OSError, AttributeError):
         return _DEFAULT_CPU_KV_BYTES
     return min(_DEFAULT_CPU_KV_BYTES, total // 4)
+
+
+def _generation_runner(model: LoadedModel, config: EngineConfig) -> ModelRunner:
+    """The forward passes and the KV cache, sized once from the budget (logged in tokens and bytes)."""
+    runner = ModelRunner(model.model, model.device, model.dtype,
+                         kv_budget_bytes=config.kv_cache_memory or default_cpu_kv_budget(),
+                         gpu_memory_utilization=config.gpu_memory_utilization,
+                         max_num_batched_tokens=config.max_num_batched_tokens)
+    kv = runner.kv
+    budget = (f"GPU_MEMORY_UTILIZATION={config.gpu_memory_utilization}" if model.device.type == "cuda"
+              else "KV_CACHE_MEMORY")
+    log.info("KV cache: %d tokens in %.1f MB (%.1f KB per token, %s)", kv.capacity_tokens, kv.nbytes / 2**20,
+             kv.nbytes / kv.capacity_tokens / 1024, budget)
+    if kv.capacity_tokens < model.max_model_len:
+        raise RuntimeError(f"the KV cache holds {kv.capacity_tokens} tokens, fewer than one sequence of "
+                           f"MAX_MODEL_LEN={model.max_model_len}: raise {budget.split('=')[0]} or lower MAX_MODEL_LEN")
+    return runner
 
 
 class AsyncEngine:
@@ -79,23 +97,14 @@ class AsyncEngine:
     def _load(self, future: concurrent.futures.Future) -> None:
         try:
             model = self._loader(self.config)
-            runner = ModelRunner(model.model, model.device, model.dtype,
-                                 kv_budget_bytes=self.config.kv_cache_memory or default_cpu_kv_budget(),
-                                 gpu_memory_utilization=self.config.gpu_memory_utilization,
-                                 max_num_batched_tokens=self.config.max_num_batched_tokens)
-            kv = runner.kv
-            log.info("KV cache: %d tokens in %.1f MB (%.1f KB per token, %s)", kv.capacity_tokens, kv.nbytes / 2**20,
-                     kv.nbytes / kv.capacity_tokens / 1024,
-                     f"GPU_MEMORY_UTILIZATION={self.config.gpu_memory_utilization}" if model.device.type == "cuda"
-                     else "KV_CACHE_MEMORY")
-            if kv.capacity_tokens < model.max_model_len:
-                raise RuntimeError(
-                    f"the KV cache holds {kv.capacity_tokens} tokens, fewer than one sequence of MAX_MODEL_LEN="
-                    f"{model.max_model_len}: raise " + ("GPU_MEMORY_UTILIZATION" if model.device.type == "cuda"
-                                                         else "KV_CACHE_MEMORY") + " or lower MAX_MODEL_LEN")
+            runner = _generation_runner(model, self.config) if model.task == "generate" else None
+            pooling = PoolingQueue(PoolingModel(model.model, model.device, model.task,
+                                                engine_attention=model.task == "generate"),
+                                   max_batch_tokens=self.config.max_num_batched_tokens)
             engine = Engine(runner, model.tokenizer, max_num_seqs=self.config.max_num_seqs,
                             max_num_batched_tokens=self.config.max_num_batched_tokens,
-                            max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes)
+                            max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes,
+                            pooling=pooling)
             engine.on_fatal = self._fatal
             self._model, self._engine = model, engine
             future.set_result(None)
@@ -140,6 +149,15 @@ class AsyncEngine:
         return self.engine.check_fits(prompt_len, max_tokens, num_sequences)
 
     @property
+    def task(self) -> Task:
+        """generate, embed or classify: what the served model's architecture can do."""
+        return self._require().task
+
+    @property
+    def pooling_config(self) -> PoolingConfig:
+        return self._require().pooling
+
+    @property
     def engine(self) -> Engine:
         self._require()
         return self._engine
@@ -168,3 +186,20 @@ class AsyncEngine:
         finally:
             if not done:
                 self._engine.abort(request_id)
+
+    # ---- pooling ----
+
+    async def pool(self, request_id: str, inputs: list[PoolingInput], params: PoolingParams) -> PoolingOutput:
+        """One vector per input (embedding or classification scores), computed on the engine thread in batches
+        shared with other requests. Cancelling the wait takes the request out of the queue."""
+        await self.start()
+        sink = _QueueSink(asyncio.get_running_loop())
+        self._engine.submit_pooling(request_id, inputs, params, sink)
+        try:
+            output = await sink.queue.get()
+        except BaseException:
+            self._engine.abort_pooling(request_id)
+            raise
+        if output.error is not None:
+            raise GenerationError(str(output.error)) from output.error
+        return output

@@ -32,3 +32,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     max_logprobs: int = 20
+    # Embeddings: None takes the model's sentence-transformers config, else last token (decoders) or first
+    # token (encoders), normalised.
+    pooling_type: str | None = None  # last | mean | cls | max
+    embedding_normalize: bool | None = None

@@ -17,6 +17,7 @@ import torch
 
 from .block_manager import BLOCK_SIZE, BlockManager
 from .output_processor import OutputProcessor
+from .pooling import PoolingInput, PoolingParams, PoolingQueue, PoolingSink
 from .runner import DecodeRow, ModelRunner, PrefillChunk
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, StepPlan
@@ -46,15 +47,18 @@ def _is_fatal(exc: BaseException) -> bool:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, prefix_cache_bytes: int):
-        self.runner = runner
+    def __init__(self, runner: ModelRunner | None, tokenizer: Tokenizer, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, prefix_cache_bytes: int,
+                 pooling: PoolingQueue | None = None):
+        self.runner = runner  # None for models that only pool (encoders, classifiers): they never generate
+        self.pooling = pooling  # embeddings and scores, run between generation steps (engine/pooling.py)
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        kv = runner.kv
-        block_bytes = kv.nbytes // kv.num_blocks
-        self.blocks = BlockManager(kv.num_blocks, max_cached_blocks=prefix_cache_bytes // block_bytes)
+        kv = runner.kv if runner is not None else None
+        self._block_bytes = kv.nbytes // kv.num_blocks if kv is not None else 0
+        self.blocks = BlockManager(kv.num_blocks if kv is not None else 0,
+                                   max_cached_blocks=prefix_cache_bytes // self._block_bytes if kv else 0)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
         self.sampler = Sampler(tokenizer.eos_token_ids, tokenizer.vocab_size)
@@ -77,6 +81,8 @@ class Engine:
 
     def check_fits(self, prompt_len: int, max_tokens: int, num_sequences: int) -> str | None:
         """Why a request could never run in this engine's KV cache, or None."""
+        if self.runner is None:
+            return "this model does not generate text"
         return self.scheduler.check_fits(prompt_len, max_tokens, num_sequences)
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink) -> None:
@@ -97,6 +103,26 @@ class Engine:
                               RequestMetrics(arrival=time.perf_counter(), prompt_tokens=len(prompt_ids)))
         self._commands.put(("add", group))
         self._wake.set()
+
+    def submit_pooling(self, request_id: str, inputs: list[PoolingInput], params: PoolingParams,
+                       sink: PoolingSink) -> None:
+        """Embeddings, pooled states and scores: engine/pooling.py batches them, the loop runs one batch between
+        generation steps."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped after a device failure: {self._dead}")
+        if self._stopping:
+            raise EngineDeadError("the engine was shut down")
+        if self.pooling is None:
+            raise RuntimeError("this engine has no pooling queue")
+        self.pooling.add(request_id, inputs, params, sink)
+        self._wake.set()
+
+    def abort_pooling(self, request_id: str) -> None:
+        if self.pooling is not None:
+            self.pooling.abort(request_id)
+
+    def _pooling_pending(self) -> bool:
+        return self.pooling is not None and self.pooling.pending
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop: requests still held fail."""
@@ -128,14 +154,13 @@ class Engine:
     def stats(self) -> dict:
         """A snapshot for /health and the stats routes (read from another thread: each value is consistent on
         its own, not with the others)."""
-        kv = self.runner.kv
         return {
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "kv_used_tokens": self.blocks.num_used * BLOCK_SIZE,
-            "kv_capacity_tokens": kv.capacity_tokens,
-            "kv_used_bytes": self.blocks.num_used * (kv.nbytes // kv.num_blocks),
-            "kv_capacity_bytes": kv.nbytes,
+            "kv_capacity_tokens": self.blocks.num_blocks * BLOCK_SIZE,
+            "kv_used_bytes": self.blocks.num_used * self._block_bytes,
+            "kv_capacity_bytes": self.blocks.num_blocks * self._block_bytes,
             "kv_peak_used_tokens": self.blocks.peak_used * BLOCK_SIZE,
             "preemptions": self.scheduler.preemptions,
             "prefix_cache_hit_tokens": self.blocks.hit_tokens,
@@ -152,16 +177,19 @@ class Engine:
 
     def _run(self) -> None:
         while not self._stopping:
-            if not self._groups:
+            if not self._groups and not self._pooling_pending():
                 self._release_idle_memory()
                 self._wake.wait(timeout=1.0)
             self._wake.clear()
             self._drain_commands()
-            if not self._groups:
+            if not self._groups and not self._pooling_pending():
                 continue
             self._idle_since_release = False
             try:
-                self._step()
+                if self._pooling_pending():  # one pooling batch between generation steps
+                    self.pooling.run_next_batch(_is_fatal)
+                if self._groups:
+                    self._step()
             except BaseException as exc:  # a failure the per-request guards could not pin on one request
                 self._fail_all(exc)
                 if _is_fatal(exc):
@@ -177,7 +205,8 @@ class Engine:
         if self._idle_since_release:
             return
         self._idle_since_release = True
-        self.runner.kv.give_back(self.blocks.free_uncached())
+        if self.runner is not None:
+            self.runner.kv.give_back(self.blocks.free_uncached())
 
     def _drain_commands(self) -> None:
         while True:
@@ -352,6 +381,8 @@ class Engine:
     def _fail_all(self, exc: BaseException) -> None:
         for group in list(self._groups.values()):
             self._fail_group(group, exc)
+        if self.pooling is not None:
+            self.pooling.fail_all(exc)
 
     def _drain_and_fail_forever(self, exc: BaseException) -> None:
         if self.on_fatal is not None:

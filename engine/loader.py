@@ -10,6 +10,7 @@ import torch
 
 from . import attention, cpu_layout, fusion, model_store
 from .config import EngineConfig
+from .pooling import PoolingConfig, Task, pooling_config
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("engine.loader")
@@ -28,6 +29,26 @@ class LoadedModel:
     max_model_len: int
     name: str
     generation_defaults: dict  # sampling defaults from the model's generation_config.json
+    task: Task = "generate"  # generate (a causal LM), embed (a plain encoder or decoder), classify (a cross-encoder)
+    pooling: PoolingConfig | None = None  # how embeddings are pooled from its hidden states
+
+
+_GENERATING_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+def model_task(config) -> Task:
+    """What the model's architecture can serve: text generation, classification (a sequence-classification
+    head, as cross-encoders have) or embeddings only (a model without a head, such as BertModel)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    architectures = list(getattr(config, "architectures", None) or ())
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        return "classify"
+    if any(a.endswith(_GENERATING_HEADS) for a in architectures):
+        return "generate"
+    if not architectures and getattr(config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "generate"
+    return "embed"
 
 
 _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -149,7 +170,8 @@ def _placement(config: EngineConfig, device: torch.device) -> dict:
 
 
 def load(config: EngineConfig) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                              AutoTokenizer)
 
     started = time.perf_counter()
     if config.num_threads:
@@ -170,16 +192,27 @@ def load(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError(f"model {config.model or source.name}: no config.json in {folder}")
     try:
         hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, trust_remote_code=config.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, attn_implementation=attention.ATTENTION_IMPLEMENTATION,
-            trust_remote_code=config.trust_remote_code, **_placement(config, device))
+        task = model_task(AutoConfig.from_pretrained(folder, trust_remote_code=config.trust_remote_code))
+        if task == "generate":
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype, attn_implementation=attention.ATTENTION_IMPLEMENTATION,
+                trust_remote_code=config.trust_remote_code, **_placement(config, device))
+        else:
+            # Encoders and classifiers never run a generation step: they keep their own attention (and its
+            # bidirectional masks) instead of the engine's KV-cache attention.
+            auto_class = AutoModelForSequenceClassification if task == "classify" else AutoModel
+            model = auto_class.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
+                                               trust_remote_code=config.trust_remote_code,
+                                               **_placement(config, device))
     except Exception as exc:
         raise ModelLoadError(f"model {config.model or source.name}: loading failed: {exc}") from exc
     model.eval()
     model.requires_grad_(False)
-    fusion.apply(model)
-    if device.type == "cpu":
-        cpu_layout.apply(model)
+    if task == "generate":  # faster decode steps; the rewrites target decoder layers
+        fusion.apply(model)
+        if device.type == "cpu":
+            cpu_layout.apply(model)
+    pooling = pooling_config(folder, model.config, task, config.pooling_type, config.embedding_normalize)
 
     limit = _model_max_len(model.config)
     if config.max_model_len is not None and config.max_model_len > limit:
@@ -187,6 +220,8 @@ def load(config: EngineConfig) -> LoadedModel:
     max_model_len = config.max_model_len or limit
     vocab_size = model.get_input_embeddings().num_embeddings
     tokenizer = Tokenizer(hf_tokenizer, config.chat_template, _eos_ids(hf_tokenizer, model), vocab_size)
-    log.info("loaded %s on %s (%s, max_model_len %d) in %.1f s", source.name, device, str(dtype).removeprefix("torch."),
-             max_model_len, time.perf_counter() - started)
-    return LoadedModel(model, tokenizer, device, dtype, max_model_len, source.name, _generation_defaults(model))
+    log.info("loaded %s on %s (%s, max_model_len %d, task %s, pooling %s%s from %s) in %.1f s", source.name, device,
+             str(dtype).removeprefix("torch."), max_model_len, task, pooling.pooling_type,
+             " normalized" if pooling.normalize else "", pooling.source, time.perf_counter() - started)
+    return LoadedModel(model, tokenizer, device, dtype, max_model_len, source.name, _generation_defaults(model),
+                       task, pooling)

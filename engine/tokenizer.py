@@ -27,6 +27,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_pair(self, text: str, pair: str) -> tuple[list[int], list[int] | None]:
+        """A text pair as a cross-encoder takes it (with the tokenizer's separators), and the segment ids when
+        the model uses them."""
+        encoded = self.hf(text, pair, add_special_tokens=True)
+        types = encoded.get("token_type_ids")
+        return list(encoded["input_ids"]), list(types) if types is not None else None
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """The vocabulary's spelling of each token (byte-level pieces as stored, e.g. 'Ġworld')."""
+        return list(self.hf.convert_ids_to_tokens(ids))
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 

@@ -1,6 +1,7 @@
 """From a RunPod job's input to the parts the worker yields.
 
-Routes `{"openai_route", "openai_input"}` jobs to the OpenAI endpoints and `{"prompt" | "messages",
+Routes `{"openai_route", "openai_input"}` jobs to the OpenAI endpoints (and vLLM's extra ones: tokenizer,
+embeddings, pooling, score, rerank, metrics, stats) and `{"prompt" | "messages",
 "sampling_params"}` jobs to the legacy (worker-vllm) form. Non-streaming requests yield one dict; streams
 yield batches of SSE text (or of chunk dicts with RAW_OPENAI_OUTPUT=0). Every failure becomes one OpenAI error
 object; tracebacks go to the log, never to the caller.
@@ -15,8 +16,11 @@ from pydantic import BaseModel
 from .config import ServingConfig
 from .errors import OpenAIError, error_body
 from .legacy import LegacyJob, run_legacy
+from .metrics import METRICS_CONTENT_TYPE
+from .pooling import EmbeddingRequest, PoolingRequest, PoolingServing, RerankRequest, ScoreRequest
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
+from .tokenization import DetokenizeRequest, TokenizationServing, TokenizeRequest
 from .streaming import DONE, BatchSize, batched, carries_tokens, sse
 from .validation import check_json, parse
 
@@ -25,12 +29,40 @@ log = logging.getLogger("openai_compat.jobs")
 CHAT_ROUTE = "/v1/chat/completions"
 COMPLETIONS_ROUTE = "/v1/completions"
 MODELS_ROUTE = "/v1/models"
-ROUTES = (CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE)
+EMBEDDINGS_ROUTE = "/v1/embeddings"
+# vLLM serves these at the root (and /v1/rerank, /v2/rerank); the platform forwards /openai/v1/<path> as
+# /v1/<path>, so each is also accepted under /v1.
+TOKENIZE_ROUTE = "/tokenize"
+DETOKENIZE_ROUTE = "/detokenize"
+POOLING_ROUTE = "/pooling"
+SCORE_ROUTE = "/score"
+RERANK_ROUTE = "/rerank"
+METRICS_ROUTE = "/metrics"
+STATS_ROUTE = "/stats"
+ROUTES = (CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, EMBEDDINGS_ROUTE, TOKENIZE_ROUTE, DETOKENIZE_ROUTE,
+          POOLING_ROUTE, SCORE_ROUTE, RERANK_ROUTE, "/v2/rerank", METRICS_ROUTE, STATS_ROUTE)
+
+
+def extra_route(route: str) -> str | None:
+    """The route name of a path outside chat, completions and models (`/v1/tokenize` -> `/tokenize`), or None."""
+    for prefix in ("/v1", "/v2"):
+        if route.startswith(prefix + "/"):
+            name = route[len(prefix):]
+            if name == RERANK_ROUTE or (prefix == "/v1" and name in _EXTRA_ROUTES):
+                return name
+            return None
+    return route if route in _EXTRA_ROUTES and route != "/embeddings" else None
+
+
+_EXTRA_ROUTES = ("/embeddings", TOKENIZE_ROUTE, DETOKENIZE_ROUTE, POOLING_ROUTE, SCORE_ROUTE, RERANK_ROUTE,
+                 METRICS_ROUTE, STATS_ROUTE)
 
 class JobRouter:
     def __init__(self, serving: OpenAIServing, config: ServingConfig):
         self.serving = serving
         self.config = config
+        self.tokenization = TokenizationServing(serving)
+        self.pooling = PoolingServing(serving)
 
     async def run(self, job_input: Any, job_id: str | None = None) -> AsyncIterator[Any]:
         try:
@@ -79,14 +111,37 @@ class JobRouter:
             result = await self.serving.create_chat_completion(parse(ChatCompletionRequest, body))
         elif route == COMPLETIONS_ROUTE:
             result = await self.serving.create_completion(parse(CompletionRequest, body))
+        elif (name := extra_route(route)) is not None:
+            result = await self._extra(name, body)
         else:
             raise OpenAIError(f"unknown openai_route {ascii(route)[:200]}; supported: {', '.join(ROUTES)}",
                               status=404, param="openai_route")
         if isinstance(result, BaseModel):
             yield result.model_dump(mode="json")
             return
+        if isinstance(result, dict):
+            yield result
+            return
         async for part in self._stream(result):
             yield part
+
+    async def _extra(self, name: str, body: Any) -> BaseModel | dict:
+        if name == METRICS_ROUTE:  # the Prometheus text, wrapped so that a job output stays JSON
+            return {"object": "metrics", "content_type": METRICS_CONTENT_TYPE,
+                    "text": self.serving.metrics.exposition()}
+        if name == STATS_ROUTE:
+            return self.serving.metrics.stats()
+        if name == TOKENIZE_ROUTE:
+            return await self.tokenization.tokenize(parse(TokenizeRequest, body))
+        if name == DETOKENIZE_ROUTE:
+            return await self.tokenization.detokenize(parse(DetokenizeRequest, body))
+        if name == "/embeddings":
+            return await self.pooling.create_embedding(parse(EmbeddingRequest, body))
+        if name == POOLING_ROUTE:
+            return await self.pooling.create_pooling(parse(PoolingRequest, body))
+        if name == SCORE_ROUTE:
+            return await self.pooling.create_score(parse(ScoreRequest, body))
+        return await self.pooling.create_rerank(parse(RerankRequest, body))
 
     async def _stream(self, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[Any]:
         raw = self.config.raw_openai_output

@@ -38,11 +38,11 @@ class ParamError(ValueError):
         self.param = param
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
     @model_validator(mode="after")
-    def _unknown_fields(self) -> "_Request":
+    def _unknown_fields(self) -> "RequestModel":
         unknown = sorted(set(self.model_extra or {}) - IGNORED_FIELDS)
         if unknown:
             raise ParamError(unknown[0], f"unsupported parameter(s): {', '.join(unknown)}")
@@ -61,7 +61,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(_Request):
+class SamplingFields(RequestModel):
     """Generation parameters shared by chat and completions (and the legacy job form)."""
 
     n: int = Field(default=1, ge=1)

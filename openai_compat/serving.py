@@ -16,6 +16,7 @@ from engine import AsyncEngine, ChatTemplateError, GenerationError, RequestOutpu
 
 from .config import ServingConfig
 from .errors import OpenAIError
+from .metrics import ServingMetrics
 from .protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage, ChatTokenLogprob,
@@ -49,6 +50,7 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, config: ServingConfig):
         self.engine = engine
         self.config = config
+        self.metrics = ServingMetrics(engine, lambda: self.served_model_name)
 
     # ---------------------------------------------------------------- shared
 
@@ -63,9 +65,18 @@ class OpenAIServing:
     def served_model_name(self) -> str:
         return self.config.served_model_name or self.engine.model_name
 
-    def _check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:
             raise OpenAIError(f"The model `{name}` does not exist.", status=404, param="model")
+
+    def check_generates(self, endpoint: str) -> None:
+        """Embedding and cross-encoder models have no language-model head: generation routes are a 400."""
+        task = self.engine.task
+        if task != "generate":
+            kind = "an embedding" if task == "embed" else "a classification (cross-encoder)"
+            raise OpenAIError(f"the served model {self.served_model_name} is {kind} model with no language-model "
+                              f"head, so it cannot do {endpoint}; it serves /v1/embeddings, /pooling, /score, "
+                              f"/rerank and /tokenize")
 
     async def list_models(self) -> ModelList:
         await self.ready()
@@ -75,6 +86,7 @@ class OpenAIServing:
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
                          logprobs: int | None, prompt_logprobs: int | None = None,
                          max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs") -> SamplingParams:
+        self.check_generates("chat completions" if isinstance(request, ChatCompletionRequest) else "completions")
         limit = self.engine.max_model_len
         max_logprobs = self.engine.config.max_logprobs
         for name, value in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
@@ -99,9 +111,9 @@ class OpenAIServing:
         if too_large is not None:
             raise OpenAIError(f"This request cannot be served: {too_large}. Please reduce {max_tokens_param}, n or "
                               f"the prompt.", param=max_tokens_param)
-        self._check_in_vocabulary(request.stop_token_ids or (), "stop_token_ids")
+        self.check_in_vocabulary(request.stop_token_ids or (), "stop_token_ids")
         bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
-        self._check_in_vocabulary(bias, "logit_bias")
+        self.check_in_vocabulary(bias, "logit_bias")
         defaults = self.engine.generation_defaults
 
         def pick(name: str, fallback):
@@ -125,8 +137,10 @@ class OpenAIServing:
             text = prompt.text if prompt.text is not None else self.engine.tokenizer.decode(prompt.token_ids, False)
             log.debug("request=%s prompt=%r", request_id, text)
         outputs: dict[int, str] = {}
+        recorder = self.metrics.request(len(prompt.token_ids))
         try:
             async for output in self.engine.generate(request_id, prompt.token_ids, params):
+                recorder.output(output)
                 for delta in output.deltas:
                     outputs[delta.index] = outputs.get(delta.index, "") + delta.text
                 if output.finished and output.metrics is not None:
@@ -138,10 +152,10 @@ class OpenAIServing:
             raise OpenAIError(f"generation failed: {exc}", status=500) from exc
 
     async def tokenize(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
-        self._check_prompt_chars(text, param)
+        self.check_prompt_chars(text, param)
         return await asyncio.to_thread(self.engine.tokenizer.encode, text, add_special_tokens)
 
-    def _check_prompt_chars(self, text: str, param: str) -> None:
+    def check_prompt_chars(self, text: str, param: str) -> None:
         """Refuse a text that cannot fit the context before tokenizing it: tokenizing runs at about a million
         characters a second, so a few megabytes would hold the request (and a CPU core) for seconds."""
         limit = self.engine.max_model_len
@@ -161,9 +175,9 @@ class OpenAIServing:
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         self._check_prompt_len(len(ids), param)  # before walking (and decoding) millions of ids
-        self._check_in_vocabulary(ids, param)
+        self.check_in_vocabulary(ids, param)
 
-    def _check_in_vocabulary(self, ids, param: str) -> None:
+    def check_in_vocabulary(self, ids, param: str) -> None:
         vocab = self.engine.tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -205,8 +219,9 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- chat
 
-    async def chat_prompt(self, request: ChatCompletionRequest) -> Prompt:
-        """The token ids of a chat request's conversation, rendered with the chat template."""
+    async def chat_prompt(self, request: ChatCompletionRequest, add_special_tokens: bool = False) -> Prompt:
+        """The token ids of a chat request's conversation, rendered with the chat template (which writes the
+        special tokens itself; `add_special_tokens` adds the tokenizer's, as /tokenize may ask)."""
         if request.chat_template is not None:
             raise OpenAIError("a chat template in the request is not accepted; set CUSTOM_CHAT_TEMPLATE on the "
                               "worker instead", param="chat_template")
@@ -237,8 +252,8 @@ class OpenAIServing:
                                          continue_final_message=request.continue_final_message,
                                          tools=request.tools, documents=request.documents,
                                          template_kwargs=request.chat_template_kwargs)
-            self._check_prompt_chars(text, "messages")
-            return tokenizer.encode(text, add_special_tokens=False)
+            self.check_prompt_chars(text, "messages")
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
         try:
             ids = await asyncio.to_thread(render)
@@ -249,7 +264,8 @@ class OpenAIServing:
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | AsyncIterator[ChatCompletionStreamResponse]:
         await self.ready()
-        self._check_model(request.model)
+        self.check_model(request.model)
+        self.check_generates("chat completions")
         prompt = await self.chat_prompt(request)
         top = request.top_logprobs or 0
         # max_completion_tokens wins over the deprecated max_tokens (as in vLLM); errors name the one used.
@@ -367,7 +383,8 @@ class OpenAIServing:
     async def create_completion(self, request: CompletionRequest
                                 ) -> CompletionResponse | AsyncIterator[CompletionStreamResponse]:
         await self.ready()
-        self._check_model(request.model)
+        self.check_model(request.model)
+        self.check_generates("completions")
         prompts = await self._completion_prompts(request)
         # echo with logprobs scores the prompt too
         prompt_logprobs = request.logprobs if request.echo else None

@@ -37,7 +37,9 @@ def run_job(job_input, job_id: str = "test") -> list:
     return asyncio.run(collect())
 
 
-def start_gateway(env: dict | None = None, extra_args: tuple = ()) -> tuple[subprocess.Popen, str]:
+def start_gateway(env: dict | None = None, extra_args: tuple = (), log: list | None = None
+                  ) -> tuple[subprocess.Popen, str]:
+    """A gateway subprocess and its base URL; its output lines are appended to `log` when one is given."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "openai_compat.server", "--port", str(port), *extra_args], cwd=ROOT,
@@ -52,7 +54,10 @@ def start_gateway(env: dict | None = None, extra_args: tuple = ()) -> tuple[subp
         if "gateway ready" in line:
             # Keep draining the log so the gateway never blocks on a full pipe.
             import threading
-            threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
+            if log is not None:
+                log.extend(lines)
+            threading.Thread(target=lambda: [log.append(line) if log is not None else None
+                                             for line in process.stdout], daemon=True).start()
             return process, f"http://127.0.0.1:{port}/openai/v1"
     process.kill()
     raise RuntimeError("gateway did not start:\n" + "".join(lines[-40:]))

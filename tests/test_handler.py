@@ -134,7 +134,7 @@ def test_legacy_default_max_tokens_is_100(worker):
     ("just a string", 400, "JSON object"),
     ([1, 2], 400, "JSON object"),
     ({}, 400, "openai_route"),
-    ({"openai_route": "/v1/embeddings", "openai_input": {}}, 404, "unknown openai_route"),
+    ({"openai_route": "/v1/audio/transcriptions", "openai_input": {}}, 404, "unknown openai_route"),
     ({"openai_route": "/v1/chat/completions", "openai_input": "hi"}, 400, "JSON object"),
     ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": []}}, 400, "messages"),
     ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "wizard", "content": "x"}]}},
