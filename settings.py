@@ -66,6 +66,9 @@ class WorkerSettings(BaseSettings):
     batch_size_growth_factor: float = Field(default=3.0, ge=1.0)
     max_logprobs: int = Field(default=20, ge=0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    enable_auto_tool_choice: bool = True
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -98,6 +101,19 @@ class WorkerSettings(BaseSettings):
                 where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
                 raise ValueError(f"not a valid Jinja template: {exc.message or exc}{where}") from None
         return value
+
+    @field_validator("tool_call_parser", "reasoning_parser", mode="before")
+    @classmethod
+    def _parser_name(cls, value: str | None, info) -> str | None:
+        from openai_compat import reasoning, tool_parsers
+        if value is None:
+            return None
+        name = str(value).strip().lower()
+        known = sorted(tool_parsers.PARSERS) if info.field_name == "tool_call_parser" else \
+            sorted(reasoning.NAMES | {"none"})
+        if name not in known:
+            raise ValueError(f"must be one of {', '.join(known)} (got {value!r})")
+        return name
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -138,6 +154,9 @@ class WorkerSettings(BaseSettings):
             default_batch_size=self.default_batch_size,
             min_batch_size=self.min_batch_size,
             batch_size_growth_factor=self.batch_size_growth_factor,
+            enable_auto_tool_choice=self.enable_auto_tool_choice,
+            tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
         )
 
 

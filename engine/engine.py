@@ -95,6 +95,7 @@ class _Sequence:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.matcher = params.grammar.new_matcher() if params.grammar else None  # structured output
 
     @property
     def num_generated(self) -> int:
@@ -321,7 +322,7 @@ class Engine:
         group.metrics.first_token = time.perf_counter()
         live = group.seqs
         tokens, logprobs = self.sampler.sample(logits.unsqueeze(0).expand(len(live), -1), [s.sampling for s in live],
-                                               [0] * len(live))
+                                               [0] * len(live), [s.matcher for s in live])
         for s, token, lp in zip(live, tokens, logprobs):
             s.status = _DECODING
             self._append_token(s, token, lp)
@@ -357,14 +358,14 @@ class Engine:
                 logits = logits.index_select(0, keep)
             try:
                 tokens, logprobs = self.sampler.sample(logits, [s.sampling for s in live],
-                                                       [s.num_generated for s in live])
+                                                       [s.num_generated for s in live], [s.matcher for s in live])
             except Exception:
                 tokens = logprobs = None  # find the failing request row by row
             for i, s in enumerate(live):
                 try:
                     if tokens is None:
                         row_tokens, row_logprobs = self.sampler.sample(logits[i:i + 1], [s.sampling],
-                                                                       [s.num_generated])
+                                                                       [s.num_generated], [s.matcher])
                         self._append_token(s, row_tokens[0], row_logprobs[0])
                     else:
                         self._append_token(s, tokens[i], logprobs[i])
@@ -426,6 +427,8 @@ class Engine:
                     stop, cut = found
                     seq.text = seq.text[:cut]
                     return self._finish(seq, "stop", stop)
+        if seq.matcher is not None and seq.matcher.is_terminated():  # structured output complete
+            return self._finish(seq, "stop", None)
         if generated >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
             return self._finish(seq, "length", None)
 

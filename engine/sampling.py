@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .structured import GrammarMatcher, GrammarSpec
 
 _GREEDY_BELOW = 1e-5
 
@@ -33,6 +37,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # alternatives per prompt token; None: none
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    grammar: "GrammarSpec | None" = None  # structured output: tokens are masked to those the grammar allows
 
     @property
     def greedy(self) -> bool:
@@ -100,9 +105,20 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
 
-    def sample(self, logits: torch.Tensor, states: list[SequenceSamplingState],
-               num_generated: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
+    def sample(self, logits: torch.Tensor, states: list[SequenceSamplingState], num_generated: list[int],
+               matchers: "list[GrammarMatcher | None] | None" = None) -> tuple[list[int], list[TokenLogprob | None]]:
         logits = logits[:, : self.vocab_size].float()
+        raw_logits = logits  # logprobs are reported from the model's own distribution (vLLM's default)
+        # ---- structured output: mask the rows that have a grammar (a copy; the model's logits stay intact)
+        constrained = [i for i, m in enumerate(matchers or ()) if m is not None]
+        if constrained:
+            from .structured import allocate_bitmask, apply_bitmask
+            bitmask = allocate_bitmask(len(constrained), self.vocab_size)
+            for slot, row in enumerate(constrained):
+                matchers[row].fill_bitmask(bitmask, slot)
+            logits = logits.clone()
+            apply_bitmask(logits, bitmask, constrained)
+        # ----
         rows = len(states)
         tokens: list[int] = [0] * rows
         logprobs: list[TokenLogprob | None] = [None] * rows
@@ -122,11 +138,13 @@ class Sampler:
         if wanted:
             index = torch.tensor(wanted, device=logits.device)
             chosen_ids = torch.tensor([tokens[i] for i in wanted], device=logits.device)
-            for row, entry in zip(wanted, self.logprobs_of(logits.index_select(0, index), chosen_ids,
+            for row, entry in zip(wanted, self.logprobs_of(raw_logits.index_select(0, index), chosen_ids,
                                                              [states[i].params.logprobs or 0 for i in wanted])):
                 logprobs[row] = entry
         for row, state in enumerate(states):
             state.record(tokens[row])
+        for row in constrained:  # structured output: advance each grammar by its sampled token
+            matchers[row].accept(tokens[row])
         return tokens, logprobs
 
     @staticmethod
