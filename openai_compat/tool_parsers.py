@@ -198,11 +198,13 @@ class HermesParser(ToolParser):
         at = 0
         while True:
             start = text.find(self.OPEN, at)
+            segment = text[at:] if start == -1 else text[at:start]
+            if start == -1 and not final:
+                segment = segment[:len(segment) - _held_back(segment, self.OPEN)]
+            if at == 0 or segment.strip():  # whitespace between and after calls is not content
+                content.append(segment)
             if start == -1:
-                tail = text[at:]
-                content.append(tail if final else tail[:len(tail) - _held_back(tail, self.OPEN)])
                 break
-            content.append(text[at:start])
             body_start = start + len(self.OPEN)
             close = text.find(self.CLOSE, body_start)
             body = text[body_start:] if close == -1 else text[body_start:close]
