@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 
 GrammarKind = Literal["json_schema", "regex", "choice", "grammar"]
@@ -114,21 +115,34 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
+def _forbidden(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[rows, words * 32] bool: True where the bitmask forbids the token."""
+    if device.type == "cpu":
+        # Bit i of int32 word j is bit i % 8 of byte 4j + i // 8 (little-endian), so unpacking the bytes
+        # little-endian lists the tokens in order; one C loop, far cheaper than shifting a tensor 32 ways.
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits).logical_not()
+    shifts = _BIT_SHIFTS.get(device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    words = bitmask.to(device, non_blocking=True)
+    return ((words.unsqueeze(-1) >> shifts) & 1 == 0).view(bitmask.shape[0], -1)
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set to -inf, in place, the logits of tokens the bitmask forbids; bitmask row i masks logits row rows[i]."""
     if not rows:
         return
-    device = logits.device
-    shifts = _BIT_SHIFTS.get(device)
-    if shifts is None:
-        shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
-    words = bitmask[:len(rows)].to(device, non_blocking=True)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)
     vocab = logits.shape[1]
-    if allowed.shape[1] < vocab:  # tokens past the grammar's vocabulary are never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    index = torch.tensor(rows, device=device)
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed[:, :vocab], float("-inf")))
+    forbidden = _forbidden(bitmask[:len(rows)], logits.device)
+    if forbidden.shape[1] < vocab:  # tokens past the grammar's vocabulary are never allowed
+        forbidden = torch.nn.functional.pad(forbidden, (0, vocab - forbidden.shape[1]), value=True)
+    forbidden = forbidden[:, :vocab]
+    if rows == list(range(logits.shape[0])):
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
+    for i, row in enumerate(rows):
+        logits[row].masked_fill_(forbidden[i], float("-inf"))
 
 
 class GrammarCompiler:
