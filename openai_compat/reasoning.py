@@ -94,35 +94,41 @@ class ThinkParser(ReasoningParser):
 
 class HarmonyParser(ReasoningParser):
     """gpt-oss: `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...`.
-    Its markers are special tokens, so the output is decoded with them."""
+    Its markers are special tokens, so the output is decoded with them. A message addressed to a function
+    (`to=functions.NAME` in its header) is a tool call: it goes to the content whole, from `<|start|>` to its
+    end, for the `openai` tool parser to read."""
     needs_special_tokens = True
-    CHANNEL, MESSAGE = "<|channel|>", "<|message|>"
+    START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
     ENDS = ("<|end|>", "<|return|>", "<|call|>")
-    markers = (CHANNEL, MESSAGE, "<|start|>", *ENDS)
+    markers = (START, CHANNEL, MESSAGE, *ENDS)
 
     def split(self, text: str, final: bool) -> Split:
         reasoning: list[str] = []
         content: list[str] = []
         at = 0
-        while True:
-            start = text.find(self.CHANNEL, at)
-            if start == -1:
-                break
-            header_end = text.find(self.MESSAGE, start)
+        while at < len(text):
+            if text.startswith(self.START, at):
+                at += len(self.START)
+            header_end = text.find(self.MESSAGE, at)
             if header_end == -1:
-                break  # header still being written
-            channel = text[start + len(self.CHANNEL):header_end].split()[0] if \
-                text[start + len(self.CHANNEL):header_end].split() else ""
+                break  # the header is still being written
+            header = text[at:header_end]
             body_start = header_end + len(self.MESSAGE)
-            ends = [i for i in (text.find(e, body_start) for e in self.ENDS) if i != -1]
-            body_end = min(ends) if ends else len(text)
-            body = text[body_start:body_end]
-            if not ends and not final:
+            found = [(i, e) for e in self.ENDS if (i := text.find(e, body_start)) != -1]
+            end, marker = min(found) if found else (len(text), "")
+            body = text[body_start:end]
+            if not found and not final:
                 body = body[:len(body) - _held_back(body, self.markers)]
-            (content if channel == "final" else reasoning).append(body)
-            at = body_end
-            if not ends:
+            words = header.split(self.CHANNEL, 1)[1].split() if self.CHANNEL in header else []
+            if "to=functions." in header:
+                content.append(f"{self.START}{header}{self.MESSAGE}{body}{marker}")
+            elif words[:1] == ["final"]:
+                content.append(body)
+            else:
+                reasoning.append(body)
+            if not found:
                 break
+            at = end + len(marker)
         return Split("".join(reasoning) if reasoning else None, "".join(content))
 
     def answer_gate(self) -> tuple[str | None, str, bool]:

@@ -7,7 +7,8 @@ what the whole response carries. While streaming, text that may be the start of 
 
 Formats: Hermes/Qwen `<tool_call>{json}</tool_call>`, Llama 3 JSON (`{"name", "parameters"}`, optionally after
 `<|python_tag|>`, several separated by `;`), Mistral `[TOOL_CALLS]` (a JSON list, or `name[ARGS]{json}`),
-and pythonic lists (`[f(a=1), g(b="x")]`, Llama 4 and others). The parser is named by TOOL_CALL_PARSER
+pythonic lists (`[f(a=1), g(b="x")]`, Llama 4 and others) and gpt-oss harmony messages to `functions.NAME`
+(with the harmony reasoning parser). The parser is named by TOOL_CALL_PARSER
 (vLLM's names) or recognised from the chat template.
 """
 from __future__ import annotations
@@ -300,6 +301,27 @@ class PythonicParser(ToolParser):
             return Scan(text)
 
 
+class HarmonyToolParser(ToolParser):
+    """gpt-oss: the harmony reasoning parser hands over each message addressed to a function as
+    `<|start|>HEADER<|message|>ARGUMENTS<|call|>`, HEADER naming `to=functions.NAME`."""
+    needs_special_tokens = True
+    START, MESSAGE, CALL = "<|start|>", "<|message|>", "<|call|>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        content: list[str] = []
+        calls: list[PartialCall] = []
+        for i, part in enumerate(text.split(self.START)):
+            header, sep, body = part.partition(self.MESSAGE)
+            name = header.split("to=functions.", 1)[1].split()[0].split("<|")[0] if sep and \
+                "to=functions." in header else None
+            if name is None:
+                content.append(part if i == 0 else self.START + part)
+                continue
+            complete = body.endswith(self.CALL)
+            calls.append(PartialCall(name, body.removesuffix(self.CALL).lstrip(), complete or final))
+        return Scan("".join(content), calls)
+
+
 class NamedFunctionParser(ToolParser):
     """tool_choice naming a function: the reply is that function's arguments, generated under its schema."""
 
@@ -325,6 +347,7 @@ PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonParser, "llama": Llama3JsonParser,
     "mistral": MistralParser,
     "pythonic": PythonicParser, "llama4_pythonic": PythonicParser, "olmo3": PythonicParser,
+    "openai": HarmonyToolParser,
 }
 
 
@@ -333,6 +356,8 @@ def parser_name_for(setting: str | None, chat_template: str | None) -> str | Non
     if setting:
         return setting
     template = chat_template or ""
+    if "<|channel|>" in template and "to=functions." in template:
+        return "openai"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:

@@ -155,6 +155,20 @@ def test_tool_calls_are_parsed_in_the_answer_not_the_thinking():
     assert streamed["calls"] == [("get_weather", '{"city": "Paris"}')] and streamed["reasoning"] == whole.reasoning
 
 
+def test_gpt_oss_tool_call_after_analysis():
+    text = ("<|channel|>analysis<|message|>Need the weather tool.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "unit": "celsius"}<|call|>')
+    make = lambda: ChatOutputParser(reasoning.make_parser("openai_gptoss", ""), tool_parsers.HarmonyToolParser())
+    whole = make().parse(text)
+    assert whole.reasoning == "Need the weather tool." and whole.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls] == [("get_weather",
+                                                                                                WEATHER)]
+    for piece in (1, 6):
+        assert stream(make(), text, piece) == {"content": None, "reasoning": whole.reasoning, "calls": [
+            ("get_weather", whole.tool_calls[0].function.arguments)]}
+    assert tool_parsers.parser_name_for(None, "<|channel|>commentary to=functions.x") == "openai"
+
+
 @pytest.mark.parametrize("template,expected", [
     ("{% if '</think>' in content %}", "think"), ("<|channel|>final<|message|>", "openai_gptoss"),
     ("{{ messages }}", None),
