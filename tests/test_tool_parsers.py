@@ -176,3 +176,20 @@ def test_gpt_oss_tool_call_after_analysis():
 def test_reasoning_parser_is_recognised_from_the_chat_template(template, expected):
     assert reasoning.parser_name_for(None, template) == expected
     assert reasoning.parser_name_for("none", template) is None
+
+
+@pytest.mark.parametrize("parser,text,expected", [
+    (tool_parsers.RequiredParser(), '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
+                                    '{"name": "get_time", "parameters": {"zone": "CET"}}]',
+     [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
+    (tool_parsers.NamedFunctionParser("get_weather"), '{"city": "Paris", "unit": "celsius"}',
+     [("get_weather", WEATHER)]),
+])
+def test_forced_tool_call_outputs_parse_whole_and_streamed(parser, text, expected):
+    """What tool_choice "required" and a named function make the model write, under their grammars."""
+    whole = ChatOutputParser(None, parser).parse(text)
+    assert whole.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls] == expected
+    for piece in (1, 4):
+        assert stream(ChatOutputParser(None, parser), text, piece)["calls"] == [
+            (c.function.name, c.function.arguments) for c in whole.tool_calls]
