@@ -15,12 +15,10 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import torch
 
-GrammarKind = Literal["json_schema", "regex", "choice", "grammar"]
 KINDS = ("json_schema", "regex", "choice", "grammar")
 _CACHE_ENTRIES = 256
 
@@ -181,9 +179,12 @@ class GrammarCompiler:
         if kind == "json_schema":
             # Without a whitespace pattern, JSON is written with single spaces after ',' and ':' and no other
             # whitespace: a small model left free to add whitespace can spend its whole budget on newlines.
-            options = ({"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
-                       if whitespace_pattern is not None else
-                       {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+            # An empty pattern means no whitespace at all.
+            if whitespace_pattern:
+                options = {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
+            else:
+                space = " " if whitespace_pattern is None else ""
+                options = {"whitespace_flexible": False, "item_separator": "," + space, "key_separator": ":" + space}
             try:
                 return llg.LLMatcher.grammar_from_json_schema(text, overrides=options)
             except ValueError as exc:

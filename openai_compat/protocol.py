@@ -6,10 +6,10 @@ unknown parameter is rejected rather than silently dropped.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -72,7 +72,7 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     whitespace_pattern: str | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool = False  # JSON with no whitespace at all
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def _schema_text(value: Any, param: str) -> str:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ParamError(param, f"{param} is not valid JSON: {exc}") from None
     if not isinstance(value, (dict, bool)):
         raise ParamError(param, f"{param} must be a JSON schema (an object)")
@@ -192,6 +192,8 @@ class SamplingFields(_Request):
         so = self.structured_outputs
         if so is not None:
             space = so.whitespace_pattern if so.whitespace_pattern is not None else space
+            if so.disable_any_whitespace:
+                space = ""  # engine.structured: an empty pattern means no whitespace
             if so.json_schema is not None:
                 found.append(Constraint("json_schema", _schema_text(so.json_schema, "structured_outputs.json"),
                                         "structured_outputs.json", space))

@@ -120,3 +120,21 @@ def test_compiled_grammars_are_cached_by_constraint(compiler):
     schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
     assert compiler.compile("json_schema", schema) is compiler.compile("json_schema", schema)
     assert compiler.compile("json_schema", schema) is not compiler.compile("json_schema", schema, r"[ ]?")
+
+
+@pytest.mark.parametrize("pattern,text,matches", [
+    (None, '{"a": 1, "b": 2}', True), (None, '{"a":1,"b":2}', False),
+    ("", '{"a":1,"b":2}', True), ("", '{"a": 1, "b": 2}', False),
+    (r"[ \n]{0,2}", '{\n "a": 1,\n "b": 2\n}', True),
+])
+def test_json_whitespace(tokenizer, compiler, pattern, text, matches):
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                         "required": ["a", "b"], "additionalProperties": False})
+    matcher = compiler.compile("json_schema", schema, pattern).new_matcher()
+    for token in ids(tokenizer, text):
+        matcher.accept(token)
+    if matches:
+        assert matcher.is_terminated()
+    else:
+        with pytest.raises(RuntimeError, match="rejected"):
+            matcher.is_terminated()
