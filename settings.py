@@ -73,6 +73,9 @@ class WorkerSettings(BaseSettings):
     batch_size_growth_factor: float = Field(default=3.0, ge=1.0)
     max_logprobs: int = Field(default=20, ge=0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    enable_auto_tool_choice: bool = True
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -110,6 +113,19 @@ class WorkerSettings(BaseSettings):
     @classmethod
     def _pooling_type(cls, value):
         return str(value).strip().lower() if value is not None else None
+
+    @field_validator("tool_call_parser", "reasoning_parser", mode="before")
+    @classmethod
+    def _parser_name(cls, value: str | None, info) -> str | None:
+        from openai_compat import reasoning, tool_parsers
+        if value is None:
+            return None
+        name = str(value).strip().lower()
+        known = sorted(tool_parsers.PARSERS) if info.field_name == "tool_call_parser" else \
+            sorted(reasoning.NAMES | {"none"})
+        if name not in known:
+            raise ValueError(f"must be one of {', '.join(known)} (got {value!r})")
+        return name
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -159,6 +175,9 @@ class WorkerSettings(BaseSettings):
             default_batch_size=self.default_batch_size,
             min_batch_size=self.min_batch_size,
             batch_size_growth_factor=self.batch_size_growth_factor,
+            enable_auto_tool_choice=self.enable_auto_tool_choice,
+            tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
         )
 
 

@@ -41,6 +41,9 @@ class OutputProcessor:
                     stop, cut = found
                     seq.text = seq.text[:cut]
                     return self._finish(seq, "stop", stop)
+        matcher = seq.sampling.matcher
+        if matcher is not None and matcher.is_terminated():  # the structured output is complete
+            return self._finish(seq, "stop", None)
         if generated >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
             return self._finish(seq, "length", None)
         return False

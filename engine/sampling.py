@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .structured import GrammarSpec
 
 _GREEDY_BELOW = 1e-5
 
@@ -33,6 +37,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # alternatives per prompt token; None: none
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    grammar: "GrammarSpec | None" = None  # structured output: tokens are masked to those the grammar allows
 
     @property
     def greedy(self) -> bool:
@@ -75,6 +80,8 @@ class SequenceSamplingState:
             ids = [i for i in prompt_ids if 0 <= i < vocab_size]
             if ids:
                 self.seen[torch.tensor(ids, device=device)] = True
+        # Structured output: the grammar's state for this sequence (advanced by every token it samples).
+        self.matcher = params.grammar.new_matcher() if params.grammar is not None else None
         bias = {t: b for t, b in params.logit_bias.items() if 0 <= t < vocab_size}
         self.bias_ids = torch.tensor(list(bias), dtype=torch.long, device=device) if bias else None
         self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device) if bias else None
@@ -113,10 +120,17 @@ class Sampler:
         raw_logp = torch.log_softmax(logits[wanted], dim=-1) if wanted else None  # as vLLM reports them
 
         adjusted = [i for i, s in enumerate(states) if s.adjusts_logits(num_generated[i])]
-        if adjusted:
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if adjusted or constrained:
             logits = logits.clone()
             for i in adjusted:
                 logits[i] = self._adjust_row(logits[i], states[i], num_generated[i])
+        if constrained:  # structured output: only the tokens each row's grammar allows next
+            from .structured import allocate_bitmask, apply_bitmask
+            bitmask = allocate_bitmask(len(constrained), self.vocab_size)
+            for slot, row in enumerate(constrained):
+                states[row].matcher.fill_bitmask(bitmask, slot)
+            apply_bitmask(logits, bitmask, constrained)
 
         tokens = torch.empty(rows, dtype=torch.long, device=device)
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
@@ -152,6 +166,8 @@ class Sampler:
                 logprobs[row] = TokenLogprob(token_list[row], chosen_lp[j], top)
         for state, token in zip(states, token_list):
             state.record(token)
+        for row in constrained:  # last, so a retried row never feeds its grammar the same step twice
+            states[row].matcher.accept(token_list[row])
         return token_list, logprobs
 
     @staticmethod

@@ -14,3 +14,7 @@ class ServingConfig:
     default_batch_size: int = 50
     min_batch_size: int = 1
     batch_size_growth_factor: float = 3.0
+    # Tool calls and reasoning: parsers named as vLLM names them; None: recognised from the chat template.
+    enable_auto_tool_choice: bool = True
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # "none": thinking stays in content

@@ -6,16 +6,18 @@ unknown parameter is rejected rather than silently dropped.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer, model_validator
 
 # Accepted for compatibility with OpenAI clients; they have no effect here.
 IGNORED_FIELDS = frozenset({
-    "user", "parallel_tool_calls", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+    "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
     "reasoning_effort", "verbosity", "modalities", "prediction", "web_search_options", "audio",
 })
 
@@ -61,6 +63,50 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` object: one constraint on the output."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_schema: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False  # JSON with no whitespace at all
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match: a grammar kind and its text (as engine.structured compiles them), and the
+    request parameter it came from (named by errors)."""
+    kind: Literal["json_schema", "regex", "choice", "grammar"]
+    text: str
+    param: str
+    whitespace_pattern: str | None = None
+
+
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def _schema_text(value: Any, param: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise ParamError(param, f"{param} is not valid JSON: {exc}") from None
+    if not isinstance(value, (dict, bool)):
+        raise ParamError(param, f"{param} must be a JSON schema (an object)")
+    return json.dumps(value)
+
+
+def _choice_text(choices: list[str], param: str) -> str:
+    if not choices:
+        raise ParamError(param, f"{param} must list at least one choice")
+    if any(c == "" for c in choices):
+        raise ParamError(param, f"{param} must not contain an empty string")
+    return json.dumps(choices)
+
+
 class SamplingFields(RequestModel):
     """Generation parameters shared by chat and completions (and the legacy job form)."""
 
@@ -82,6 +128,13 @@ class SamplingFields(RequestModel):
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured outputs, as vLLM takes them (at most one constraint per request).
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
     @classmethod
@@ -117,11 +170,70 @@ class SamplingFields(RequestModel):
         if self.best_of is not None and self.best_of < self.n:
             raise ParamError("best_of", f"best_of must be greater than or equal to n, got n={self.n} and "
                                         f"best_of={self.best_of}")
+        self.constraint()  # a malformed or conflicting constraint fails here, naming its parameter
         return self
 
     @property
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def constraints(self) -> list[Constraint]:
+        """Every output constraint the request sets; more than one is a 400 (see `constraint`)."""
+        found: list[Constraint] = []
+        space = self.guided_whitespace_pattern
+        if self.guided_json is not None:
+            found.append(Constraint("json_schema", _schema_text(self.guided_json, "guided_json"), "guided_json", space))
+        if self.guided_regex is not None:
+            found.append(Constraint("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            found.append(Constraint("choice", _choice_text(self.guided_choice, "guided_choice"), "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(Constraint("grammar", self.guided_grammar, "guided_grammar"))
+        so = self.structured_outputs
+        if so is not None:
+            space = so.whitespace_pattern if so.whitespace_pattern is not None else space
+            if so.disable_any_whitespace:
+                space = ""  # engine.structured: an empty pattern means no whitespace
+            if so.json_schema is not None:
+                found.append(Constraint("json_schema", _schema_text(so.json_schema, "structured_outputs.json"),
+                                        "structured_outputs.json", space))
+            if so.regex is not None:
+                found.append(Constraint("regex", so.regex, "structured_outputs.regex"))
+            if so.choice is not None:
+                found.append(Constraint("choice", _choice_text(so.choice, "structured_outputs.choice"),
+                                        "structured_outputs.choice"))
+            if so.grammar is not None:
+                found.append(Constraint("grammar", so.grammar, "structured_outputs.grammar"))
+            if so.json_object:
+                found.append(Constraint("json_schema", ANY_JSON_OBJECT, "structured_outputs.json_object", space))
+        return found
+
+    def constraint(self) -> Constraint | None:
+        found = self.constraints()
+        if len(found) > 1:
+            raise ParamError(found[1].param, f"only one output constraint is allowed per request; got "
+                                             f"{', '.join(c.param for c in found)}")
+        return found[0] if found else None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # enforced either way: the output always matches the schema
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ParamError("json_schema", "response_format json_schema needs a json_schema object")
+        return self
 
 
 class OpenAIRequest(SamplingFields):
@@ -130,6 +242,20 @@ class OpenAIRequest(SamplingFields):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+
+    def constraints(self) -> list[Constraint]:
+        found = super().constraints()
+        fmt = self.response_format
+        space = self.guided_whitespace_pattern
+        if fmt is not None and fmt.type == "json_object":
+            found.insert(0, Constraint("json_schema", ANY_JSON_OBJECT, "response_format", space))
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = fmt.json_schema.schema_
+            found.insert(0, Constraint("json_schema", _schema_text(True if schema is None else schema,
+                                                                   "response_format.json_schema.schema"),
+                                       "response_format", space))
+        return found
 
     @model_validator(mode="after")
     def _streaming(self) -> "OpenAIRequest":
@@ -206,9 +332,29 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content if part.type == "text")
 
 
-class ResponseFormat(BaseModel):
+class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: Literal["text", "json_object", "json_schema"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -222,10 +368,10 @@ class ChatCompletionRequest(OpenAIRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     documents: list[dict[str, Any]] | None = None
-    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _chat_consistent(self) -> "ChatCompletionRequest":
@@ -237,7 +383,35 @@ class ChatCompletionRequest(OpenAIRequest):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ParamError("continue_final_message",
                              "continue_final_message needs the last message to be an assistant message")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ParamError("tool_choice", "tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names:
+            raise ParamError("tool_choice", f"tool_choice names function {choice.function.name!r}, which is not "
+                                            f"among the tools")
+        if self.forces_tool_call:
+            constraint = self.constraint()
+            if constraint is not None:
+                raise ParamError(constraint.param, f"{constraint.param} cannot be combined with tool_choice "
+                                                   f"{'required' if choice == 'required' else 'naming a function'}")
         return self
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [tool.function.name for tool in self.tools or ()]
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: `auto` when tools are given, else `none`."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """`required` or a named function: the reply is generated as tool calls, under a grammar."""
+        return self.tools is not None and (self.tool_choice == "required"
+                                           or isinstance(self.tool_choice, NamedToolChoice))
 
 
 class TopLogprob(BaseModel):
@@ -254,10 +428,32 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallOut(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str
     content: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    # A reasoning model's thinking: `reasoning_content` as vLLM names it, `reasoning` as newer clients read it.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _reasoning_when_present(self, handler):
+        data = handler(self)
+        if self.reasoning_content is None:
+            data.pop("reasoning_content", None)
+            data.pop("reasoning", None)
+        return data
 
 
 class UsageInfo(BaseModel):
@@ -283,10 +479,34 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set_fields(self, handler):
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of one tool call: the first piece has its id, type and name, later ones more arguments text."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set_fields(self, handler):
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
+
+
 class DeltaMessage(BaseModel):
     """Only what changed: the opening delta has the role, later ones the new content, the last may be empty."""
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _only_set_fields(self, handler):

@@ -7,13 +7,17 @@ per-step deltas.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from engine import AsyncEngine, ChatTemplateError, GenerationError, RequestOutput, SamplingParams, TokenLogprob
+from engine.structured import AnswerGate, GrammarSpec
 
+from . import reasoning, tool_parsers
+from .chat_output import ChatOutputParser
 from .config import ServingConfig
 from .errors import OpenAIError
 from .metrics import ServingMetrics
@@ -21,8 +25,9 @@ from .protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage, ChatTokenLogprob,
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, CompletionStreamResponse,
-    DeltaMessage, ModelCard, ModelList, SamplingFields, TopLogprob, UsageInfo, random_id,
+    DeltaMessage, ModelCard, ModelList, NamedToolChoice, SamplingFields, TopLogprob, UsageInfo, random_id,
 )
+from .structured import GrammarCache, forced_tool_constraint
 
 log = logging.getLogger("openai_compat")
 
@@ -51,6 +56,7 @@ class OpenAIServing:
         self.engine = engine
         self.config = config
         self.metrics = ServingMetrics(engine, lambda: self.served_model_name)
+        self.grammars = GrammarCache()
 
     # ---------------------------------------------------------------- shared
 
@@ -85,7 +91,8 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
                          logprobs: int | None, prompt_logprobs: int | None = None,
-                         max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs") -> SamplingParams:
+                         max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs",
+                         grammar: GrammarSpec | None = None, with_special_tokens: bool = False) -> SamplingParams:
         self.check_generates("chat completions" if isinstance(request, ChatCompletionRequest) else "completions")
         limit = self.engine.max_model_len
         max_logprobs = self.engine.config.max_logprobs
@@ -128,8 +135,16 @@ class OpenAIServing:
             min_tokens=request.min_tokens, presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty", 1.0), logit_bias=bias, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
-            spaces_between_special_tokens=request.spaces_between_special_tokens)
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens and not with_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens, grammar=grammar)
+
+    async def grammar(self, request: SamplingFields, gate: AnswerGate | None = None) -> GrammarSpec | None:
+        """The compiled constraint the request sets (response_format, guided_*, structured_outputs), if any."""
+        constraint = request.constraint()
+        if constraint is None:
+            return None
+        return await self.grammars.compile(self.engine.tokenizer, constraint, gate)
 
     async def run(self, request_id: str, prompt: Prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one prompt; logs the request's timings when it ends (texts at DEBUG only)."""
@@ -225,12 +240,6 @@ class OpenAIServing:
         if request.chat_template is not None:
             raise OpenAIError("a chat template in the request is not accepted; set CUSTOM_CHAT_TEMPLATE on the "
                               "worker instead", param="chat_template")
-        if request.response_format is not None and request.response_format.type != "text":
-            raise OpenAIError(f"response_format {request.response_format.type} is not supported (no guided "
-                              f"decoding); use response_format text", param="response_format")
-        if request.tool_choice not in (None, "none"):
-            raise OpenAIError("tool_choice other than \"none\" needs tool-call parsing, which this worker does not "
-                              "do; tools are passed to the chat template only", param="tool_choice")
         messages = []
         for i, message in enumerate(request.messages):
             entry: dict[str, Any] = {"role": message.role}
@@ -243,23 +252,25 @@ class OpenAIServing:
                 if getattr(message, key) is not None:
                     entry[key] = getattr(message, key)
             if message.tool_calls:
-                entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+                entry["tool_calls"] = [_template_tool_call(call.model_dump()) for call in message.tool_calls]
             messages.append(entry)
         tokenizer = self.engine.tokenizer
 
-        def render() -> list[int]:
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+
+        def render() -> tuple[list[int], str]:
             text = tokenizer.render_chat(messages, add_generation_prompt=request.add_generation_prompt,
                                          continue_final_message=request.continue_final_message,
-                                         tools=request.tools, documents=request.documents,
+                                         tools=tools, documents=request.documents,
                                          template_kwargs=request.chat_template_kwargs)
             self.check_prompt_chars(text, "messages")
-            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens), text
 
         try:
-            ids = await asyncio.to_thread(render)
+            ids, text = await asyncio.to_thread(render)
         except ChatTemplateError as exc:
             raise OpenAIError(str(exc), param="messages") from exc
-        return Prompt(ids)
+        return Prompt(ids, text)
 
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | AsyncIterator[ChatCompletionStreamResponse]:
@@ -267,16 +278,56 @@ class OpenAIServing:
         self.check_model(request.model)
         self.check_generates("chat completions")
         prompt = await self.chat_prompt(request)
+        plan = await self._chat_plan(request, prompt)
         top = request.top_logprobs or 0
         # max_completion_tokens wins over the deprecated max_tokens (as in vLLM); errors name the one used.
         limit_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         params = self.sampling_params(request, len(prompt.token_ids), getattr(request, limit_param),
                                       top if request.logprobs else None, max_tokens_param=limit_param,
-                                      logprobs_param="top_logprobs")
+                                      logprobs_param="top_logprobs", grammar=plan.grammar,
+                                      with_special_tokens=plan.with_special_tokens)
         response_id = random_id("chatcmpl")
         if request.stream:
-            return self._chat_stream(request, response_id, prompt, params)
-        return await self._chat_full(request, response_id, prompt, params)
+            return self._chat_stream(request, response_id, prompt, params, plan)
+        return await self._chat_full(request, response_id, prompt, params, plan)
+
+    async def _chat_plan(self, request: ChatCompletionRequest, prompt: Prompt) -> "_ChatPlan":
+        """How the reply is generated and read: its grammar, and the reasoning and tool-call parsers."""
+        template = self.engine.tokenizer.chat_template
+        reasoning_name = reasoning.parser_name_for(self.config.reasoning_parser, template)
+        reasoning_parser = reasoning.make_parser(reasoning_name, prompt.text or "") if reasoning_name else None
+        choice = request.effective_tool_choice
+        tool_parser: tool_parsers.ToolParser | None = None
+        if isinstance(choice, NamedToolChoice):
+            tool_parser = tool_parsers.NamedFunctionParser(choice.function.name)
+        elif choice == "required":
+            tool_parser = tool_parsers.RequiredParser()
+        elif choice == "auto" and request.tools:
+            name = (tool_parsers.parser_name_for(self.config.tool_call_parser, template)
+                    if self.config.enable_auto_tool_choice else None)
+            if name is None:
+                raise OpenAIError(
+                    "tool_choice \"auto\" needs a tool-call parser, and "
+                    + ("ENABLE_AUTO_TOOL_CHOICE is false" if not self.config.enable_auto_tool_choice else
+                       "this model's chat template has no tool-call format the worker recognises (set "
+                       "TOOL_CALL_PARSER)")
+                    + "; tool_choice \"required\" or a named function works on any model, and \"none\" "
+                      "passes the tools to the template only", param="tool_choice")
+            tool_parser = tool_parsers.PARSERS[name]()
+        constraint = forced_tool_constraint(request) or request.constraint()
+        grammar = None
+        if constraint is not None:
+            gate = self._answer_gate(reasoning_parser) if reasoning_parser is not None else None
+            grammar = await self.grammars.compile(self.engine.tokenizer, constraint, gate)
+        special = any(p is not None and p.needs_special_tokens for p in (reasoning_parser, tool_parser))
+        return _ChatPlan(grammar, reasoning_parser, tool_parser, 1 if request.parallel_tool_calls is False else None,
+                         special)
+
+    def _answer_gate(self, parser: reasoning.ReasoningParser) -> AnswerGate:
+        tokenizer = self.engine.tokenizer
+        opener, closer, inside = parser.answer_gate()
+        return AnswerGate(closer=tuple(tokenizer.encode(closer, add_special_tokens=False)),
+                          opener=tokenizer.token_id(opener) if opener else None, inside=inside)
 
     def _response_role(self, request: ChatCompletionRequest) -> str:
         """Without a generation prompt the model continues the last message, so the reply keeps its role (vLLM)."""
@@ -289,8 +340,8 @@ class OpenAIServing:
             return ""
         return last.text
 
-    async def _chat_full(self, request, response_id: str, prompt: Prompt, params: SamplingParams
-                         ) -> ChatCompletionResponse:
+    async def _chat_full(self, request, response_id: str, prompt: Prompt, params: SamplingParams,
+                         plan: "_ChatPlan") -> ChatCompletionResponse:
         choices: dict[int, _Choice] = {}
         async for output in self.run(response_id, prompt, params):
             _accumulate(choices, output)
@@ -298,16 +349,21 @@ class OpenAIServing:
         result = []
         for index in sorted(choices):
             c = choices[index]
+            parsed = plan.parser().parse(c.text)
+            content = echo + parsed.content if parsed.content is not None else (echo or None)
+            message = ChatResponseMessage(role=self._response_role(request), content=content,
+                                          reasoning_content=parsed.reasoning, reasoning=parsed.reasoning,
+                                          tool_calls=parsed.tool_calls)
             result.append(ChatCompletionChoice(
-                index=index, message=ChatResponseMessage(role=self._response_role(request), content=echo + c.text),
+                index=index, message=message,
                 logprobs=self._chat_logprobs(c.logprobs, params.logprobs) if params.logprobs is not None else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                finish_reason=_tool_finish(c.finish_reason, bool(parsed.tool_calls)), stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
         return ChatCompletionResponse(id=response_id, model=self.served_model_name, choices=result,
                                       usage=_usage(len(prompt.token_ids), completion_tokens))
 
-    async def _chat_stream(self, request, response_id: str, prompt: Prompt, params: SamplingParams
-                           ) -> AsyncIterator[ChatCompletionStreamResponse]:
+    async def _chat_stream(self, request, response_id: str, prompt: Prompt, params: SamplingParams,
+                           plan: "_ChatPlan") -> AsyncIterator[ChatCompletionStreamResponse]:
         created = int(time.time())
         model = self.served_model_name
         prompt_tokens = len(prompt.token_ids)
@@ -330,18 +386,29 @@ class OpenAIServing:
             for index in range(params.n):
                 yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=echo))],
                             _usage(prompt_tokens, 0) if request.continuous_usage else None)
+        parsers: dict[int, ChatOutputParser] = {}
         async for output in self.run(response_id, prompt, params):
             choices = []
             for delta in output.deltas:
                 generated += len(delta.token_ids)
+                parser = parsers.setdefault(delta.index, plan.parser())
+                piece = parser.feed(delta.text, final=delta.finish_reason is not None)
                 logprobs = None
                 if params.logprobs is not None and delta.logprobs:
                     logprobs = self._chat_logprobs(delta.logprobs, params.logprobs)
-                if not delta.text and logprobs is None and delta.finish_reason is None:
+                if not piece and logprobs is None and delta.finish_reason is None:
                     continue
+                fields: dict[str, Any] = {}
+                if piece.reasoning:
+                    fields.update(reasoning_content=piece.reasoning, reasoning=piece.reasoning)
+                if piece.content:
+                    fields["content"] = piece.content
+                if piece.tool_calls:
+                    fields["tool_calls"] = piece.tool_calls
                 choices.append(ChatCompletionStreamChoice(
-                    index=delta.index, delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
-                    logprobs=logprobs, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
+                    index=delta.index, delta=DeltaMessage(**fields), logprobs=logprobs,
+                    finish_reason=_tool_finish(delta.finish_reason, parser.called_tools),
+                    stop_reason=delta.stop_reason))
             if choices:
                 yield chunk(choices, _usage(prompt_tokens, generated) if request.continuous_usage else None)
         if request.include_usage:
@@ -388,8 +455,9 @@ class OpenAIServing:
         prompts = await self._completion_prompts(request)
         # echo with logprobs scores the prompt too
         prompt_logprobs = request.logprobs if request.echo else None
+        grammar = await self.grammar(request)
         params = [self.sampling_params(request, len(p.token_ids), request.max_tokens, request.logprobs,
-                                        prompt_logprobs) for p in prompts]
+                                        prompt_logprobs, grammar=grammar) for p in prompts]
         response_id = random_id("cmpl")
         if request.stream:
             return self._completion_stream(request, response_id, prompts, params)
@@ -480,6 +548,37 @@ class OpenAIServing:
                 yield chunk(choices, _usage(prompt_tokens, generated) if request.continuous_usage else None)
         if request.include_usage:
             yield chunk([], _usage(prompt_tokens, generated))
+
+
+@dataclass
+class _ChatPlan:
+    grammar: GrammarSpec | None
+    reasoning_parser: reasoning.ReasoningParser | None
+    tool_parser: tool_parsers.ToolParser | None
+    max_calls: int | None
+    with_special_tokens: bool
+
+    def parser(self) -> ChatOutputParser:
+        """A parser for one choice (parsers keep the state of a stream)."""
+        return ChatOutputParser(self.reasoning_parser, self.tool_parser, self.max_calls)
+
+
+def _tool_finish(reason: str | None, called: bool) -> str | None:
+    """A reply that ends in tool calls finishes with "tool_calls" (a cut-off one keeps "length")."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """Chat templates expect a call's arguments as a mapping (they serialise it themselves), as vLLM passes
+    them; arguments that are not a JSON object stay text."""
+    function = dict(call.get("function") or {})
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except ValueError:
+        arguments = None
+    if isinstance(arguments, dict):
+        function["arguments"] = arguments
+    return {**call, "function": function}
 
 
 def _log_finished(request_id: str, m) -> None:

@@ -32,7 +32,8 @@ def carries_tokens(chunk: BaseModel) -> bool:
     for choice in getattr(chunk, "choices", ()):
         delta = getattr(choice, "delta", None)
         text = delta.content if delta is not None else getattr(choice, "text", None)
-        if text or choice.finish_reason is not None or choice.logprobs is not None:
+        parsed = delta is not None and (delta.reasoning_content or delta.tool_calls)
+        if text or parsed or choice.finish_reason is not None or choice.logprobs is not None:
             return True
     return getattr(chunk, "usage", None) is not None and not getattr(chunk, "choices", None)
 

@@ -76,7 +76,8 @@ def _not_json(item: Any) -> str:
 
 # Union member names that pydantic puts into error locations; a path without them reads like the request the
 # caller wrote.
-_MEMBER_NAMES = ("str", "int", "float", "bool", "function-after", "function-before", "function-wrap")
+_MEMBER_NAMES = ("str", "int", "float", "bool", "function-after", "function-before", "function-wrap",
+                 "NamedToolChoice")
 
 
 def _clean_loc(loc: tuple) -> tuple:

@@ -378,13 +378,15 @@ SAMPLING_WRONG = {
     "seed": "random", "stop": 5, "stop_token_ids": "2", "include_stop_str_in_output": "maybe", "ignore_eos": "maybe",
     "min_tokens": "few", "presence_penalty": "high", "frequency_penalty": "high", "repetition_penalty": "high",
     "logit_bias": [5], "skip_special_tokens": "maybe", "spaces_between_special_tokens": "maybe",
+    "guided_json": 5, "guided_regex": 5, "guided_choice": "yes", "guided_grammar": 5,
+    "guided_whitespace_pattern": 5, "structured_outputs": "json",
 }
-OPENAI_WRONG = {**SAMPLING_WRONG, "model": 5, "stream": "maybe", "stream_options": "usage"}
+OPENAI_WRONG = {**SAMPLING_WRONG, "model": 5, "stream": "maybe", "stream_options": "usage", "response_format": "json"}
 CHAT_WRONG = {
     **OPENAI_WRONG, "messages": "Hi", "max_tokens": "many", "max_completion_tokens": "many", "logprobs": "maybe",
     "top_logprobs": "five", "echo": "maybe", "add_generation_prompt": "maybe", "continue_final_message": "maybe",
     "chat_template_kwargs": "x", "chat_template": 5, "tools": "x", "tool_choice": 5, "documents": "x",
-    "response_format": "json",
+    "parallel_tool_calls": "maybe",
 }
 COMPLETION_WRONG = {**OPENAI_WRONG, "prompt": {"text": "Hi"}, "suffix": 5, "max_tokens": "many", "echo": "maybe",
                     "logprobs": "five", "add_special_tokens": "maybe"}

@@ -506,13 +506,13 @@ def test_continue_final_message(client):
                 "continue_final_message")
 
 
-def test_user_and_parallel_tool_calls_are_accepted_and_ignored(client):
+def test_user_and_metadata_are_accepted_and_ignored(client):
     reply = chat(client, user="someone", parallel_tool_calls=False, store=False, metadata={"team": "x"})
     assert reply.choices[0].message.content == PARIS_ANSWER
 
 
 @pytest.mark.parametrize("param,value", [
-    ("response_format", {"type": "json_object"}), ("tool_choice", "auto"), ("chat_template", "{{ messages }}"),
+    ("chat_template", "{{ messages }}"),
     ("prompt_logprobs", 1), ("add_special_tokens", True), ("use_beam_search", True),
 ])
 def test_unsupported_features_are_400(client, param, value):

@@ -1,0 +1,141 @@
+"""Reasoning parsers: split a reasoning model's output into its thinking (`reasoning_content`) and its answer
+(`content`), for whole outputs and for streams.
+
+Two formats: thinking between `<think>` and `</think>` (Qwen3, DeepSeek-R1 and its distills, SmolLM3, GLM,
+...), and gpt-oss's harmony channels (`analysis` is thinking, `final` is the answer). The parser is named by
+REASONING_PARSER (vLLM's names) or recognised from the chat template.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THINK_PARSERS = frozenset({"deepseek_r1", "qwen3", "deepseek_v3", "glm45", "seed_oss", "ernie45", "minimax_m2",
+                           "hunyuan_a13b", "think"})
+HARMONY_PARSERS = frozenset({"openai_gptoss", "gpt_oss", "harmony"})
+NAMES = THINK_PARSERS | HARMONY_PARSERS
+
+
+def parser_name_for(setting: str | None, chat_template: str | None) -> str | None:
+    """The reasoning parser to use: the setting ("none" turns parsing off), else one recognised from the
+    template. Unknown names are refused by the settings check."""
+    if setting:
+        return None if setting == "none" else setting
+    template = chat_template or ""
+    if "<|channel|>" in template and "<|message|>" in template:
+        return "openai_gptoss"
+    if "</think>" in template:
+        return "think"
+    return None
+
+
+@dataclass
+class Split:
+    reasoning: str | None
+    content: str
+
+
+class ReasoningParser:
+    """Incremental: `feed` the output text as it grows; `split` returns the thinking and the answer so far.
+    Both only grow as more text comes, which makes streamed deltas add up to the whole response."""
+
+    # Literal markers the parser looks for; text that may be the start of one is held back while streaming.
+    markers: tuple[str, ...] = ()
+    needs_special_tokens = False
+
+    def split(self, text: str, final: bool) -> Split:
+        raise NotImplementedError
+
+    def answer_gate(self) -> tuple[str | None, str, bool]:
+        """(opener, closer, starts inside): where structured output and tool calls begin. The answer begins
+        after `closer`; with `opener`, the model may open a thinking block as its first token."""
+        raise NotImplementedError
+
+
+def _held_back(text: str, markers: tuple[str, ...]) -> int:
+    """How many trailing characters may be the start of a marker (held back until the next delta)."""
+    longest = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(text)), 0, -1):
+            if text.endswith(marker[:size]):
+                longest = max(longest, size)
+                break
+    return longest
+
+
+class ThinkParser(ReasoningParser):
+    OPEN, CLOSE = "<think>", "</think>"
+    markers = (OPEN, CLOSE)
+
+    def __init__(self, prompt_text: str):
+        # Templates that open the thinking block themselves (DeepSeek-R1, Qwen3 thinking models) leave the
+        # model inside it at the first generated token.
+        self.starts_inside = prompt_text.rstrip().endswith(self.OPEN)
+
+    def split(self, text: str, final: bool) -> Split:
+        inside = self.starts_inside
+        body = text
+        if not inside:
+            stripped = text.lstrip()
+            if stripped.startswith(self.OPEN):
+                inside, body = True, stripped[len(self.OPEN):]
+            elif not final and self.OPEN.startswith(stripped):
+                return Split(None, "")  # may still become an opening tag
+        if not inside:
+            return Split(None, text)
+        end = body.find(self.CLOSE)
+        if end == -1:
+            keep = len(body) if final else len(body) - _held_back(body, (self.CLOSE,))
+            return Split(body[:keep], "")
+        return Split(body[:end], body[end + len(self.CLOSE):])
+
+    def answer_gate(self) -> tuple[str | None, str, bool]:
+        return self.OPEN, self.CLOSE, self.starts_inside
+
+
+class HarmonyParser(ReasoningParser):
+    """gpt-oss: `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...`.
+    Its markers are special tokens, so the output is decoded with them. A message addressed to a function
+    (`to=functions.NAME` in its header) is a tool call: it goes to the content whole, from `<|start|>` to its
+    end, for the `openai` tool parser to read."""
+    needs_special_tokens = True
+    START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+    ENDS = ("<|end|>", "<|return|>", "<|call|>")
+    markers = (START, CHANNEL, MESSAGE, *ENDS)
+
+    def split(self, text: str, final: bool) -> Split:
+        reasoning: list[str] = []
+        content: list[str] = []
+        at = 0
+        while at < len(text):
+            if text.startswith(self.START, at):
+                at += len(self.START)
+            header_end = text.find(self.MESSAGE, at)
+            if header_end == -1:
+                break  # the header is still being written
+            header = text[at:header_end]
+            body_start = header_end + len(self.MESSAGE)
+            found = [(i, e) for e in self.ENDS if (i := text.find(e, body_start)) != -1]
+            end, marker = min(found) if found else (len(text), "")
+            body = text[body_start:end]
+            if not found and not final:
+                body = body[:len(body) - _held_back(body, self.markers)]
+            words = header.split(self.CHANNEL, 1)[1].split() if self.CHANNEL in header else []
+            if "to=functions." in header:
+                content.append(f"{self.START}{header}{self.MESSAGE}{body}{marker}")
+            elif words[:1] == ["final"]:
+                content.append(body)
+            else:
+                reasoning.append(body)
+            if not found:
+                break
+            at = end + len(marker)
+        return Split("".join(reasoning) if reasoning else None, "".join(content))
+
+    def answer_gate(self) -> tuple[str | None, str, bool]:
+        return None, f"{self.CHANNEL}final{self.MESSAGE}", True
+
+
+def make_parser(name: str, prompt_text: str) -> ReasoningParser:
+    if name in HARMONY_PARSERS:
+        return HarmonyParser()
+    return ThinkParser(prompt_text)

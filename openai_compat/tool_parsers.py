@@ -1,0 +1,418 @@
+"""Tool-call parsers: find the tool calls a model wrote in its own format and turn them into OpenAI
+`tool_calls`, for whole outputs and for streams.
+
+Every parser scans the output text so far and reports the content around the calls and each call's name and
+arguments. Arguments are the exact JSON text the model wrote for them, so the pieces a stream sends add up to
+what the whole response carries. While streaming, text that may be the start of a call marker is held back.
+
+Formats: Hermes/Qwen `<tool_call>{json}</tool_call>`, Llama 3 JSON (`{"name", "parameters"}`, optionally after
+`<|python_tag|>`, several separated by `;`), Mistral `[TOOL_CALLS]` (a JSON list, or `name[ARGS]{json}`),
+pythonic lists (`[f(a=1), g(b="x")]`, Llama 4 and others) and gpt-oss harmony messages to `functions.NAME`
+(with the harmony reasoning parser). The parser is named by TOOL_CALL_PARSER
+(vLLM's names) or recognised from the chat template.
+"""
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass, field
+
+from .protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut, random_id
+
+_WHITESPACE = " \t\r\n"
+
+
+@dataclass
+class PartialCall:
+    name: str | None  # None until the whole name has been written
+    arguments: str  # the JSON text of the arguments so far
+    complete: bool = False
+
+
+@dataclass
+class Scan:
+    content: str  # text outside tool calls that can be sent now
+    calls: list[PartialCall] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- JSON scanning
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WHITESPACE:
+        i += 1
+    return i
+
+
+def _string_end(text: str, i: int) -> int | None:
+    """Index after the JSON string starting at text[i] == '"', or None if it is not finished."""
+    i += 1
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == '"':
+            return i + 1
+        i += 1
+    return None
+
+
+def value_end(text: str, i: int) -> int | None:
+    """Index after the JSON value starting at text[i] (no leading whitespace), or None if it is not finished
+    (a number or literal at the very end of the text counts as unfinished)."""
+    if i >= len(text):
+        return None
+    c = text[i]
+    if c == '"':
+        return _string_end(text, i)
+    if c in "{[":
+        depth = 0
+        while i < len(text):
+            c = text[i]
+            if c == '"':
+                end = _string_end(text, i)
+                if end is None:
+                    return None
+                i = end
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+            i += 1
+        return None
+    j = i
+    while j < len(text) and text[j] not in ",}] \t\r\n;":
+        j += 1
+    return j if j < len(text) else None
+
+
+def scan_call_object(text: str, i: int, final: bool, name_keys=("name",),
+                     argument_keys=("arguments", "parameters")) -> tuple[PartialCall | None, int | None]:
+    """Read a call object `{"name": ..., "arguments": {...}}` starting at text[i] == '{'. Returns the call so far
+    (None if nothing is known yet) and the index after the object (None while unfinished)."""
+    name: str | None = None
+    arguments = ""
+    args_done = False
+    j = _skip_ws(text, i + 1)
+    while j < len(text):
+        if text[j] == "}":
+            return PartialCall(name, arguments if args_done or arguments else "{}", True), j + 1
+        if text[j] != '"':
+            return None, None  # not an object of the expected shape
+        key_end = _string_end(text, j)
+        if key_end is None:
+            break
+        key = json.loads(text[j:key_end])
+        j = _skip_ws(text, key_end)
+        if j >= len(text):
+            break
+        if text[j] != ":":
+            return None, None
+        j = _skip_ws(text, j + 1)
+        end = value_end(text, j)
+        if end is None and final and j < len(text):
+            end = len(text.rstrip(_WHITESPACE))
+        if key in name_keys:
+            if end is None:
+                break
+            try:
+                name = json.loads(text[j:end])
+            except ValueError:
+                return None, None
+        elif key in argument_keys:
+            if end is None:
+                arguments = text[j:]
+                break
+            arguments, args_done = text[j:end], True
+        elif end is None:
+            break
+        j = _skip_ws(text, end)
+        if j < len(text) and text[j] == ",":
+            j = _skip_ws(text, j + 1)
+    if name is None and not arguments:
+        return None, None
+    return PartialCall(name, arguments), None
+
+
+def _valid_call(call: PartialCall) -> bool:
+    if not call.complete or not isinstance(call.name, str) or not call.name:
+        return False
+    try:
+        return isinstance(json.loads(call.arguments), dict)
+    except ValueError:
+        return False
+
+
+def _held_back(text: str, marker: str) -> int:
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
+
+
+def scan_json_calls(text: str, i: int, final: bool, separators: str = ",;") -> tuple[list[PartialCall], bool]:
+    """Call objects one after another from text[i] (optionally in a JSON list), separated by `,` or `;`.
+    Returns the calls and whether everything from i on was read as calls."""
+    calls: list[PartialCall] = []
+    j = _skip_ws(text, i)
+    in_list = j < len(text) and text[j] == "["
+    if in_list:
+        j = _skip_ws(text, j + 1)
+    while j < len(text):
+        if text[j] == "]" and in_list:
+            return calls, _skip_ws(text, j + 1) == len(text)
+        if text[j] != "{":
+            return calls, False
+        call, end = scan_call_object(text, j, final)
+        if call is None:
+            return calls, False
+        calls.append(call)
+        if end is None:
+            return calls, not final
+        j = _skip_ws(text, end)
+        if j < len(text) and text[j] in separators:
+            j = _skip_ws(text, j + 1)
+    return calls, not (final and in_list)
+
+
+# ---------------------------------------------------------------- parsers
+
+
+class ToolParser:
+    needs_special_tokens = False  # the format's markers are special tokens, so decode with them
+
+    def scan(self, text: str, final: bool) -> Scan:
+        raise NotImplementedError
+
+
+class HermesParser(ToolParser):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, with text around them."""
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        content: list[str] = []
+        calls: list[PartialCall] = []
+        at = 0
+        while True:
+            start = text.find(self.OPEN, at)
+            segment = text[at:] if start == -1 else text[at:start]
+            if start == -1 and not final:
+                segment = segment[:len(segment) - _held_back(segment, self.OPEN)]
+            if at == 0 or segment.strip():  # whitespace between and after calls is not content
+                content.append(segment)
+            if start == -1:
+                break
+            body_start = start + len(self.OPEN)
+            close = text.find(self.CLOSE, body_start)
+            body = text[body_start:] if close == -1 else text[body_start:close]
+            finished = close != -1 or final
+            j = _skip_ws(body, 0)
+            call = scan_call_object(body, j, finished)[0] if j < len(body) else None
+            if finished and (call is None or not _valid_call(call)):
+                # Not a call after all: the text stays content, as the model wrote it.
+                content.append(text[start:] if close == -1 else text[start:close + len(self.CLOSE)])
+            elif call is not None:
+                calls.append(call)
+            if close == -1:
+                break
+            at = close + len(self.CLOSE)
+        return Scan("".join(content), calls)
+
+
+class Llama3JsonParser(ToolParser):
+    """The whole reply is `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`), several
+    separated by `;`; anything else is content."""
+    TAG = "<|python_tag|>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        stripped = text.lstrip()
+        start = len(text) - len(stripped)
+        if stripped.startswith(self.TAG):
+            start += len(self.TAG)
+        elif not stripped.startswith("{"):
+            if not final and (self.TAG.startswith(stripped) or not stripped):
+                return Scan("")
+            return Scan(text)
+        calls, all_calls = scan_json_calls(text, start, final, separators=";")
+        if final and (not calls or not all_calls or not all(_valid_call(c) for c in calls)):
+            return Scan(text)
+        return Scan("", calls)
+
+
+class MistralParser(ToolParser):
+    """`[TOOL_CALLS]` followed by a JSON list of calls, or by `name[ARGS]{json}` (newer tokenizers)."""
+    needs_special_tokens = True
+    MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        start = text.find(self.MARKER)
+        if start == -1:
+            return Scan(text if final else text[:len(text) - _held_back(text, self.MARKER)])
+        content = text[:start]
+        rest = text[start + len(self.MARKER):]
+        if self.ARGS in rest or (rest.strip() and rest.lstrip()[0] not in "[{"):
+            calls = []
+            for piece in rest.split(self.MARKER):
+                name, sep, args = piece.partition(self.ARGS)
+                if not sep:
+                    if final:
+                        return Scan(text)
+                    break
+                j = _skip_ws(args, 0)
+                end = value_end(args, j)
+                complete = end is not None or final
+                calls.append(PartialCall(name.strip(), args[j:end] if end is not None else args[j:].rstrip()
+                                         if final else args[j:], complete))
+        else:
+            calls, all_calls = scan_json_calls(rest, 0, final)
+            if final and not all_calls:
+                return Scan(text)
+        if final and (not calls or not all(_valid_call(c) for c in calls)):
+            return Scan(text)
+        return Scan(content, calls)
+
+
+class PythonicParser(ToolParser):
+    """A Python list of calls with keyword arguments: `[get_weather(city="Paris"), ...]`. Calls are sent when
+    the list is complete."""
+
+    def scan(self, text: str, final: bool) -> Scan:
+        stripped = text.strip()
+        if not stripped.startswith("["):
+            return Scan(text if final or stripped else "")
+        if not final:
+            return Scan("")
+        try:
+            tree = ast.parse(stripped, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return Scan(text)
+            calls = []
+            for node in tree.elts:
+                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                    return Scan(text)
+                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+                calls.append(PartialCall(node.func.id, json.dumps(arguments, ensure_ascii=False), True))
+            return Scan("", calls)
+        except (SyntaxError, ValueError, TypeError):
+            return Scan(text)
+
+
+class HarmonyToolParser(ToolParser):
+    """gpt-oss: the harmony reasoning parser hands over each message addressed to a function as
+    `<|start|>HEADER<|message|>ARGUMENTS<|call|>`, HEADER naming `to=functions.NAME`."""
+    needs_special_tokens = True
+    START, MESSAGE, CALL = "<|start|>", "<|message|>", "<|call|>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        content: list[str] = []
+        calls: list[PartialCall] = []
+        for i, part in enumerate(text.split(self.START)):
+            header, sep, body = part.partition(self.MESSAGE)
+            name = header.split("to=functions.", 1)[1].split()[0].split("<|")[0] if sep and \
+                "to=functions." in header else None
+            if name is None:
+                content.append(part if i == 0 else self.START + part)
+                continue
+            complete = body.endswith(self.CALL)
+            calls.append(PartialCall(name, body.removesuffix(self.CALL).lstrip(), complete or final))
+        return Scan("".join(content), calls)
+
+
+class NamedFunctionParser(ToolParser):
+    """tool_choice naming a function: the reply is that function's arguments, generated under its schema."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def scan(self, text: str, final: bool) -> Scan:
+        args = text.strip() if final else text.lstrip()
+        return Scan("", [PartialCall(self.name, args, final)])
+
+
+class RequiredParser(ToolParser):
+    """tool_choice `required`: the reply is a JSON list of `{"name", "parameters"}`, generated under a grammar
+    built from the tools' schemas."""
+
+    def scan(self, text: str, final: bool) -> Scan:
+        calls, _ = scan_json_calls(text, 0, final)
+        return Scan("", calls)
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser, "qwen": HermesParser, "qwen2_5": HermesParser, "qwen3": HermesParser,
+    "llama3_json": Llama3JsonParser, "llama": Llama3JsonParser,
+    "mistral": MistralParser,
+    "pythonic": PythonicParser, "llama4_pythonic": PythonicParser, "olmo3": PythonicParser,
+    "openai": HarmonyToolParser,
+}
+
+
+def parser_name_for(setting: str | None, chat_template: str | None) -> str | None:
+    """TOOL_CALL_PARSER if set, else the format the chat template writes tool calls in (None: unknown)."""
+    if setting:
+        return setting
+    template = chat_template or ""
+    if "<|channel|>" in template and "to=functions." in template:
+        return "openai"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or ('"parameters"' in template and "<|eot_id|>" in template):
+        return "llama3_json"
+    if "[func_name1(" in template:
+        return "pythonic"
+    return None
+
+
+# ---------------------------------------------------------------- results
+
+
+def tool_calls_of(scan: Scan) -> list[ToolCallOut]:
+    return [ToolCallOut(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in scan.calls]
+
+
+def final_content(scan: Scan) -> str | None:
+    """Content next to tool calls is kept only when it is more than whitespace."""
+    return scan.content if scan.content.strip() else None
+
+
+class ToolCallStream:
+    """Turns successive scans of a growing output into OpenAI stream deltas: content as it comes (once it is
+    more than whitespace), each call's id, type and name once its name is complete, then its arguments in
+    pieces. `max_calls` (1 when parallel_tool_calls is false) drops calls past the first."""
+
+    def __init__(self, max_calls: int | None = None):
+        self.max_calls = max_calls
+        self.content_sent = 0
+        self._ids: list[str] = []
+        self._args_sent: list[int] = []
+
+    def deltas(self, scan: Scan) -> tuple[str, list[DeltaToolCall]]:
+        content = ""
+        if scan.content.strip() and len(scan.content) > self.content_sent:
+            content = scan.content[self.content_sent:]
+            self.content_sent = len(scan.content)
+        pieces: list[DeltaToolCall] = []
+        calls = scan.calls if self.max_calls is None else scan.calls[:self.max_calls]
+        for index, call in enumerate(calls):
+            if call.name is None:
+                break
+            new = call.arguments[self._args_sent[index]:] if index < len(self._ids) else call.arguments
+            if index == len(self._ids):  # the call's first piece carries its id, type and name
+                self._ids.append(random_id("chatcmpl-tool"))
+                self._args_sent.append(len(call.arguments))
+                pieces.append(DeltaToolCall(index=index, id=self._ids[index], type="function",
+                                            function=DeltaFunctionCall(name=call.name, arguments=new)))
+            elif new:
+                self._args_sent[index] = len(call.arguments)
+                pieces.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=new)))
+        return content, pieces
+
+    @property
+    def called(self) -> bool:
+        return bool(self._ids)

@@ -1,0 +1,195 @@
+"""Tool-call and reasoning parsers on recorded outputs of each format, whole and streamed.
+
+A stream is fed in small pieces (as tokens arrive); its deltas must add up to exactly what the whole-output
+parse gives: the same content, thinking, call names and argument texts.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from openai_compat import reasoning, tool_parsers
+from openai_compat.chat_output import ChatOutputParser
+
+WEATHER = {"city": "Paris", "unit": "celsius"}
+
+# Outputs as the models write them (chat-template special tokens that end the turn are not part of the text).
+RECORDED = {
+    "hermes": (
+        'I will check the weather.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+        '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+        "I will check the weather.\n", [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
+    "llama3_json": (
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+        None, [("get_weather", WEATHER)]),
+    "llama3_json_python_tag": (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+        '{"name": "get_time", "parameters": {"zone": "CET"}}',
+        None, [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
+    "mistral": (
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+        '{"name": "get_time", "arguments": {"zone": "CET"}}]',
+        None, [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
+    "mistral_v11": (
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}',
+        None, [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
+    "pythonic": (
+        '[get_weather(city="Paris", unit="celsius"), get_time(zone="CET")]',
+        None, [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
+}
+PARSER_OF = {"hermes": "hermes", "llama3_json": "llama3_json", "llama3_json_python_tag": "llama3_json",
+             "mistral": "mistral", "mistral_v11": "mistral", "pythonic": "pythonic"}
+
+
+def stream(parser: ChatOutputParser, text: str, piece: int = 3) -> dict:
+    """Feed `text` in pieces and reassemble the deltas as a client does."""
+    content, thinking, calls = "", "", {}
+    pieces = [text[i:i + piece] for i in range(0, len(text), piece)] or [""]
+    for i, chunk in enumerate(pieces):
+        delta = parser.feed(chunk, final=i == len(pieces) - 1)
+        content += delta.content
+        thinking += delta.reasoning
+        for call in delta.tool_calls:
+            entry = calls.setdefault(call.index, {"name": None, "arguments": "", "id": None})
+            if call.id is not None:
+                assert entry["id"] is None, "a call's id comes once, with its first piece"
+                entry["id"], entry["name"] = call.id, call.function.name
+            else:
+                assert entry["id"] is not None, "the name comes before the arguments"
+            entry["arguments"] += call.function.arguments or ""
+    return {"content": content or None, "reasoning": thinking or None,
+            "calls": [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]}
+
+
+@pytest.mark.parametrize("case", sorted(RECORDED))
+def test_recorded_tool_calls_parse_whole_and_streamed(case):
+    text, content, expected = RECORDED[case]
+    parser = tool_parsers.PARSERS[PARSER_OF[case]]()
+    whole = ChatOutputParser(None, parser).parse(text)
+    assert whole.content == content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls] == expected
+    for piece in (1, 3, 7):
+        streamed = stream(ChatOutputParser(None, parser), text, piece)
+        assert streamed == {"content": whole.content, "reasoning": None,
+                            "calls": [(c.function.name, c.function.arguments) for c in whole.tool_calls]}
+
+
+@pytest.mark.parametrize("name,text", [
+    ("hermes", "The weather in Paris is sunny."),
+    ("hermes", "Use <tool_call> tags like <tool_call>not json</tool_call> to call tools."),
+    ("llama3_json", "Paris is the capital of France."),
+    ("llama3_json", '{"answer": 42'),
+    ("mistral", "[TOOL_CALLS] this is not a call"),
+    ("pythonic", "[1, 2, 3]"),
+])
+def test_text_that_is_not_a_call_stays_content(name, text):
+    parser = tool_parsers.PARSERS[name]()
+    whole = ChatOutputParser(None, parser).parse(text)
+    assert (whole.content, whole.tool_calls) == (text, [])
+    assert stream(ChatOutputParser(None, parser), text) == {"content": text, "reasoning": None, "calls": []}
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = RECORDED["hermes"][0]
+    whole = ChatOutputParser(None, tool_parsers.HermesParser(), max_calls=1).parse(text)
+    assert [c.function.name for c in whole.tool_calls] == ["get_weather"]
+    assert [name for name, _ in stream(ChatOutputParser(None, tool_parsers.HermesParser(), 1), text)["calls"]] \
+        == ["get_weather"]
+
+
+@pytest.mark.parametrize("template,expected", [
+    ('{% for m in messages %}<tool_call>{{ m }}</tool_call>{% endfor %}', "hermes"),
+    ("{{ '[TOOL_CALLS]' }}", "mistral"),
+    ("{{ '<|python_tag|>' }}", "llama3_json"),
+    ("format of [func_name1(params_name1=params_value1)]", "pythonic"),
+    ("{{ messages }}", None),
+])
+def test_parser_is_recognised_from_the_chat_template(template, expected):
+    assert tool_parsers.parser_name_for(None, template) == expected
+    assert tool_parsers.parser_name_for("mistral", template) == "mistral"
+
+
+# ---------------------------------------------------------------- reasoning
+
+THINK = "<think>\nThe user wants the capital. It is Paris.\n</think>\n\nThe capital of France is Paris."
+
+
+@pytest.mark.parametrize("prompt,text,thinking,answer", [
+    ("<|im_start|>assistant\n", THINK, "\nThe user wants the capital. It is Paris.\n",
+     "\n\nThe capital of France is Paris."),
+    # DeepSeek-R1's template opens the block in the prompt; the output starts inside it.
+    ("<｜Assistant｜><think>\n", "Paris, surely.\n</think>\n\nParis.", "Paris, surely.\n", "\n\nParis."),
+    ("<|im_start|>assistant\n", "No thinking here.", None, "No thinking here."),
+    ("<|im_start|>assistant\n<think>\n", "cut off while thinking", "cut off while thinking", ""),
+])
+def test_think_blocks_split_into_reasoning_and_content(prompt, text, thinking, answer):
+    parser = reasoning.make_parser("qwen3", prompt)
+    whole = ChatOutputParser(parser, None).parse(text)
+    assert (whole.reasoning, whole.content) == (thinking, answer)
+    for piece in (1, 4):
+        streamed = stream(ChatOutputParser(parser, None), text, piece)
+        assert (streamed["reasoning"], streamed["content"] or "") == (thinking, answer)
+
+
+def test_harmony_channels_split_into_reasoning_and_content():
+    text = ("<|channel|>analysis<|message|>User asks the capital. Answer Paris.<|end|><|start|>assistant"
+            "<|channel|>final<|message|>The capital of France is Paris.")
+    parser = reasoning.make_parser("openai_gptoss", "")
+    whole = ChatOutputParser(parser, None).parse(text)
+    assert (whole.reasoning, whole.content) == ("User asks the capital. Answer Paris.",
+                                                "The capital of France is Paris.")
+    for piece in (1, 5):
+        streamed = stream(ChatOutputParser(parser, None), text, piece)
+        assert (streamed["reasoning"], streamed["content"]) == (whole.reasoning, whole.content)
+
+
+def test_tool_calls_are_parsed_in_the_answer_not_the_thinking():
+    text = ('<think>Maybe <tool_call>{"name": "wrong", "arguments": {}}</tool_call>? No.</think>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    parser = ChatOutputParser(reasoning.make_parser("qwen3", ""), tool_parsers.HermesParser())
+    whole = parser.parse(text)
+    assert [c.function.name for c in whole.tool_calls] == ["get_weather"]
+    assert "wrong" in whole.reasoning and whole.content is None
+    streamed = stream(ChatOutputParser(reasoning.make_parser("qwen3", ""), tool_parsers.HermesParser()), text)
+    assert streamed["calls"] == [("get_weather", '{"city": "Paris"}')] and streamed["reasoning"] == whole.reasoning
+
+
+def test_gpt_oss_tool_call_after_analysis():
+    text = ("<|channel|>analysis<|message|>Need the weather tool.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "unit": "celsius"}<|call|>')
+    make = lambda: ChatOutputParser(reasoning.make_parser("openai_gptoss", ""), tool_parsers.HarmonyToolParser())
+    whole = make().parse(text)
+    assert whole.reasoning == "Need the weather tool." and whole.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls] == [("get_weather",
+                                                                                                WEATHER)]
+    for piece in (1, 6):
+        assert stream(make(), text, piece) == {"content": None, "reasoning": whole.reasoning, "calls": [
+            ("get_weather", whole.tool_calls[0].function.arguments)]}
+    assert tool_parsers.parser_name_for(None, "<|channel|>commentary to=functions.x") == "openai"
+
+
+@pytest.mark.parametrize("template,expected", [
+    ("{% if '</think>' in content %}", "think"), ("<|channel|>final<|message|>", "openai_gptoss"),
+    ("{{ messages }}", None),
+])
+def test_reasoning_parser_is_recognised_from_the_chat_template(template, expected):
+    assert reasoning.parser_name_for(None, template) == expected
+    assert reasoning.parser_name_for("none", template) is None
+
+
+@pytest.mark.parametrize("parser,text,expected", [
+    (tool_parsers.RequiredParser(), '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
+                                    '{"name": "get_time", "parameters": {"zone": "CET"}}]',
+     [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
+    (tool_parsers.NamedFunctionParser("get_weather"), '{"city": "Paris", "unit": "celsius"}',
+     [("get_weather", WEATHER)]),
+])
+def test_forced_tool_call_outputs_parse_whole_and_streamed(parser, text, expected):
+    """What tool_choice "required" and a named function make the model write, under their grammars."""
+    whole = ChatOutputParser(None, parser).parse(text)
+    assert whole.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls] == expected
+    for piece in (1, 4):
+        assert stream(ChatOutputParser(None, parser), text, piece)["calls"] == [
+            (c.function.name, c.function.arguments) for c in whole.tool_calls]
