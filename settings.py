@@ -65,6 +65,10 @@ class WorkerSettings(BaseSettings):
     min_batch_size: int = Field(default=1, ge=1)
     batch_size_growth_factor: float = Field(default=3.0, ge=1.0)
     max_logprobs: int = Field(default=20, ge=0)
+    max_prompts_per_request: int = Field(default=256, ge=1)
+    max_sequences_per_request: int = Field(default=256, ge=1)
+    max_prompt_tokens_per_request: int = Field(default=262144, ge=1)
+    shutdown_grace_seconds: float = Field(default=30.0, ge=0, le=3600)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @field_validator("dtype", mode="before")
@@ -97,6 +101,15 @@ class WorkerSettings(BaseSettings):
             except TemplateError as exc:
                 where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
                 raise ValueError(f"not a valid Jinja template: {exc.message or exc}{where}") from None
+        return value
+
+    @field_validator("torch_num_threads")
+    @classmethod
+    def _threads(cls, value: int | None) -> int | None:
+        # Far more threads than cores only slows torch down, and absurd counts crash it (99999: a segfault).
+        cores = os.cpu_count() or 1
+        if value is not None and value > cores:
+            raise ValueError(f"must be at most the {cores} CPUs of this machine (got {value})")
         return value
 
     @field_validator("log_level", mode="before")
@@ -138,6 +151,9 @@ class WorkerSettings(BaseSettings):
             default_batch_size=self.default_batch_size,
             min_batch_size=self.min_batch_size,
             batch_size_growth_factor=self.batch_size_growth_factor,
+            max_prompts_per_request=self.max_prompts_per_request,
+            max_sequences_per_request=self.max_sequences_per_request,
+            max_prompt_tokens_per_request=self.max_prompt_tokens_per_request,
         )
 
 

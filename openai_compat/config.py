@@ -14,3 +14,7 @@ class ServingConfig:
     default_batch_size: int = 50
     min_batch_size: int = 1
     batch_size_growth_factor: float = 3.0
+    # What one request may ask for; beyond these it is a 400, so no single request can hold the worker.
+    max_prompts_per_request: int = 256
+    max_sequences_per_request: int = 256  # prompts x max(n, best_of)
+    max_prompt_tokens_per_request: int = 262144  # all prompts of the request together
