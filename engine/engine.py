@@ -7,6 +7,7 @@ finish, are aborted, or fail; their rows are reused at once.
 """
 from __future__ import annotations
 
+import contextvars
 import logging
 import queue
 import threading
@@ -17,6 +18,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from . import host_memory
 from .detokenizer import StopStringMatcher
 from .prefix_cache import PrefixCache
 from .runner import ModelRunner, PrefillChunk
@@ -112,6 +114,8 @@ class _Group:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
     done: bool = False
+    # The submitter's context (made on its thread): log lines about the request carry its job id.
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
 
     @property
     def holds_output(self) -> bool:
@@ -198,6 +202,7 @@ class Engine:
     def _run(self) -> None:
         while not self._stopping:
             idle = not self._waiting and not self._rows
+            host_memory.release_if_idle(idle)
             if idle:
                 self._wake.wait(timeout=1.0)
             self._wake.clear()
@@ -484,7 +489,8 @@ class Engine:
         try:
             group.sink.deliver(output)
         except Exception:  # the consumer is gone (its event loop closed): drop the request
-            log.warning("request %s: output could not be delivered; dropping it", group.request_id)
+            group.context.run(log.warning, "request %s: output could not be delivered; dropping it",
+                              group.request_id)
             self._finish_group(group)
 
     # ---- leaving ----
@@ -492,7 +498,7 @@ class Engine:
     def _fail_group(self, group: _Group, exc: BaseException) -> None:
         if group.done:
             return
-        log.error("request %s failed in generation: %s", group.request_id, exc, exc_info=exc)
+        group.context.run(log.error, "request %s failed in generation: %s", group.request_id, exc, exc_info=exc)
         self._deliver(group, RequestOutput(group.request_id, [], finished=True, error=exc))
         self._finish_group(group)
 
