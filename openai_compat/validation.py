@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from pydantic import BaseModel, ValidationError
 
@@ -35,33 +35,46 @@ def check_json(value: Any, max_values: int = MAX_JSON_VALUES) -> None:
     """Reject input that no JSON text could carry or that would break the layers below: nesting deeper than
     MAX_DEPTH, more than `max_values` values, lone surrogates (text that cannot be encoded as UTF-8, so neither
     tokenized nor sent back), NaN and infinities, huge ints, non-string keys and non-JSON types. The one place
-    these become a 400 naming the field. Iterative, so the check itself cannot overflow the stack."""
-    stack: list[tuple[Any, tuple]] = [(value, ())]
+    these become a 400 naming the field. Iterative, depth-first with one iterator per open container, so the
+    check needs memory in proportion to the nesting, not to the size of the body."""
     count = 0
+    stack: list[tuple[Iterator, tuple]] = []
+
+    def enter(item: dict | list, path: tuple) -> None:
+        nonlocal count
+        count += len(item)
+        if count > max_values:
+            raise OpenAIError(f"the request holds more than {max_values} JSON values, more than any request this "
+                              f"worker accepts", status=413)
+        if len(path) >= MAX_DEPTH:
+            where = field_path(path[:1])
+            raise OpenAIError(f"{where or 'the request'} is nested more than {MAX_DEPTH} levels deep",
+                              param=where or None)
+        if isinstance(item, dict):
+            for key in item:
+                if not isinstance(key, str) or _SURROGATE.search(key):
+                    where = field_path(path)
+                    raise OpenAIError(f"{where or 'the request'} has a key that is not a valid Unicode string: "
+                                      f"{ascii(key)[:80]}", param=where or None)
+        stack.append((iter(item.items() if isinstance(item, dict) else enumerate(item)), path))
+
+    if isinstance(value, (dict, list)):
+        enter(value, ())
+    elif not _plain(value):
+        raise OpenAIError(f"the request {_not_json(value)}")
     while stack:
-        item, path = stack.pop()
-        if isinstance(item, (dict, list)):
-            count += len(item)
-            if count > max_values:
-                raise OpenAIError(f"the request holds more than {max_values} JSON values, more than any request "
-                                  f"this worker accepts", status=413)
-            if len(path) >= MAX_DEPTH:
-                where = field_path(path[:1])
-                raise OpenAIError(f"{where or 'the request'} is nested more than {MAX_DEPTH} levels deep",
-                                  param=where or None)
-            if isinstance(item, dict):
-                for key in item:
-                    if not isinstance(key, str) or _SURROGATE.search(key):
-                        where = field_path(path)
-                        raise OpenAIError(f"{where or 'the request'} has a key that is not a valid Unicode string: "
-                                          f"{ascii(key)[:80]}", param=where or None)
-            for key, child in item.items() if isinstance(item, dict) else enumerate(item):
-                # Plain values are settled here (a token-id prompt can hold millions); the rest go on the stack.
-                if not _plain(child):
-                    stack.append((child, (*path, key)))
-        elif not _plain(item):
-            where = field_path(path)
-            raise OpenAIError(f"{where or 'the request'} {_not_json(item)}", param=where or None)
+        children, path = stack[-1]
+        for key, child in children:
+            # Plain values are settled here (a token-id prompt can hold many); containers are entered.
+            if _plain(child):
+                continue
+            if isinstance(child, (dict, list)):
+                enter(child, (*path, key))
+                break
+            where = field_path((*path, key))
+            raise OpenAIError(f"{where} {_not_json(child)}", param=where)
+        else:
+            stack.pop()
 
 
 def _plain(value: Any) -> bool:
