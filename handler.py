@@ -98,6 +98,13 @@ def health() -> dict[str, Any]:
             "requests_in_engine": core.num_requests}
 
 
+def close() -> None:
+    """Stop the engine (the local gateway calls this as it exits): a generation thread still inside torch when
+    the interpreter shuts down aborts the process."""
+    if _worker is not None:
+        _worker.engine.close()
+
+
 def gateway_options() -> dict[str, Any]:
     """Validate the configuration (a bad value raises SettingsError) and give the local gateway its part."""
     return {"shutdown_grace_s": get_worker().settings.shutdown_grace_seconds}

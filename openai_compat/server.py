@@ -226,14 +226,16 @@ class HandlerModule:
     health: Callable[[], dict] | None = None
     # Validates the worker's configuration (raising on a bad value) and returns the gateway's part of it.
     options: Callable[[], dict] | None = None
+    close: Callable[[], None] | None = None  # called once the gateway has stopped serving
 
 
 def load_handler(spec: str) -> HandlerModule:
-    """The job handler named by `module:function`, with the module's `health()` and `gateway_options()`."""
+    """The job handler named by `module:function`, with the module's `health()`, `gateway_options()` and
+    `close()`."""
     module_name, _, attribute = spec.partition(":")
     module = importlib.import_module(module_name)
     return HandlerModule(getattr(module, attribute or "handler"), getattr(module, "health", None),
-                         getattr(module, "gateway_options", None))
+                         getattr(module, "gateway_options", None), getattr(module, "close", None))
 
 
 async def _preload(handler: Handler) -> None:
@@ -283,6 +285,8 @@ async def serve(module: HandlerModule, host: str, port: int, preload: bool, head
         task.cancel()
     await asyncio.gather(*leftover, return_exceptions=True)
     await runner.cleanup()
+    if module.close is not None:
+        await asyncio.to_thread(module.close)
     log.info("shutdown: done; %d of %d running requests finished, %d cut%s", running - len(state.cut), running,
              len(state.cut), (": " + ", ".join(state.cut)) if state.cut else "")
 
