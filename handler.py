@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         _shutdown = GracefulShutdown(settings.shutdown_grace_seconds)
     runpod.serverless.start({"handler": platform_handler, "concurrency_modifier": concurrency_modifier,
                              "return_aggregate_stream": True})
+    if _shutdown is not None:
+        _shutdown.join()  # stopped by SIGTERM: the drain reports and exits
     return 0
 
 

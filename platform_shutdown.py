@@ -38,7 +38,7 @@ class GracefulShutdown:
         self._jobs = jobs
         self._exit = exit
         self._installed = False
-        self._draining = threading.Event()
+        self._drainer: threading.Thread | None = None
 
     def install(self) -> None:
         """Wrap the SIGTERM handler in place (the SDK's, which must be installed already). Main thread only."""
@@ -50,11 +50,16 @@ class GracefulShutdown:
         def on_sigterm(signum, frame):
             if callable(previous):
                 previous(signum, frame)  # the SDK: fetch no more jobs
-            if not self._draining.is_set():
-                self._draining.set()
-                threading.Thread(target=self.drain, name="shutdown-drain", daemon=True).start()
+            if self._drainer is None:
+                self._drainer = threading.Thread(target=self.drain, name="shutdown-drain", daemon=True)
+                self._drainer.start()
 
         signal.signal(signal.SIGTERM, on_sigterm)
+
+    def join(self) -> None:
+        """When the SDK's loop has ended on its own after SIGTERM: let the drain finish its report (and exit)."""
+        if self._drainer is not None:
+            self._drainer.join()
 
     def drain(self) -> None:
         running = self._jobs()
