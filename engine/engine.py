@@ -202,7 +202,7 @@ class Engine:
     def _run(self) -> None:
         while not self._stopping:
             idle = not self._waiting and not self._rows
-            host_memory.release_if_idle(idle)
+            host_memory.release_if_idle(self.steps)
             if idle:
                 self._wake.wait(timeout=1.0)
             self._wake.clear()

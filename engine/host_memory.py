@@ -32,8 +32,9 @@ def _load_malloc_trim():
 
 _malloc_trim = _load_malloc_trim()
 _lock = threading.Lock()
-_idle_since: float | None = None
-_trimmed = False
+_last_work: int | None = None
+_idle_since = 0.0
+_trimmed = True  # nothing to give back before any work
 
 
 def release() -> bool:
@@ -44,17 +45,15 @@ def release() -> bool:
     return True
 
 
-def release_if_idle(idle: bool = True) -> None:
-    """Called by the engine loop on each pass: `idle` when it has nothing to run. Trims once per idle period,
-    after IDLE_BEFORE_TRIM_S of idleness."""
-    global _idle_since, _trimmed
+def release_if_idle(work_done: int) -> None:
+    """Called by the engine loop on each pass with a count of the work it has done so far (its steps): while the
+    count stands still the engine is idle. Trims once per idle period, after IDLE_BEFORE_TRIM_S of idleness."""
+    global _last_work, _idle_since, _trimmed
     with _lock:
         now = time.monotonic()
-        if not idle:
-            _idle_since, _trimmed = None, False
+        if work_done != _last_work:
+            _last_work, _idle_since, _trimmed = work_done, now, False
             return
-        if _idle_since is None:
-            _idle_since = now
         if _trimmed or now - _idle_since < IDLE_BEFORE_TRIM_S:
             return
         _trimmed = True
