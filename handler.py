@@ -20,9 +20,12 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from engine import AsyncEngine
+from engine.redaction import redact_urls
+from openai_compat.errors import status_of
 from openai_compat.jobs import JobRouter
 from openai_compat.serving import OpenAIServing
 import worker_logging
+from platform_shutdown import GracefulShutdown
 from settings import SettingsError, WorkerSettings, load_settings
 
 log = logging.getLogger("handler")
@@ -62,10 +65,26 @@ def _exit_after_fatal(exc: BaseException) -> None:
 
 
 async def handler(job: dict[str, Any]) -> AsyncIterator[Any]:
-    """The function the platform calls for every job; yields the job's output parts."""
-    worker_logging.current_job.set(str(job.get("id", "-")))
-    async for part in get_worker().router.run(job.get("input"), job_id=job.get("id")):
-        yield part
+    """The function the local gateway and tests call for every job; yields the job's output parts (an error is
+    `{"error": {...}}`, an OpenAI error body)."""
+    token = worker_logging.current_job.set(str(job.get("id", "-")))
+    try:
+        async for part in get_worker().router.run(job.get("input"), job_id=job.get("id")):
+            yield part
+    finally:
+        # The job id must not stay on whatever runs next in this context (the gateway's start-up job once
+        # tagged every later log line).
+        try:
+            worker_logging.current_job.reset(token)
+        except ValueError:  # finalized in another context: that context ends with the job anyway
+            pass
+
+
+async def platform_handler(job: dict[str, Any]) -> AsyncIterator[Any]:
+    """`handler` as the runpod SDK needs it. The SDK fails a job with `str(part["error"])`, which for a dict is a
+    Python repr; the error goes as the OpenAI error body's JSON text instead, which any client can parse."""
+    async for part in handler(job):
+        yield {"error": json.dumps(part, ensure_ascii=False)} if status_of(part) else part
 
 
 def health() -> dict[str, Any]:
@@ -82,7 +101,26 @@ def health() -> dict[str, Any]:
                                                      "kv_capacity_bytes", "preemptions")}}
 
 
+def close() -> None:
+    """Stop the engine (the local gateway calls this as it exits): a generation thread still inside torch when
+    the interpreter shuts down aborts the process."""
+    if _worker is not None:
+        _worker.engine.close()
+
+
+def gateway_options() -> dict[str, Any]:
+    """Validate the configuration (a bad value raises SettingsError) and give the local gateway its part."""
+    return {"shutdown_grace_s": get_worker().settings.shutdown_grace_seconds}
+
+
+_shutdown: GracefulShutdown | None = None
+
+
 def concurrency_modifier(current: int) -> int:
+    # The SDK installs its SIGTERM handler as its job loop starts, and this is the first call that loop makes:
+    # the graceful shutdown wraps the SDK's handler here.
+    if _shutdown is not None:
+        _shutdown.install()
     return get_worker().settings.max_concurrency
 
 
@@ -93,7 +131,7 @@ async def run_local_job(job: dict[str, Any]) -> dict[str, Any]:
     """Run one job the way the platform does (all parts aggregated) and return its result."""
     parts = []
     async for part in handler(job):
-        if isinstance(part, dict) and part.get("error"):
+        if status_of(part):
             return {"id": job.get("id"), "status": "FAILED", "error": part["error"]}
         parts.append(part)
     return {"id": job.get("id"), "status": "COMPLETED", "output": parts}
@@ -139,15 +177,19 @@ def main(argv: list[str] | None = None) -> int:
 
     import runpod
 
+    global _shutdown
     if on_platform:
         # Load before taking jobs: a worker that cannot load exits now, and the platform replaces it.
         try:
             asyncio.run(get_worker().engine.start())
         except Exception as exc:
-            print(f"llm-worker: model load failed: {exc}", file=sys.stderr)
+            print(f"llm-worker: model load failed: {redact_urls(str(exc))}", file=sys.stderr)
             return 1
-    runpod.serverless.start({"handler": handler, "concurrency_modifier": concurrency_modifier,
+        _shutdown = GracefulShutdown(settings.shutdown_grace_seconds)
+    runpod.serverless.start({"handler": platform_handler, "concurrency_modifier": concurrency_modifier,
                              "return_aggregate_stream": True})
+    if _shutdown is not None:
+        _shutdown.join()  # stopped by SIGTERM: the drain reports and exits
     return 0
 
 

@@ -72,6 +72,10 @@ class WorkerSettings(BaseSettings):
     min_batch_size: int = Field(default=1, ge=1)
     batch_size_growth_factor: float = Field(default=3.0, ge=1.0)
     max_logprobs: int = Field(default=20, ge=0)
+    max_prompts_per_request: int = Field(default=256, ge=1)
+    max_sequences_per_request: int = Field(default=256, ge=1)
+    max_prompt_tokens_per_request: int = Field(default=262144, ge=1)
+    shutdown_grace_seconds: float = Field(default=30.0, ge=0, le=3600)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     enable_auto_tool_choice: bool = True
     tool_call_parser: str | None = None
@@ -127,6 +131,15 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"must be one of {', '.join(known)} (got {value!r})")
         return name
 
+    @field_validator("torch_num_threads")
+    @classmethod
+    def _threads(cls, value: int | None) -> int | None:
+        # Far more threads than cores only slows torch down, and absurd counts crash it (99999: a segfault).
+        cores = os.cpu_count() or 1
+        if value is not None and value > cores:
+            raise ValueError(f"must be at most the {cores} CPUs of this machine (got {value})")
+        return value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _log_level(cls, value: str) -> str:
@@ -178,6 +191,9 @@ class WorkerSettings(BaseSettings):
             enable_auto_tool_choice=self.enable_auto_tool_choice,
             tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser,
+            max_prompts_per_request=self.max_prompts_per_request,
+            max_sequences_per_request=self.max_sequences_per_request,
+            max_prompt_tokens_per_request=self.max_prompt_tokens_per_request,
         )
 
 

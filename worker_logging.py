@@ -12,6 +12,8 @@ import logging
 import sys
 import time
 
+from engine.redaction import redact
+
 current_job = contextvars.ContextVar("current_job", default="-")
 
 
@@ -22,7 +24,11 @@ class _JobFilter(logging.Filter):
 
 
 class _Formatter(logging.Formatter):
+    """UTC timestamps; and no line leaves with a credential in it (library errors quote URLs with passwords)."""
     converter = time.gmtime
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
 
     def formatTime(self, record, datefmt=None):  # noqa: N802 - logging's API
         return time.strftime("%Y-%m-%dT%H:%M:%S", self.converter(record.created)) + f".{int(record.msecs):03d}Z"

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from . import host_memory
 from .block_manager import BLOCK_SIZE, BlockManager
 from .output_processor import OutputProcessor
 from .pooling import PoolingInput, PoolingParams, PoolingQueue, PoolingSink
@@ -177,6 +178,7 @@ class Engine:
 
     def _run(self) -> None:
         while not self._stopping:
+            host_memory.release_if_idle(self.steps)
             if not self._groups and not self._pooling_pending():
                 self._release_idle_memory()
                 self._wake.wait(timeout=1.0)
@@ -368,13 +370,14 @@ class Engine:
         try:
             group.sink.deliver(output)
         except Exception:  # the consumer is gone (its event loop closed): drop the request
-            log.warning("request %s: output could not be delivered; dropping it", group.request_id)
+            group.context.run(log.warning, "request %s: output could not be delivered; dropping it",
+                              group.request_id)
             self._finish_group(group)
 
     def _fail_group(self, group: SequenceGroup, exc: BaseException) -> None:
         if group.done:
             return
-        log.error("request %s failed in generation: %s", group.request_id, exc, exc_info=exc)
+        group.context.run(log.error, "request %s failed in generation: %s", group.request_id, exc, exc_info=exc)
         self._finish_group(group)
         self._deliver(group, RequestOutput(group.request_id, [], finished=True, error=exc))
 

@@ -22,6 +22,8 @@ from typing import Callable, Iterator
 
 from filelock import FileLock, Timeout
 
+from .redaction import redact_urls
+
 log = logging.getLogger("engine.model_store")
 
 EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -82,7 +84,7 @@ def resolve(source: str | None, *, revision: str | None, cache_dir: Path, baked_
         folder = s3_source.fetch(source, revision=revision, cache_dir=cache_dir, role=role)
         return _folder_model(folder, source.rstrip("/"))
     if "://" in source:
-        raise ModelSourceError(f"cannot load {source}: unsupported scheme (use s3://, a local path or a Hugging "
+        raise ModelSourceError(f"cannot load {redact_urls(source)}: unsupported scheme (use s3://, a local path or a Hugging "
                                f"Face repo id)")
     if source.startswith(("/", "./", "../", "~")):
         raise ModelSourceError(f"model path {source} does not exist")

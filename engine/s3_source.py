@@ -22,6 +22,7 @@ from s3transfer.exceptions import RetriesExceededError
 from s3transfer.subscribers import BaseSubscriber
 
 from .model_store import ModelSourceError
+from .redaction import redact
 from .remote_cache import RemoteFile, TransferProgress, entry_path, fetch_into_cache
 
 log = logging.getLogger("engine.model_store")
@@ -71,10 +72,11 @@ def fetch(uri: str, *, revision: str | None, cache_dir: Path, role: str) -> Path
     except ModelSourceError:
         raise
     except Exception as exc:  # boto3's errors, network and disk errors: one line naming the source and the cause
+        # Messages of boto3 and the network quote the endpoint URL as configured, password and all.
         if folder is None:  # boto3 rejected its configuration (a malformed endpoint URL, say)
-            raise ModelSourceError(f"cannot download {uri}: {_cause(exc)}") from exc
+            raise ModelSourceError(redact(f"cannot download {uri}: {_cause(exc)}")) from None
         raise ModelSourceError(folder.redact(f"cannot download {folder.uri} from {folder.endpoint}: "
-                                             f"{_cause(exc)}")) from exc
+                                             f"{_cause(exc)}")) from None
 
 
 class _S3Folder:
@@ -126,16 +128,15 @@ class _S3Folder:
                 future.result()
 
     def redact(self, text: str) -> str:
-        """`text` without any of the credentials in use (belt and braces: messages are built without them)."""
+        """`text` without URL passwords, the environment's secrets or the credentials in use (from a profile
+        too)."""
+        text = redact(text)
         # Only credentials a client has looked up can be in a message; asking for them here could mean a lookup.
         credentials = self._session.get_credentials() if self._client is not None else None
         if credentials is None:
             return text
         frozen = credentials.get_frozen_credentials()
-        for secret in (frozen.access_key, frozen.secret_key, frozen.token):
-            if secret:
-                text = text.replace(secret, "***")
-        return text
+        return redact(text, [s for s in (frozen.access_key, frozen.secret_key, frozen.token) if s])
 
 
 class _Progress(BaseSubscriber):

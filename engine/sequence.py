@@ -1,6 +1,7 @@
 """What the engine keeps per request (a group) and per generated sequence (one per `n`/`best_of` choice)."""
 from __future__ import annotations
 
+import contextvars
 import enum
 import time
 from dataclasses import dataclass, field
@@ -107,6 +108,8 @@ class SequenceGroup:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
     done: bool = False
+    # The submitter's context (made on its thread): log lines about the request carry its job id.
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
 
     @property
     def holds_output(self) -> bool:

@@ -18,3 +18,7 @@ class ServingConfig:
     enable_auto_tool_choice: bool = True
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # "none": thinking stays in content
+    # What one request may ask for; beyond these it is a 400, so no single request can hold the worker.
+    max_prompts_per_request: int = 256
+    max_sequences_per_request: int = 256  # prompts x max(n, best_of)
+    max_prompt_tokens_per_request: int = 262144  # all prompts of the request together

@@ -8,6 +8,7 @@ object; tracebacks go to the log, never to the caller.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, AsyncIterator
 
@@ -78,14 +79,17 @@ class JobRouter:
     async def _dispatch(self, job_input: Any) -> AsyncIterator[Any]:
         if not isinstance(job_input, dict):
             raise OpenAIError("the job input must be a JSON object")
+        # Checking and validating a body is work in proportion to its size (a body can hold a million values):
+        # it runs on a worker thread, so the event loop keeps serving other jobs meanwhile.
         if "openai_route" in job_input:
             body = job_input.get("openai_input")
-            check_json(body)  # errors name fields of the request body, as over HTTP
+            await asyncio.to_thread(check_json, body)  # errors name fields of the request body, as over HTTP
             async for part in self._openai(job_input["openai_route"], body):
                 yield part
         elif "prompt" in job_input or "messages" in job_input:
-            check_json(job_input)
-            job = parse(LegacyJob, job_input)
+            await asyncio.to_thread(check_json, job_input)
+            await self.serving.ready()
+            job = await asyncio.to_thread(parse, LegacyJob, job_input, self.serving.request_limits())
             async for part in run_legacy(self.serving, job, self._batch_size(job)):
                 yield part
         else:
@@ -107,15 +111,20 @@ class JobRouter:
         if route == MODELS_ROUTE:
             yield (await self.serving.list_models()).model_dump(mode="json")
             return
-        if route == CHAT_ROUTE:
-            result = await self.serving.create_chat_completion(parse(ChatCompletionRequest, body))
-        elif route == COMPLETIONS_ROUTE:
-            result = await self.serving.create_completion(parse(CompletionRequest, body))
-        elif (name := extra_route(route)) is not None:
-            result = await self._extra(name, body)
-        else:
+        extra = extra_route(route)
+        if route not in (CHAT_ROUTE, COMPLETIONS_ROUTE) and extra is None:
             raise OpenAIError(f"unknown openai_route {ascii(route)[:200]}; supported: {', '.join(ROUTES)}",
                               status=404, param="openai_route")
+        await self.serving.ready()  # the limits depend on the model
+        limits = self.serving.request_limits()
+        if route == CHAT_ROUTE:
+            request = await asyncio.to_thread(parse, ChatCompletionRequest, body, limits)
+            result = await self.serving.create_chat_completion(request)
+        elif route == COMPLETIONS_ROUTE:
+            request = await asyncio.to_thread(parse, CompletionRequest, body, limits)
+            result = await self.serving.create_completion(request)
+        else:
+            result = await self._extra(extra, body)
         if isinstance(result, BaseModel):
             yield result.model_dump(mode="json")
             return
@@ -132,16 +141,16 @@ class JobRouter:
         if name == STATS_ROUTE:
             return self.serving.metrics.stats()
         if name == TOKENIZE_ROUTE:
-            return await self.tokenization.tokenize(parse(TokenizeRequest, body))
+            return await self.tokenization.tokenize(await asyncio.to_thread(parse, TokenizeRequest, body))
         if name == DETOKENIZE_ROUTE:
-            return await self.tokenization.detokenize(parse(DetokenizeRequest, body))
+            return await self.tokenization.detokenize(await asyncio.to_thread(parse, DetokenizeRequest, body))
         if name == "/embeddings":
-            return await self.pooling.create_embedding(parse(EmbeddingRequest, body))
+            return await self.pooling.create_embedding(await asyncio.to_thread(parse, EmbeddingRequest, body))
         if name == POOLING_ROUTE:
-            return await self.pooling.create_pooling(parse(PoolingRequest, body))
+            return await self.pooling.create_pooling(await asyncio.to_thread(parse, PoolingRequest, body))
         if name == SCORE_ROUTE:
-            return await self.pooling.create_score(parse(ScoreRequest, body))
-        return await self.pooling.create_rerank(parse(RerankRequest, body))
+            return await self.pooling.create_score(await asyncio.to_thread(parse, ScoreRequest, body))
+        return await self.pooling.create_rerank(await asyncio.to_thread(parse, RerankRequest, body))
 
     async def _stream(self, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[Any]:
         raw = self.config.raw_openai_output

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from .errors import OpenAIError
-from .protocol import ChatCompletionRequest, ChatMessage, ParamError, SamplingFields, random_id
+from .protocol import (ChatCompletionRequest, ChatMessage, ParamError, RequestLimits, SamplingFields,
+                       check_messages_size, random_id)
 from .serving import OpenAIServing, Prompt
 from .streaming import BatchSize, batched
 
@@ -29,6 +30,12 @@ class LegacyJob(BaseModel):
     max_batch_size: int | None = Field(default=None, ge=1)
     min_batch_size: int | None = Field(default=None, ge=1)
     batch_size_growth_factor: float | None = Field(default=None, ge=1.0)
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_size(cls, value, info: ValidationInfo):
+        check_messages_size(value, info.context if isinstance(info.context, RequestLimits) else None)
+        return value
 
     @model_validator(mode="after")
     def _one_input(self) -> "LegacyJob":

@@ -13,7 +13,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_serializer,
+                      model_validator)
 
 # Accepted for compatibility with OpenAI clients; they have no effect here.
 IGNORED_FIELDS = frozenset({
@@ -25,6 +26,68 @@ MAX_SEED = 2**63 - 1
 # Token ids must be JSON integers: 1.0, true or "1" are more likely a caller's bug than an id.
 TokenId = StrictInt
 MAX_STOP_STRINGS = 32
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may carry, given as validation context. Checked on the raw value before pydantic builds
+    anything, so an oversized request costs a length check, not a walk over millions of items."""
+    max_prompts: int  # entries of a completions prompt list
+    max_prompt_tokens: int  # token ids of all prompts together
+    context_tokens: int  # the model's context length
+    max_token_chars: int  # no token of the tokenizer stands for more characters: n tokens hold at most n x this
+
+
+def _limits(info: ValidationInfo) -> RequestLimits | None:
+    return info.context if isinstance(info.context, RequestLimits) else None
+
+
+def check_prompt_size(value: Any, limits: RequestLimits | None) -> None:
+    """A completions `prompt` within the request's bounds, judged from its raw (unvalidated) form."""
+    if limits is None or not isinstance(value, list) or not value:
+        return
+    if not isinstance(value[0], (list, str)):  # one prompt of token ids: the context length bounds it
+        return
+    if len(value) > limits.max_prompts:
+        raise ValueError(f"{len(value)} prompts in one request; at most {limits.max_prompts} are allowed "
+                         f"(MAX_PROMPTS_PER_REQUEST)")
+    ids = sum(len(p) for p in value if isinstance(p, list))
+    if ids > limits.max_prompt_tokens:
+        raise ValueError(f"the prompts have {ids} token ids together; a request may carry at most "
+                         f"{limits.max_prompt_tokens} (MAX_PROMPT_TOKENS_PER_REQUEST)")
+    chars = sum(len(p) for p in value if isinstance(p, str))
+    if chars > limits.max_prompt_tokens * limits.max_token_chars:
+        raise ValueError(f"the prompts have {chars} characters together, more than the "
+                         f"{limits.max_prompt_tokens} tokens a request may carry (MAX_PROMPT_TOKENS_PER_REQUEST)")
+
+
+def check_messages_size(value: Any, limits: RequestLimits | None) -> None:
+    """Raw `messages` that could not fit the context whatever the template: every message renders to at least
+    one token, and its content text to at least one token per `max_token_chars` characters."""
+    if limits is None or not isinstance(value, list):
+        return
+    max_chars = limits.context_tokens * limits.max_token_chars
+    if len(value) > limits.context_tokens:
+        raise ValueError(f"This model's maximum context length is {limits.context_tokens} tokens. However, there "
+                         f"are {len(value)} messages, and each takes at least one token. Please reduce the number "
+                         f"of messages.")
+    chars = 0
+    for message in value:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += len(content)  # the newline that joins each text part to the next
+            if chars <= max_chars:
+                chars += sum(len(part["text"]) for part in content
+                             if isinstance(part, dict) and isinstance(part.get("text"), str))
+        if chars > max_chars:
+            break
+    if chars > max_chars:
+        raise ValueError(f"This model's maximum context length is {limits.context_tokens} tokens. However, the "
+                         f"messages have {chars} characters of content, which is more than {limits.context_tokens} "
+                         f"tokens for this model's tokenizer (no token spans more than {limits.max_token_chars} "
+                         f"characters). Please reduce the length of the messages.")
 
 
 def random_id(prefix: str) -> str:
@@ -373,6 +436,12 @@ class ChatCompletionRequest(OpenAIRequest):
     parallel_tool_calls: bool | None = None
     documents: list[dict[str, Any]] | None = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_size(cls, value, info: ValidationInfo):
+        check_messages_size(value, _limits(info))
+        return value
+
     @model_validator(mode="after")
     def _chat_consistent(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
@@ -552,6 +621,12 @@ class CompletionRequest(OpenAIRequest):
     logprobs: int | None = Field(default=None, ge=0)
     add_special_tokens: bool = True
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_size(cls, value, info: ValidationInfo):
+        check_prompt_size(value, _limits(info))
+        return value
+
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value):
@@ -568,9 +643,9 @@ class CompletionRequest(OpenAIRequest):
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
-        return list(prompt)
+        if isinstance(prompt[0], int):  # validated: all ids, or all prompts
+            return [prompt]
+        return prompt
 
 
 class CompletionLogprobs(BaseModel):

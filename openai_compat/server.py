@@ -11,6 +11,11 @@ rerank, metrics, stats) are served the same way, under the prefixes and at the r
 
 An `X-Request-Id` header becomes the job id: it comes back in the response's header and every log line
 written while serving the request carries it (`job=<id>`).
+
+Every answer the gateway gives itself (oversized, slow or undecodable bodies, unknown routes, its own failures)
+is an OpenAI error body. Connections that do not finish their headers or body in time are closed. On SIGTERM
+or SIGINT it stops taking requests, lets running ones finish within the handler's grace period, logs any it
+had to cut, and exits 0.
 """
 from __future__ import annotations
 
@@ -19,12 +24,18 @@ import asyncio
 import importlib
 import json
 import logging
+import signal
+import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 import worker_logging
+from engine.redaction import redact
 
 from .errors import error_body, status_of
 from .jobs import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE
@@ -34,13 +45,22 @@ log = logging.getLogger("openai_compat.server")
 
 Handler = Callable[[dict[str, Any]], AsyncIterator[Any]]
 
-MAX_BODY_BYTES = 64 * 2**20  # room for a full context of token ids or text many times over
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_CHARS = 128
 # POST routes beyond chat and completions, under /openai/v1 and /v1, and where vLLM also has them at the root.
 _PREFIXED_POSTS = ("/embeddings", "/tokenize", "/detokenize", "/pooling", "/score", "/rerank")
 _ROOT_POSTS = ("/tokenize", "/detokenize", "/pooling", "/score", "/rerank", "/v2/rerank")
 _GETS = ("/metrics", "/stats")
+MAX_BODY_BYTES = 64 * 2**20  # room for a full context of token ids or text many times over
+# Parsing JSON holds the interpreter for the whole parse, on any thread: a body of millions of tiny values would
+# stall every other request for seconds. Each value but the first in a container follows a comma, so counting
+# commas (a fast byte scan) bounds the values before parsing; no request within the per-request limits needs
+# more (validation.MAX_JSON_VALUES).
+MAX_BODY_COMMAS = 2**19
+_THREAD_PARSE_BYTES = 2**20  # bodies above this are parsed on a worker thread
+HEADER_TIMEOUT_S = 30.0  # a connection must send a request's headers this soon (also: idle keep-alive limit)
+BODY_TIMEOUT_S = 60.0  # and its body this soon after the headers
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
 
 
 def _reject_constant(name: str) -> None:
@@ -51,6 +71,11 @@ def _reject_constant(name: str) -> None:
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(text=json.dumps(body, ensure_ascii=False), status=status, content_type="application/json",
                         headers=headers)
+
+
+def _error(message: str, status: int, headers: dict[str, str] | None = None, param: str | None = None
+           ) -> web.Response:
+    return _json(error_body(message, status, param=param) if param else error_body(message, status), status, headers)
 
 
 def _request_id(request: web.Request) -> str:
@@ -64,25 +89,50 @@ def _request_id(request: web.Request) -> str:
     return given
 
 
-def create_app(handler: Handler, health: Callable[[], dict] | None = None) -> web.Application:
+def _parse_body(raw: bytes) -> Any:
+    return json.loads(raw, parse_constant=_reject_constant)
+
+
+@dataclass
+class _Running:
+    """A request being served, for the shutdown log."""
+    route: str
+    task: asyncio.Task | None
+    started: float = field(default_factory=time.monotonic)
+    streaming: bool = False
+
+
+@dataclass
+class GatewayState:
+    running: dict[str, _Running] = field(default_factory=dict)
+    draining: bool = False
+    cut: list[str] = field(default_factory=list)
+
+
+def create_app(handler: Handler, health: Callable[[], dict] | None = None, state: GatewayState | None = None,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> web.Application:
+    state = state or GatewayState()
+
     async def run_job(request: web.Request, route: str, body: Any) -> web.StreamResponse:
         try:
             job_id = _request_id(request)
         except ValueError as exc:
-            return _json(error_body(str(exc), param=REQUEST_ID_HEADER), 400)
+            return _error(str(exc), 400, param=REQUEST_ID_HEADER)
         worker_logging.current_job.set(job_id)
         id_header = {REQUEST_ID_HEADER: job_id}
         job = {"id": job_id, "input": {"openai_route": route, "openai_input": body}}
+        running = state.running[job_id] = _Running(route, asyncio.current_task())
         parts = handler(job)
         try:
             try:
                 first = await parts.__anext__()
             except StopAsyncIteration:
-                return _json(error_body("the handler produced no output", 500), 500, id_header)
+                return _error("the handler produced no output", 500, id_header)
             if isinstance(first, dict) and first.get("object") == "metrics" and route.endswith("/metrics"):
                 return web.Response(text=first["text"], headers={"Content-Type": first["content_type"], **id_header})
             if not isinstance(first, (str, list)):  # a whole response or an error
                 return _json(first, status_of(first) or 200, id_header)
+            running.streaming = True
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                    **id_header})
             await response.prepare(request)
@@ -99,23 +149,50 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None) -> we
                 await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
+        except asyncio.CancelledError:
+            if state.draining:  # cancelled by the shutdown, not by the client
+                what = f"{job_id} ({route}{', stream' if running.streaming else ''}, " \
+                       f"{time.monotonic() - running.started:.1f} s)"
+                state.cut.append(what)
+                log.warning("shutdown: cut request %s after the grace period", what)
+            raise
         finally:
+            del state.running[job_id]
             await parts.aclose()  # on disconnect or cancellation this aborts the generation
 
     async def post(request: web.Request, route: str) -> web.StreamResponse:
+        # Refused from the headers alone: no point waiting for (or reading) a body that will be refused anyway.
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            return _too_large()
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
-            return _json(error_body(f"the request body is larger than the {MAX_BODY_BYTES // 2**20} MiB limit",
-                                    413), 413)
+            return _too_large()
+        except asyncio.TimeoutError:
+            response = _error(f"the request body did not arrive within {body_timeout_s:g} s", 408)
+            response.force_close()
+            return response
+        except (RequestPayloadError, HttpProcessingError) as exc:  # a corrupt gzip body, a broken chunk
+            return _error(f"the request body could not be read: {str(exc).splitlines()[-1].strip()}", 400)
+        if raw.count(b",") > MAX_BODY_COMMAS:
+            return _error(f"the request body has more than {MAX_BODY_COMMAS} commas: more JSON values than any "
+                          f"request this worker accepts can hold", 413)
         try:
-            body = json.loads(raw, parse_constant=_reject_constant)
+            if len(raw) > _THREAD_PARSE_BYTES:
+                body = await asyncio.to_thread(_parse_body, raw)
+            else:
+                body = _parse_body(raw)
         except RecursionError:
-            return _json(error_body("the request body is nested too deeply to parse"), 400)
+            return _error("the request body is nested too deeply to parse", 400)
         except ValueError as exc:  # also broken UTF-8, NaN and integers too long to convert
             # What follows a ';' is advice for Python programmers (sys.set_int_max_str_digits), not the caller.
-            return _json(error_body(f"the request body is not valid JSON: {str(exc).split(';')[0]}"), 400)
+            return _error(f"the request body is not valid JSON: {str(exc).split(';')[0]}", 400)
         return await run_job(request, route, body)
+
+    def _too_large() -> web.Response:
+        response = _error(f"the request body is larger than the {MAX_BODY_BYTES // 2**20} MiB limit", 413)
+        response.force_close()  # the unread body must not be taken for the next request
+        return response
 
     async def models(request: web.Request) -> web.StreamResponse:
         return await run_job(request, MODELS_ROUTE, {})
@@ -127,11 +204,13 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None) -> we
         return await post(request, COMPLETIONS_ROUTE)
 
     async def health_check(request: web.Request) -> web.Response:
-        state = health() if health is not None else {"status": "ok"}
-        return _json(state, 200 if state.get("status") == "ok" else 503)
+        state_now = health() if health is not None else {"status": "ok"}
+        if state.draining:
+            state_now = {**state_now, "status": "stopping"}
+        return _json(state_now, 200 if state_now.get("status") == "ok" else 503)
 
     async def not_found(request: web.Request) -> web.Response:
-        return _json(error_body(f"no route {request.method} {request.path}", 404), 404)
+        return _error(f"no route {request.method} {request.path}", 404)
 
     def job_route(path: str) -> str:
         return path.removeprefix("/openai")  # as the platform forwards /openai/v1/<path>
@@ -143,7 +222,7 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None) -> we
         return await run_job(request, job_route(request.path), None)
 
     @web.middleware
-    async def echo_request_id(request: web.Request, handler) -> web.StreamResponse:  # noqa: F811 - aiohttp's name
+    async def echo_request_id(request: web.Request, handler) -> web.StreamResponse:  # aiohttp names it handler
         # Responses made before a job exists (unparsable bodies, unknown routes) still carry the caller's id.
         response = await handler(request)
         given = request.headers.get(REQUEST_ID_HEADER)
@@ -151,7 +230,24 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None) -> we
             response.headers[REQUEST_ID_HEADER] = given
         return response
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[echo_request_id])
+    @web.middleware
+    async def openai_errors(request: web.Request, handler) -> web.StreamResponse:  # aiohttp names it handler
+        """Whatever goes wrong, the caller gets an OpenAI error body (aiohttp's own answers are plain text)."""
+        if state.draining and request.path != "/health":
+            response = _error("the worker is shutting down; retry on another worker", 503)
+            response.force_close()
+            return response
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _error(exc.reason or f"HTTP {exc.status}", exc.status)
+        except Exception:
+            log.exception("gateway error on %s %s", request.method, request.path)
+            return _error("internal error in the gateway; see the worker log", 500)
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[echo_request_id, openai_errors])
     for prefix in ("/openai/v1", "/v1"):
         app.router.add_get(f"{prefix}/models", models)
         app.router.add_post(f"{prefix}/chat/completions", chat)
@@ -169,30 +265,88 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None) -> we
     return app
 
 
-def load_handler(spec: str) -> tuple[Handler, Callable[[], dict] | None]:
-    """The job handler named by `module:function`, and the module's `health()` when it has one."""
+class _ClientFaultFilter(logging.Filter):
+    """aiohttp logs a malformed request (a client's fault) as an ERROR with a traceback; one INFO line says it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (HttpProcessingError, RequestPayloadError)):
+            record.msg = f"{record.getMessage()}: {str(exc).splitlines()[-1].strip()}"
+            record.args = None
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+@dataclass
+class HandlerModule:
+    handler: Handler
+    health: Callable[[], dict] | None = None
+    # Validates the worker's configuration (raising on a bad value) and returns the gateway's part of it.
+    options: Callable[[], dict] | None = None
+    close: Callable[[], None] | None = None  # called once the gateway has stopped serving
+
+
+def load_handler(spec: str) -> HandlerModule:
+    """The job handler named by `module:function`, with the module's `health()`, `gateway_options()` and
+    `close()`."""
     module_name, _, attribute = spec.partition(":")
     module = importlib.import_module(module_name)
-    return getattr(module, attribute or "handler"), getattr(module, "health", None)
+    return HandlerModule(getattr(module, attribute or "handler"), getattr(module, "health", None),
+                         getattr(module, "gateway_options", None), getattr(module, "close", None))
 
 
-async def serve(handler: Handler, health: Callable[[], dict] | None, host: str, port: int, preload: bool) -> None:
-    if preload:  # the first models call loads the model, so the first real request does not wait for it
-        try:
-            async for part in handler({"id": "preload", "input": {"openai_route": MODELS_ROUTE}}):
-                if status_of(part):
-                    raise SystemExit(f"llm-worker: {part['error']['message']}")
-        except SystemExit:
-            raise
-        except Exception as exc:  # bad configuration and the like: one clear line, non-zero exit
-            raise SystemExit(f"llm-worker: {exc}") from None
-        worker_logging.current_job.set("-")  # request tasks copy this context; the preload job is over
-    runner = web.AppRunner(create_app(handler, health), handler_cancellation=True, access_log=None)
+async def _preload(handler: Handler) -> None:
+    """The first models call loads the model, so the first real request does not wait for it."""
+    async for part in handler({"id": "preload", "input": {"openai_route": MODELS_ROUTE}}):
+        if status_of(part):
+            raise SystemExit(redact(f"llm-worker: {part['error']['message']}"))
+
+
+async def serve(module: HandlerModule, host: str, port: int, preload: bool, header_timeout_s: float = HEADER_TIMEOUT_S,
+                body_timeout_s: float = BODY_TIMEOUT_S) -> None:
+    try:
+        # Before serving, always: a bad setting must stop the gateway, not make every request fail later.
+        options = module.options() if module.options is not None else {}
+        if preload:
+            # Its own task, so the job context it sets (the log lines' job id) ends with it.
+            await asyncio.create_task(_preload(module.handler))
+    except SystemExit:
+        raise
+    except Exception as exc:  # bad configuration and the like: one clear line, non-zero exit
+        raise SystemExit(redact(f"llm-worker: {exc}")) from None
+    grace = float(options.get("shutdown_grace_s", DEFAULT_SHUTDOWN_GRACE_S))
+    logging.getLogger("aiohttp.server").addFilter(_ClientFaultFilter())
+    state = GatewayState()
+    runner = web.AppRunner(create_app(module.handler, module.health, state, body_timeout_s),
+                           handler_cancellation=True, access_log=None, keepalive_timeout=header_timeout_s,
+                           shutdown_timeout=1.0)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
     log.info("serving the OpenAI API on http://%s:%d/openai/v1", host, port)
     print(f"llm-worker gateway ready on http://{host}:{port}/openai/v1", flush=True)
-    await asyncio.Event().wait()
+    await stop.wait()
+    state.draining = True
+    await site.stop()  # no new connections; requests on open ones get a 503
+    running = len(state.running)
+    log.info("shutdown: taking no new requests; %d running, waiting up to %.0f s for them", running, grace)
+    deadline = loop.time() + grace
+    while state.running and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    leftover = [r.task for r in state.running.values() if r.task is not None]
+    for task in leftover:
+        task.cancel()
+    await asyncio.gather(*leftover, return_exceptions=True)
+    await runner.cleanup()
+    if module.close is not None:
+        await asyncio.to_thread(module.close)
+    log.info("shutdown: done; %d of %d running requests finished, %d cut%s", running - len(state.cut), running,
+             len(state.cut), (": " + ", ".join(state.cut)) if state.cut else "")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -201,12 +355,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--handler", default="handler:handler", help="module:function of the job handler")
     parser.add_argument("--lazy", action="store_true", help="load the model on the first request, not at start")
+    parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
+                        help="seconds a connection has to send a request's headers (and to stay idle)")
+    parser.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+                        help="seconds a request has to send its body after the headers")
     args = parser.parse_args(argv)
-    handler, health = load_handler(args.handler)
-    try:
-        asyncio.run(serve(handler, health, args.host, args.port, preload=not args.lazy))
-    except KeyboardInterrupt:
-        pass
+    asyncio.run(serve(load_handler(args.handler), args.host, args.port, preload=not args.lazy,
+                      header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout))
 
 
 if __name__ == "__main__":

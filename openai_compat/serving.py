@@ -7,6 +7,7 @@ per-step deltas.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -15,6 +16,7 @@ from typing import Any, AsyncIterator
 
 from engine import AsyncEngine, ChatTemplateError, GenerationError, RequestOutput, SamplingParams, TokenLogprob
 from engine.structured import AnswerGate, GrammarSpec
+from engine.redaction import redact
 
 from . import reasoning, tool_parsers
 from .chat_output import ChatOutputParser
@@ -25,7 +27,7 @@ from .protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage, ChatTokenLogprob,
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, CompletionStreamResponse,
-    DeltaMessage, ModelCard, ModelList, NamedToolChoice, SamplingFields, TopLogprob, UsageInfo, random_id,
+    DeltaMessage, ModelCard, ModelList, NamedToolChoice, RequestLimits, SamplingFields, TopLogprob, UsageInfo, random_id,
 )
 from .structured import GrammarCache, forced_tool_constraint
 
@@ -65,7 +67,7 @@ class OpenAIServing:
         try:
             await self.engine.start()
         except Exception as exc:
-            raise OpenAIError(f"the model could not be loaded: {exc}", status=500) from exc
+            raise OpenAIError(redact(f"the model could not be loaded: {exc}"), status=500) from exc
 
     @property
     def served_model_name(self) -> str:
@@ -89,17 +91,81 @@ class OpenAIServing:
         name = self.served_model_name
         return ModelList(data=[ModelCard(id=name, root=self.engine.model_name, max_model_len=self.engine.max_model_len)])
 
+    def request_limits(self) -> RequestLimits:
+        """What one request may carry (the model must be loaded)."""
+        return RequestLimits(max_prompts=self.config.max_prompts_per_request,
+                             max_prompt_tokens=self.config.max_prompt_tokens_per_request,
+                             context_tokens=self.engine.max_model_len,
+                             max_token_chars=self.engine.tokenizer.max_token_chars)
+
+    def _check_sequences(self, request: SamplingFields, num_prompts: int) -> None:
+        """Bound the sequences one request generates: every prompt runs max(n, best_of) of them."""
+        sequences = max(request.n, request.best_of or 1)
+        param = "best_of" if (request.best_of or 0) > request.n else "n"
+        if sequences > self.engine.config.max_num_seqs:
+            raise OpenAIError(f"n and best_of must be at most {self.engine.config.max_num_seqs} (MAX_NUM_SEQS)",
+                              param=param)
+        limit = self.config.max_sequences_per_request
+        if sequences * num_prompts > limit:
+            raise OpenAIError(f"{param}={sequences} for each of {num_prompts} prompts is {sequences * num_prompts} "
+                              f"sequences; a request may generate at most {limit} (MAX_SEQUENCES_PER_REQUEST)",
+                              param=param)
+
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
-                         logprobs: int | None, prompt_logprobs: int | None = None,
-                         max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs",
-                         grammar: GrammarSpec | None = None, with_special_tokens: bool = False) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs",
+                        grammar: GrammarSpec | None = None, with_special_tokens: bool = False) -> SamplingParams:
+        return self.sampling_params_for(request, [prompt_len], max_tokens, logprobs, prompt_logprobs,
+                                        max_tokens_param, logprobs_param, grammar, with_special_tokens)[0]
+
+    def sampling_params_for(self, request: SamplingFields, prompt_lens: list[int], max_tokens: int | None,
+                            logprobs: int | None, prompt_logprobs: int | None = None,
+                            max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs",
+                            grammar: GrammarSpec | None = None, with_special_tokens: bool = False
+                            ) -> list[SamplingParams]:
+        """The SamplingParams of each prompt of a request. What does not depend on the prompt is checked and built
+        once (a logit_bias can name every token of the vocabulary), so this is linear in the request's size."""
         self.check_generates("chat completions" if isinstance(request, ChatCompletionRequest) else "completions")
-        limit = self.engine.max_model_len
         max_logprobs = self.engine.config.max_logprobs
         for name, value in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and value > max_logprobs:
                 raise OpenAIError(f"{name} must be at most {max_logprobs}, got {value}", param=name)
-        self._check_prompt_len(prompt_len, "messages" if isinstance(request, ChatCompletionRequest) else "prompt")
+        self._check_sequences(request, len(prompt_lens))
+        prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+        resolved = [self._max_tokens(request, n, max_tokens, prompt_param, max_tokens_param) for n in prompt_lens]
+        sequences = max(request.n, request.best_of or 1)
+        for prompt_len, budget in zip(prompt_lens, resolved):
+            too_large = self.engine.check_fits(prompt_len, budget, sequences)
+            if too_large is not None:
+                raise OpenAIError(f"This request cannot be served: {too_large}. Please reduce {max_tokens_param}, n "
+                                  f"or the prompt.", param=max_tokens_param)
+        self.check_in_vocabulary(request.stop_token_ids or (), "stop_token_ids")
+        bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
+        self.check_in_vocabulary(bias, "logit_bias")
+        defaults = self.engine.generation_defaults
+
+        def pick(name: str, fallback):
+            value = getattr(request, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        first = SamplingParams(
+            max_tokens=resolved[0], temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=request.seed, n=request.n,
+            best_of=request.best_of, stop=request.stop_list, stop_token_ids=tuple(request.stop_token_ids or ()),
+            include_stop_str_in_output=request.include_stop_str_in_output, ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens, presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=pick("repetition_penalty", 1.0), logit_bias=bias, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens and not with_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens, grammar=grammar)
+        return [first] + [dataclasses.replace(first, max_tokens=m) for m in resolved[1:]]
+
+    def _max_tokens(self, request: SamplingFields, prompt_len: int, max_tokens: int | None, prompt_param: str,
+                    max_tokens_param: str) -> int:
+        """The completion budget of one prompt: what was asked for, or the rest of the context."""
+        limit = self.engine.max_model_len
+        self._check_prompt_len(prompt_len, prompt_param)
         if max_tokens is None:
             max_tokens = limit - prompt_len
         elif prompt_len + max_tokens > limit:
@@ -110,34 +176,7 @@ class OpenAIServing:
         if request.min_tokens > max_tokens:
             raise OpenAIError(f"min_tokens ({request.min_tokens}) must be at most max_tokens ({max_tokens})",
                               param="min_tokens")
-        sequences = max(request.n, request.best_of or 1)
-        if sequences > self.engine.config.max_num_seqs:
-            raise OpenAIError(f"n and best_of must be at most {self.engine.config.max_num_seqs} (MAX_NUM_SEQS)",
-                              param="best_of" if (request.best_of or 0) > request.n else "n")
-        too_large = self.engine.check_fits(prompt_len, max_tokens, sequences)
-        if too_large is not None:
-            raise OpenAIError(f"This request cannot be served: {too_large}. Please reduce {max_tokens_param}, n or "
-                              f"the prompt.", param=max_tokens_param)
-        self.check_in_vocabulary(request.stop_token_ids or (), "stop_token_ids")
-        bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
-        self.check_in_vocabulary(bias, "logit_bias")
-        defaults = self.engine.generation_defaults
-
-        def pick(name: str, fallback):
-            value = getattr(request, name)
-            return value if value is not None else defaults.get(name, fallback)
-
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
-            top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=request.seed, n=request.n,
-            best_of=request.best_of, stop=request.stop_list, stop_token_ids=tuple(request.stop_token_ids or ()),
-            include_stop_str_in_output=request.include_stop_str_in_output, ignore_eos=request.ignore_eos,
-            min_tokens=request.min_tokens, presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=pick("repetition_penalty", 1.0), logit_bias=bias, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=request.skip_special_tokens and not with_special_tokens,
-            spaces_between_special_tokens=request.spaces_between_special_tokens, grammar=grammar)
+        return max_tokens
 
     async def grammar(self, request: SamplingFields, gate: AnswerGate | None = None) -> GrammarSpec | None:
         """The compiled constraint the request sets (response_format, guided_*, structured_outputs), if any."""
@@ -270,6 +309,8 @@ class OpenAIServing:
             ids, text = await asyncio.to_thread(render)
         except ChatTemplateError as exc:
             raise OpenAIError(str(exc), param="messages") from exc
+        if not ids:  # the template dropped everything: nothing for the model to continue from
+            raise OpenAIError("the chat template rendered these messages to an empty prompt", param="messages")
         return Prompt(ids, text)
 
     async def create_chat_completion(self, request: ChatCompletionRequest
@@ -416,16 +457,20 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- completions
 
-    async def _completion_prompts(self, request: CompletionRequest) -> list[Prompt]:
+    def _completion_prompts(self, request: CompletionRequest) -> list[Prompt]:
+        """Token ids (and text, for echo) of every prompt. Tokenizing and decoding are the heavy part of preparing
+        a request, so the caller runs this on a worker thread; it is linear in the prompts' size."""
         tokenizer = self.engine.tokenizer
+        items = request.prompts
         prompts = []
-        for i, item in enumerate(request.prompts):
-            param = "prompt" if len(request.prompts) == 1 else f"prompt[{i}]"
+        for i, item in enumerate(items):
+            param = "prompt" if len(items) == 1 else f"prompt[{i}]"
             if isinstance(item, str):
                 if request.suffix is not None:
-                    prompts.append(Prompt(await self._fim_ids(item, request.suffix), item))
+                    prompts.append(Prompt(self._fim_ids(item, request.suffix), item))
                     continue
-                ids = await self.tokenize(item, request.add_special_tokens, param)
+                self.check_prompt_chars(item, param)
+                ids = tokenizer.encode(item, request.add_special_tokens)
                 if not ids:
                     raise OpenAIError("the prompt is empty after tokenization", param=param)
                 prompts.append(Prompt(ids, item))
@@ -433,10 +478,15 @@ class OpenAIServing:
                 if request.suffix is not None:
                     raise OpenAIError("suffix needs a text prompt", param="suffix")
                 self._check_token_ids(item, param)
-                prompts.append(Prompt(list(item), tokenizer.decode(item, skip_special_tokens=False)))
+                prompts.append(Prompt(item, tokenizer.decode(item, skip_special_tokens=False)))
+        total = sum(len(p.token_ids) for p in prompts)
+        if total > self.config.max_prompt_tokens_per_request:
+            raise OpenAIError(f"the prompts have {total} tokens together; a request may carry at most "
+                              f"{self.config.max_prompt_tokens_per_request} (MAX_PROMPT_TOKENS_PER_REQUEST)",
+                              param="prompt")
         return prompts
 
-    async def _fim_ids(self, prefix: str, suffix: str) -> list[int]:
+    def _fim_ids(self, prefix: str, suffix: str) -> list[int]:
         """Fill-in-the-middle prompt for models trained with FIM tokens; others cannot honour `suffix`."""
         tokenizer = self.engine.tokenizer
         markers = [tokenizer.token_id(t) for t in _FIM_TOKENS]
@@ -444,20 +494,23 @@ class OpenAIServing:
             raise OpenAIError("suffix is not supported by this model (its tokenizer has no fill-in-the-middle "
                               "tokens)", param="suffix")
         fim_prefix, fim_suffix, fim_middle = markers
-        return ([fim_prefix] + await self.tokenize(prefix, False) + [fim_suffix]
-                + await self.tokenize(suffix, False, "suffix") + [fim_middle])
+        self.check_prompt_chars(prefix, "prompt")
+        self.check_prompt_chars(suffix, "suffix")
+        return ([fim_prefix] + tokenizer.encode(prefix, False) + [fim_suffix] + tokenizer.encode(suffix, False)
+                + [fim_middle])
 
     async def create_completion(self, request: CompletionRequest
                                 ) -> CompletionResponse | AsyncIterator[CompletionStreamResponse]:
         await self.ready()
         self.check_model(request.model)
         self.check_generates("completions")
-        prompts = await self._completion_prompts(request)
+        self._check_sequences(request, len(request.prompts))  # before any work on the prompts
+        prompts = await asyncio.to_thread(self._completion_prompts, request)
         # echo with logprobs scores the prompt too
         prompt_logprobs = request.logprobs if request.echo else None
         grammar = await self.grammar(request)
-        params = [self.sampling_params(request, len(p.token_ids), request.max_tokens, request.logprobs,
-                                        prompt_logprobs, grammar=grammar) for p in prompts]
+        params = await asyncio.to_thread(self.sampling_params_for, request, [len(p.token_ids) for p in prompts],
+                                         request.max_tokens, request.logprobs, prompt_logprobs, grammar=grammar)
         response_id = random_id("cmpl")
         if request.stream:
             return self._completion_stream(request, response_id, prompts, params)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from pydantic import BaseModel, ValidationError
 
@@ -17,6 +17,10 @@ MAX_DEPTH = 100
 # Far wider than any id, seed or count the API takes; Python refuses to print ints past 4300 digits, so an
 # error message naming a bigger one would itself fail.
 MAX_INT_BITS = 128
+# More values than any request within the per-request bounds needs (the largest is MAX_PROMPT_TOKENS_PER_REQUEST
+# token ids, 262144 by default); counting stops here, so a body of millions of tiny values is refused after a
+# bounded walk, before pydantic builds a model object for each of them.
+MAX_JSON_VALUES = 2**19
 _SURROGATE = re.compile("[\ud800-\udfff]")  # halves of UTF-16 pairs: a Python str holds them, UTF-8 cannot
 
 
@@ -27,32 +31,50 @@ def field_path(parts: tuple) -> str:
     return text
 
 
-def check_json(value: Any) -> None:
+def check_json(value: Any, max_values: int = MAX_JSON_VALUES) -> None:
     """Reject input that no JSON text could carry or that would break the layers below: nesting deeper than
-    MAX_DEPTH, lone surrogates (text that cannot be encoded as UTF-8, so neither tokenized nor sent back),
-    NaN and infinities, huge ints, non-string keys and non-JSON types. The one place these become a 400
-    naming the field. Iterative, so the check itself cannot overflow the stack."""
-    stack: list[tuple[Any, tuple]] = [(value, ())]
+    MAX_DEPTH, more than `max_values` values, lone surrogates (text that cannot be encoded as UTF-8, so neither
+    tokenized nor sent back), NaN and infinities, huge ints, non-string keys and non-JSON types. The one place
+    these become a 400 naming the field. Iterative, depth-first with one iterator per open container, so the
+    check needs memory in proportion to the nesting, not to the size of the body."""
+    count = 0
+    stack: list[tuple[Iterator, tuple]] = []
+
+    def enter(item: dict | list, path: tuple) -> None:
+        nonlocal count
+        count += len(item)
+        if count > max_values:
+            raise OpenAIError(f"the request holds more than {max_values} JSON values, more than any request this "
+                              f"worker accepts", status=413)
+        if len(path) >= MAX_DEPTH:
+            where = field_path(path[:1])
+            raise OpenAIError(f"{where or 'the request'} is nested more than {MAX_DEPTH} levels deep",
+                              param=where or None)
+        if isinstance(item, dict):
+            for key in item:
+                if not isinstance(key, str) or _SURROGATE.search(key):
+                    where = field_path(path)
+                    raise OpenAIError(f"{where or 'the request'} has a key that is not a valid Unicode string: "
+                                      f"{ascii(key)[:80]}", param=where or None)
+        stack.append((iter(item.items() if isinstance(item, dict) else enumerate(item)), path))
+
+    if isinstance(value, (dict, list)):
+        enter(value, ())
+    elif not _plain(value):
+        raise OpenAIError(f"the request {_not_json(value)}")
     while stack:
-        item, path = stack.pop()
-        if isinstance(item, (dict, list)):
-            if len(path) >= MAX_DEPTH:
-                where = field_path(path[:1])
-                raise OpenAIError(f"{where or 'the request'} is nested more than {MAX_DEPTH} levels deep",
-                                  param=where or None)
-            if isinstance(item, dict):
-                for key in item:
-                    if not isinstance(key, str) or _SURROGATE.search(key):
-                        where = field_path(path)
-                        raise OpenAIError(f"{where or 'the request'} has a key that is not a valid Unicode string: "
-                                          f"{ascii(key)[:80]}", param=where or None)
-            for key, child in item.items() if isinstance(item, dict) else enumerate(item):
-                # Plain values are settled here (a token-id prompt can hold millions); the rest go on the stack.
-                if not _plain(child):
-                    stack.append((child, (*path, key)))
-        elif not _plain(item):
-            where = field_path(path)
-            raise OpenAIError(f"{where or 'the request'} {_not_json(item)}", param=where or None)
+        children, path = stack[-1]
+        for key, child in children:
+            # Plain values are settled here (a token-id prompt can hold many); containers are entered.
+            if _plain(child):
+                continue
+            if isinstance(child, (dict, list)):
+                enter(child, (*path, key))
+                break
+            where = field_path((*path, key))
+            raise OpenAIError(f"{where} {_not_json(child)}", param=where)
+        else:
+            stack.pop()
 
 
 def _plain(value: Any) -> bool:
@@ -84,12 +106,13 @@ def _clean_loc(loc: tuple) -> tuple:
     return tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in _MEMBER_NAMES)))
 
 
-def parse(model: type[BaseModel], body: Any):
-    """Validate a request body; a problem becomes a 400 naming the parameter."""
+def parse(model: type[BaseModel], body: Any, context: Any = None):
+    """Validate a request body; a problem becomes a 400 naming the parameter. `context` reaches the models'
+    validators (the per-request limits)."""
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     try:
-        return model.model_validate(body)
+        return model.model_validate(body, context=context)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         first = errors[0]

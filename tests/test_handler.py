@@ -223,7 +223,7 @@ def test_deploy_mode_starts_sdk_with_async_generator_handler(worker, monkeypatch
     monkeypatch.setattr(runpod.serverless, "start", lambda config: captured.update(config))
     monkeypatch.setenv("RUNPOD_WEBHOOK_GET_JOB", "http://127.0.0.1:9/unused")
     assert handler.main([]) == 0
-    assert captured["handler"] is handler.handler
+    assert captured["handler"] is handler.platform_handler
     assert inspect.isasyncgenfunction(captured["handler"])
     assert captured["return_aggregate_stream"] is True
     assert captured["concurrency_modifier"](1) == worker.settings.max_concurrency

@@ -1,0 +1,133 @@
+"""Replays hostile request shapes against a running gateway and prints what each got and how long a concurrent
+small request (GET /health) waited meanwhile.
+
+    python bench/adversarial.py [--url http://127.0.0.1:8000] [--timeout 60]
+
+Loopback only (it refuses any other host), bounded (each shape has a timeout; the whole run stops by itself),
+and it sends each shape once. A healthy worker answers every shape with an OpenAI error or a result, and
+/health never waits long.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import sys
+import time
+from urllib.parse import urlsplit
+
+import httpx
+
+TOKEN = 42  # any id in the vocabulary
+
+
+def shapes() -> list[tuple[str, str, bytes, dict]]:
+    """(name, path, body, extra headers) of every shape."""
+    completions, chat = "/openai/v1/completions", "/openai/v1/chat/completions"
+
+    def body(value) -> bytes:
+        return json.dumps(value).encode()
+
+    return [
+        ("100k one-token prompts", completions, body({"prompt": [[TOKEN]] * 100_000, "max_tokens": 1}), {}),
+        ("200k one-token prompts", completions, body({"prompt": [[TOKEN]] * 200_000, "max_tokens": 1}), {}),
+        ("4 MiB of one-token prompts", completions,
+         body({"prompt": [[TOKEN]] * (4 * 2**20 // 5), "max_tokens": 1}), {}),
+        ("n=32 x 256 prompts", completions, body({"prompt": [[TOKEN]] * 256, "n": 32, "max_tokens": 1}), {}),
+        ("300k token ids in one prompt", completions, body({"prompt": [TOKEN] * 300_000, "max_tokens": 1}), {}),
+        ("maximal legal prompt list (256 x 1024 ids)", completions,
+         body({"prompt": [[TOKEN] * 1024] * 256, "max_tokens": 1}), {}),
+        ("16 MiB of small messages", chat,
+         body({"messages": [{"role": "user", "content": "hi"}] * (16 * 2**20 // 34), "max_tokens": 1}), {}),
+        ("16 MiB message", chat, body({"messages": [{"role": "user", "content": "hi " * (16 * 2**20 // 3)}]}), {}),
+        ("500k content parts", chat, body({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]
+                                                         * 500_000}]}), {}),
+        ("corrupt gzip body", completions, b"this is not gzip", {"Content-Encoding": "gzip"}),
+    ]
+
+
+async def watch_health(client: httpx.AsyncClient, base: str, stop: asyncio.Event, waits: list[float]) -> None:
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            await client.get(base + "/health", timeout=30)
+        except httpx.HTTPError:
+            pass
+        waits.append(time.monotonic() - started)
+        await asyncio.sleep(0.05)
+
+
+def summarize(response: httpx.Response | Exception) -> str:
+    if isinstance(response, Exception):
+        return f"{type(response).__name__}: {response}"[:150]
+    try:
+        error = response.json().get("error")
+    except ValueError:
+        return f"{response.status_code} (not JSON) {response.text[:100]!r}"
+    if error:
+        return f"{response.status_code} {error.get('message', '')[:110]}"
+    return f"{response.status_code} ok"
+
+
+async def replay(base: str, timeout: float) -> None:
+    async with httpx.AsyncClient() as client:
+        for name, path, body, headers in shapes():
+            stop, waits = asyncio.Event(), []
+            watcher = asyncio.create_task(watch_health(client, base, stop, waits))
+            started = time.monotonic()
+            try:
+                result = await client.post(base + path, content=body, timeout=timeout,
+                                           headers={"Content-Type": "application/json", **headers})
+            except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+                result = exc
+            took = time.monotonic() - started
+            stop.set()
+            await watcher
+            print(f"{name:<48} {len(body) / 2**20:6.1f} MiB {took:6.2f} s  health max {max(waits):.3f} s "
+                  f"median {statistics.median(waits):.3f} s  -> {summarize(result)}", flush=True)
+        await raw_edges(base, timeout)
+
+
+async def raw_edges(base: str, timeout: float) -> None:
+    """Connection-level shapes, over a plain socket."""
+    host, port = urlsplit(base).hostname, urlsplit(base).port or 80
+
+    async def exchange(name: str, data: bytes, wait: float) -> None:
+        started = time.monotonic()
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(data)
+        await writer.drain()
+        try:
+            answer = await asyncio.wait_for(reader.read(400), wait)
+            got = answer.split(b"\r\n", 1)[0].decode(errors="replace") or "connection closed"
+        except asyncio.TimeoutError:
+            got = f"still open after {wait:.0f} s"
+        writer.close()
+        print(f"{name:<48} {time.monotonic() - started:6.2f} s  -> {got}", flush=True)
+
+    await exchange("Content-Length 100000000, no body", b"POST /openai/v1/completions HTTP/1.1\r\nHost: x\r\n"
+                   b"Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n", timeout)
+    await exchange("declared body never sent", b"POST /openai/v1/completions HTTP/1.1\r\nHost: x\r\n"
+                   b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n", timeout)
+    await exchange("partial headers", b"POST /openai/v1/completions HTTP/1.1\r\nHost: x\r\n", timeout)
+    await exchange("malformed header", b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", timeout)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (not its /openai/v1 path)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds any one shape may take")
+    args = parser.parse_args()
+    base = args.url.rstrip("/").removesuffix("/openai/v1")
+    host = urlsplit(base).hostname or ""
+    if not socket.gethostbyname(host).startswith("127."):
+        print(f"refusing {host}: this script only talks to a gateway on this machine", file=sys.stderr)
+        return 2
+    asyncio.run(asyncio.wait_for(replay(base, args.timeout), timeout=30 * args.timeout))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Giving freed host memory back to the system once the engine is idle.
+
+glibc's allocator keeps freed blocks for reuse: after a burst of long prompts (KV-cache growth, prefix-cache
+entries, activations) the process keeps gigabytes it no longer uses, and the machine sees them as taken.
+`malloc_trim` returns the free pages of every arena. It costs a walk over the free lists, so it runs when the
+engine has been idle for a moment, once per idle period, never between the steps of running requests.
+Elsewhere than glibc (musl, macOS) this does nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import threading
+import time
+
+log = logging.getLogger("engine")
+
+IDLE_BEFORE_TRIM_S = 0.5  # a pause between two requests is not idleness worth trimming for
+
+
+def _load_malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+_malloc_trim = _load_malloc_trim()
+_lock = threading.Lock()
+_last_work: int | None = None
+_idle_since = 0.0
+_trimmed = True  # nothing to give back before any work
+
+
+def release() -> bool:
+    """Return free heap pages to the system now; whether anything could be done."""
+    if _malloc_trim is None:
+        return False
+    _malloc_trim(0)
+    return True
+
+
+def release_if_idle(work_done: int) -> None:
+    """Called by the engine loop on each pass with a count of the work it has done so far (its steps): while the
+    count stands still the engine is idle. Trims once per idle period, after IDLE_BEFORE_TRIM_S of idleness."""
+    global _last_work, _idle_since, _trimmed
+    with _lock:
+        now = time.monotonic()
+        if work_done != _last_work:
+            _last_work, _idle_since, _trimmed = work_done, now, False
+            return
+        if _trimmed or now - _idle_since < IDLE_BEFORE_TRIM_S:
+            return
+        _trimmed = True
+    started = time.perf_counter()
+    if release():
+        log.debug("idle: returned free host memory to the system in %.1f ms", (time.perf_counter() - started) * 1e3)
