@@ -11,6 +11,7 @@ import logging
 import threading
 from typing import AsyncIterator, Callable
 
+from . import host_memory
 from .config import EngineConfig
 from .engine import Engine, RequestOutput
 from .loader import LoadedModel, load
@@ -92,6 +93,7 @@ class AsyncEngine:
                          per_token * model.max_model_len * self.config.max_num_seqs / 2**30,
                          self.config.max_num_seqs, model.max_model_len)
             self._model, self._engine = model, engine
+            host_memory.freeze_long_lived()
             future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
             log.error("model load failed: %s", exc)
