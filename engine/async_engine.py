@@ -12,6 +12,7 @@ import os
 import threading
 from typing import AsyncIterator, Callable
 
+from . import host_memory
 from .config import EngineConfig
 from .engine import Engine, RequestOutput
 from .loader import LoadedModel, load
@@ -107,6 +108,7 @@ class AsyncEngine:
                             pooling=pooling)
             engine.on_fatal = self._fatal
             self._model, self._engine = model, engine
+            host_memory.freeze_long_lived()
             future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
             log.error("model load failed: %s", exc)

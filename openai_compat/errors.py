@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError", 500: "InternalServerError",
-          503: "ServiceUnavailableError"}
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
+          500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 class OpenAIError(Exception):
