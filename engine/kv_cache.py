@@ -205,7 +205,7 @@ class StepCache:
     keys and values to their slots; the attention function reads them back per sequence."""
 
     is_compileable = False
-    is_sliding = False
+    is_sliding = ()  # transformers asks `True in cache.is_sliding`; windows are the attention function's business
 
     def __init__(self, cache: PagedKVCache, layout: StepLayout):
         self.cache = cache

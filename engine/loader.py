@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import attention, cpu_layout, fusion, model_store
+from . import attention, cpu_layout, fusion, model_store, windows
 from .config import EngineConfig
 from .tokenizer import Tokenizer
 
@@ -126,11 +126,7 @@ def _model_max_len(config) -> int:
             break
     else:
         limit = 2048
-    # The engine attends over the whole sequence; a sliding-window model is exact only within its window.
-    window = getattr(config, "sliding_window", None)
-    if isinstance(window, int) and window > 0 and "sliding_attention" in (getattr(config, "layer_types", None)
-                                                                       or ["sliding_attention"]):
-        limit = min(limit, window)
+    # Sliding-window layers attend over their own window in the engine (engine/windows.py): no cap.
     return limit
 
 
@@ -177,6 +173,7 @@ def load(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError(f"model {config.model or source.name}: loading failed: {exc}") from exc
     model.eval()
     model.requires_grad_(False)
+    windows.mark_windows(model)
     fusion.apply(model)
     if device.type == "cpu":
         cpu_layout.apply(model)
