@@ -14,6 +14,7 @@ from typing import AsyncIterator, Callable
 
 from .config import EngineConfig
 from .engine import Engine, RequestOutput
+from .fallback import FallbackEngine
 from .loader import LoadedModel, load
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -79,29 +80,45 @@ class AsyncEngine:
     def _load(self, future: concurrent.futures.Future) -> None:
         try:
             model = self._loader(self.config)
-            runner = ModelRunner(model.model, model.device, model.dtype,
-                                 kv_budget_bytes=self.config.kv_cache_memory or default_cpu_kv_budget(),
-                                 gpu_memory_utilization=self.config.gpu_memory_utilization,
-                                 max_num_batched_tokens=self.config.max_num_batched_tokens)
-            kv = runner.kv
-            log.info("KV cache: %d tokens in %.1f MB (%.1f KB per token, %s)", kv.capacity_tokens, kv.nbytes / 2**20,
-                     kv.nbytes / kv.capacity_tokens / 1024,
-                     f"GPU_MEMORY_UTILIZATION={self.config.gpu_memory_utilization}" if model.device.type == "cuda"
-                     else "KV_CACHE_MEMORY")
-            if kv.capacity_tokens < model.max_model_len:
-                raise RuntimeError(
-                    f"the KV cache holds {kv.capacity_tokens} tokens, fewer than one sequence of MAX_MODEL_LEN="
-                    f"{model.max_model_len}: raise " + ("GPU_MEMORY_UTILIZATION" if model.device.type == "cuda"
-                                                         else "KV_CACHE_MEMORY") + " or lower MAX_MODEL_LEN")
-            engine = Engine(runner, model.tokenizer, max_num_seqs=self.config.max_num_seqs,
-                            max_num_batched_tokens=self.config.max_num_batched_tokens,
-                            max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes)
+            if model.fallback_reason is None:
+                try:
+                    engine = self._paged_engine(model)
+                except (AttributeError, NotImplementedError, TypeError) as exc:
+                    # The model calls cache methods the paged cache does not have (recurrent or conv state).
+                    model.fallback_reason = f"the paged engine cannot run it ({exc})"
+                    model.model.set_attn_implementation("sdpa")
+            if model.fallback_reason is not None:
+                log.info("serving path: fallback (transformers' cache, requests take turns): %s",
+                         model.fallback_reason)
+                engine = FallbackEngine(model.model, model.device, model.tokenizer,
+                                        max_num_seqs=self.config.max_num_seqs, max_model_len=model.max_model_len)
+            else:
+                log.info("serving path: paged (batched engine)")
             engine.on_fatal = self._fatal
             self._model, self._engine = model, engine
             future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
             log.error("model load failed: %s", exc)
             future.set_exception(exc)
+
+    def _paged_engine(self, model: LoadedModel) -> Engine:
+        runner = ModelRunner(model.model, model.device, model.dtype,
+                             kv_budget_bytes=self.config.kv_cache_memory or default_cpu_kv_budget(),
+                             gpu_memory_utilization=self.config.gpu_memory_utilization,
+                             max_num_batched_tokens=self.config.max_num_batched_tokens)
+        kv = runner.kv
+        log.info("KV cache: %d tokens in %.1f MB (%.1f KB per token, %s)", kv.capacity_tokens, kv.nbytes / 2**20,
+                 kv.nbytes / kv.capacity_tokens / 1024,
+                 f"GPU_MEMORY_UTILIZATION={self.config.gpu_memory_utilization}" if model.device.type == "cuda"
+                 else "KV_CACHE_MEMORY")
+        if kv.capacity_tokens < model.max_model_len:
+            raise RuntimeError(
+                f"the KV cache holds {kv.capacity_tokens} tokens, fewer than one sequence of MAX_MODEL_LEN="
+                f"{model.max_model_len}: raise " + ("GPU_MEMORY_UTILIZATION" if model.device.type == "cuda"
+                                                     else "KV_CACHE_MEMORY") + " or lower MAX_MODEL_LEN")
+        return Engine(runner, model.tokenizer, max_num_seqs=self.config.max_num_seqs,
+                      max_num_batched_tokens=self.config.max_num_batched_tokens,
+                      max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes)
 
     def close(self) -> None:
         """Stop generation and drop the model, so its memory can be reclaimed; start() loads it again."""

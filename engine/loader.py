@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import attention, cpu_layout, fusion, model_store, windows
+from . import attention, cpu_layout, fallback, fusion, model_store, windows
 from .config import EngineConfig
 from .tokenizer import Tokenizer
 
@@ -28,6 +28,7 @@ class LoadedModel:
     max_model_len: int
     name: str
     generation_defaults: dict  # sampling defaults from the model's generation_config.json
+    fallback_reason: str | None = None  # why the paged engine cannot run it (engine/fallback.py serves it), or None
 
 
 _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -166,14 +167,18 @@ def load(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError(f"model {config.model or source.name}: no config.json in {folder}")
     try:
         hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, trust_remote_code=config.trust_remote_code)
+        fallback_reason = _fallback_reason(folder, config.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, attn_implementation=attention.ATTENTION_IMPLEMENTATION,
-            trust_remote_code=config.trust_remote_code, **_placement(config, device))
+            folder, dtype=dtype, trust_remote_code=config.trust_remote_code, **_placement(config, device),
+            # The fallback path runs the model with transformers' own attention and cache.
+            **({} if fallback_reason else {"attn_implementation": attention.ATTENTION_IMPLEMENTATION}))
     except Exception as exc:
-        raise ModelLoadError(f"model {config.model or source.name}: loading failed: {exc}") from exc
+        raise ModelLoadError(f"model {config.model or source.name}: loading failed: "
+                             f"{_one_line(exc)}") from exc
     model.eval()
     model.requires_grad_(False)
-    windows.mark_windows(model)
+    if not fallback_reason:
+        windows.mark_windows(model)
     fusion.apply(model)
     if device.type == "cpu":
         cpu_layout.apply(model)
@@ -186,4 +191,23 @@ def load(config: EngineConfig) -> LoadedModel:
     tokenizer = Tokenizer(hf_tokenizer, config.chat_template, _eos_ids(hf_tokenizer, model), vocab_size)
     log.info("loaded %s on %s (%s, max_model_len %d) in %.1f s", source.name, device, str(dtype).removeprefix("torch."),
              max_model_len, time.perf_counter() - started)
-    return LoadedModel(model, tokenizer, device, dtype, max_model_len, source.name, _generation_defaults(model))
+    return LoadedModel(model, tokenizer, device, dtype, max_model_len, source.name, _generation_defaults(model),
+                       fallback_reason)
+
+
+def _fallback_reason(folder: Path, trust_remote_code: bool) -> str | None:
+    """Why the paged engine cannot run the model in `folder` (see engine/fallback.py), or None."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
+    except KeyError:  # remote code or an unknown architecture: the paged path is tried, its probe decides
+        return None
+    return fallback.paged_path_refusal(model_class, model_config)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."

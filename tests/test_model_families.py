@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine.engine import Engine
+from engine.fallback import FallbackEngine
 
 VOCAB = 49152  # the embedded model's tokenizer
 WINDOW = 12  # sliding windows shorter than the longer prompts
@@ -70,6 +72,28 @@ FAST_FAMILIES: dict[str, dict] = {
     "exaone4": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
     "opt": dict(ffn_dim=96, word_embed_proj_dim=64),
     "biogpt": {},
+}
+
+
+# Families the paged engine cannot run (no AttentionInterface dispatch, or recurrent state): the fallback path.
+FALLBACK_FAMILIES: dict[str, dict] = {
+    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2, head_dim=None),
+    "gptj": dict(rotary_dim=8, head_dim=None),
+    "codegen": dict(rotary_dim=8, head_dim=None),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=WINDOW, head_dim=None),
+    "bloom": dict(head_dim=None),
+    "mpt": dict(head_dim=None),
+    "xglm": dict(head_dim=None),
+    "mamba": dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8, head_dim=None),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2,
+                  head_dim=None),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "lfm2": dict(layer_types=["conv", "full_attention"], block_ff_dim=96, head_dim=None),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8,
+                             mamba_n_groups=1, num_local_experts=2, num_experts_per_tok=1, head_dim=None),
 }
 
 
@@ -128,7 +152,7 @@ def greedy(n: int = 1) -> SamplingParams:
     return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, n=n)
 
 
-def serve_and_compare(engine: AsyncEngine, model, rows: list[list[int]]) -> None:
+def serve_and_compare(engine: AsyncEngine, model, rows: list[list[int]], prefix_cache: bool = True) -> None:
     """Batched rows of different lengths, then the longest again (a prefix-cache hit) with n = 2: every
     choice equals transformers' greedy tokens."""
     expected = [reference(model, ids) for ids in rows]
@@ -141,7 +165,8 @@ def serve_and_compare(engine: AsyncEngine, model, rows: list[list[int]]) -> None
         assert choices[0] == want, f"row {i} ({len(rows[i])} prompt tokens): {choices[0]} != {want}"
     hits = engine.engine.stats()["prefix_cache_hit_tokens"]
     again = asyncio.run(_choices(engine, "again", rows[-1], greedy(n=2)))
-    assert engine.engine.stats()["prefix_cache_hit_tokens"] > hits, "the repeated prompt missed the prefix cache"
+    if prefix_cache:
+        assert engine.engine.stats()["prefix_cache_hit_tokens"] > hits, "the repeated prompt missed the prefix cache"
     assert again == [expected[-1]] * 2, f"prefix hit, n=2: {again} != {expected[-1]}"
 
 
@@ -159,6 +184,7 @@ def test_family_matches_transformers(model_type, tmp_path, tokenizer_folder):
         rows = prompts(zlib.crc32(model_type.encode()))
         assert max(map(len, rows)) > 2 * BATCHED_TOKENS and max(map(len, rows)) > WINDOW
         serve_and_compare(engine, model, rows)
+        assert isinstance(engine.engine, Engine)  # the paged, batched path
         # Served at the model's own context, not capped at a sliding window.
         assert engine.max_model_len == model.config.max_position_embeddings
     finally:
@@ -181,5 +207,17 @@ def test_comparison_fails_when_a_layer_is_perturbed(tmp_path, tokenizer_folder):
         finally:
             hook.remove()
         serve_and_compare(engine, model, prompts(1))  # and without the change it passes
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("model_type", sorted(FALLBACK_FAMILIES))
+def test_fallback_family_matches_transformers(model_type, tmp_path, tokenizer_folder):
+    model = build_model(model_type, FALLBACK_FAMILIES[model_type], tmp_path, tokenizer_folder)
+    engine = _engine(tmp_path)
+    try:
+        asyncio.run(engine.start())
+        assert isinstance(engine.engine, FallbackEngine)
+        serve_and_compare(engine, model, prompts(zlib.crc32(model_type.encode())), prefix_cache=False)
     finally:
         engine.close()
