@@ -212,12 +212,16 @@ def test_comparison_fails_when_a_layer_is_perturbed(tmp_path, tokenizer_folder):
 
 
 @pytest.mark.parametrize("model_type", sorted(FALLBACK_FAMILIES))
-def test_fallback_family_matches_transformers(model_type, tmp_path, tokenizer_folder):
+def test_fallback_family_matches_transformers(model_type, tmp_path, tokenizer_folder, caplog):
     model = build_model(model_type, FALLBACK_FAMILIES[model_type], tmp_path, tokenizer_folder)
     engine = _engine(tmp_path)
     try:
-        asyncio.run(engine.start())
+        with caplog.at_level("INFO", logger="engine"):
+            asyncio.run(engine.start())
         assert isinstance(engine.engine, FallbackEngine)
+        # The start-up log names the path and why.
+        assert any(r.getMessage().startswith("serving path: fallback") and type(model).__name__ in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
         serve_and_compare(engine, model, prompts(zlib.crc32(model_type.encode())), prefix_cache=False)
     finally:
         engine.close()
