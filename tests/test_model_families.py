@@ -225,3 +225,84 @@ def test_fallback_family_matches_transformers(model_type, tmp_path, tokenizer_fo
         serve_and_compare(engine, model, prompts(zlib.crc32(model_type.encode())), prefix_cache=False)
     finally:
         engine.close()
+
+
+def test_fallback_outputs_equal_the_paged_engine(tmp_path, tokenizer_folder):
+    """The fallback path gives what the paged engine gives for a model both can run: streamed text, stop
+    strings, finish reasons, logprobs, prompt logprobs; and an aborted request leaves it."""
+    import dataclasses
+
+    from engine.loader import load
+
+    build_model("llama", FAST_FAMILIES["llama"], tmp_path, tokenizer_folder)
+
+    def forced_fallback(config):
+        loaded = load(config)
+        loaded.model.set_attn_implementation("sdpa")
+        return dataclasses.replace(loaded, fallback_reason="forced by the test")
+
+    rows = prompts(7)
+
+    async def outputs(engine):
+        results = []
+        for i, ids in enumerate(rows):
+            free = await collect(engine, f"free{i}", ids, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                         ignore_eos=True, logprobs=2,
+                                                                         prompt_logprobs=1))
+            text = free["choices"][0]["text"]
+            stop = text[len(text) // 2:len(text) // 2 + 2]
+            stopped = await collect(engine, f"stop{i}", ids, SamplingParams(
+                max_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop,) if stop.strip() else ()))
+            results.append((free, stopped))
+        return results
+
+    async def abort_one(engine) -> int:
+        stream = engine.generate("abort", rows[0], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(100):
+            if engine.engine.num_requests == 0:
+                break
+            await asyncio.sleep(0.05)
+        return engine.engine.num_requests
+
+    def run(loader):
+        engine = AsyncEngine(EngineConfig(model=str(tmp_path), dtype="float32", kv_cache_memory=8 * 2**20,
+                                          max_num_seqs=8), loader=loader)
+        try:
+            asyncio.run(engine.start())
+            results = asyncio.run(outputs(engine))
+            assert asyncio.run(abort_one(engine)) == 0
+            return type(engine.engine), results
+        finally:
+            engine.close()
+
+    kind, paged = run(load)
+    assert kind is Engine
+    kind, fallback = run(forced_fallback)
+    assert kind is FallbackEngine
+    for (free_p, stop_p), (free_f, stop_f) in zip(paged, fallback):
+        for a, b in ((free_p, free_f), (stop_p, stop_f)):
+            ca, cb = a["choices"][0], b["choices"][0]
+            assert (ca["ids"], ca["text"], ca["finish"]) == (cb["ids"], cb["text"], cb["finish"])
+            assert [lp.token_id for lp in ca["logprobs"]] == [lp.token_id for lp in cb["logprobs"]]
+            assert [lp.logprob for lp in ca["logprobs"]] == pytest.approx([lp.logprob for lp in cb["logprobs"]],
+                                                                         abs=1e-4)
+        assert [p and p.token_id for p in free_p["prompt_logprobs"]] == \
+            [p and p.token_id for p in free_f["prompt_logprobs"]]
+    assert any(s["choices"][0]["finish"] == "stop" for _, s in fallback)  # a stop string really ended one
+
+
+async def collect(engine: AsyncEngine, request_id: str, ids: list[int], params: SamplingParams) -> dict:
+    choices: dict[int, dict] = {}
+    prompt_logprobs = None
+    async for output in engine.generate(request_id, ids, params):
+        prompt_logprobs = output.prompt_logprobs or prompt_logprobs
+        for delta in output.deltas:
+            c = choices.setdefault(delta.index, {"ids": [], "text": "", "finish": None, "logprobs": []})
+            c["ids"] += delta.token_ids
+            c["text"] += delta.text
+            c["logprobs"] += delta.logprobs or []
+            c["finish"] = delta.finish_reason or c["finish"]
+    return {"choices": [choices[i] for i in sorted(choices)], "prompt_logprobs": prompt_logprobs}
