@@ -15,6 +15,7 @@ from typing import AsyncIterator, Callable
 from . import host_memory
 from .config import EngineConfig
 from .engine import Engine, RequestOutput
+from .fallback import FallbackEngine
 from .loader import LoadedModel, load
 from .pooling import PoolingConfig, PoolingInput, PoolingModel, PoolingOutput, PoolingParams, PoolingQueue, Task
 from .runner import ModelRunner
@@ -98,14 +99,29 @@ class AsyncEngine:
     def _load(self, future: concurrent.futures.Future) -> None:
         try:
             model = self._loader(self.config)
-            runner = _generation_runner(model, self.config) if model.task == "generate" else None
-            pooling = PoolingQueue(PoolingModel(model.model, model.device, model.task,
-                                                engine_attention=model.task == "generate"),
-                                   max_batch_tokens=self.config.max_num_batched_tokens)
-            engine = Engine(runner, model.tokenizer, max_num_seqs=self.config.max_num_seqs,
-                            max_num_batched_tokens=self.config.max_num_batched_tokens,
-                            max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes,
-                            pooling=pooling)
+            runner = None
+            if model.task == "generate" and model.fallback_reason is None:
+                try:
+                    runner = _generation_runner(model, self.config)
+                except (AttributeError, NotImplementedError, TypeError) as exc:
+                    # The model calls cache methods the paged cache does not have (recurrent or conv state).
+                    model.fallback_reason = f"the paged engine cannot run it ({exc})"
+                    model.model.set_attn_implementation("sdpa")
+            if model.task == "generate" and model.fallback_reason is not None:
+                log.info("serving path: fallback (transformers' cache, requests take turns): %s",
+                         model.fallback_reason)
+                engine = FallbackEngine(model.model, model.device, model.tokenizer,
+                                        max_num_seqs=self.config.max_num_seqs, max_model_len=model.max_model_len)
+            else:
+                if runner is not None:
+                    log.info("serving path: paged (batched engine)")
+                pooling = PoolingQueue(PoolingModel(model.model, model.device, model.task,
+                                                    engine_attention=runner is not None),
+                                       max_batch_tokens=self.config.max_num_batched_tokens)
+                engine = Engine(runner, model.tokenizer, max_num_seqs=self.config.max_num_seqs,
+                                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes,
+                                pooling=pooling)
             engine.on_fatal = self._fatal
             self._model, self._engine = model, engine
             host_memory.freeze_long_lived()
@@ -195,6 +211,8 @@ class AsyncEngine:
         """One vector per input (embedding or classification scores), computed on the engine thread in batches
         shared with other requests. Cancelling the wait takes the request out of the queue."""
         await self.start()
+        if not hasattr(self._engine, "submit_pooling"):
+            raise GenerationError("embeddings and scores are not served for models on the fallback path")
         sink = _QueueSink(asyncio.get_running_loop())
         self._engine.submit_pooling(request_id, inputs, params, sink)
         try:

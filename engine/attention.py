@@ -17,62 +17,84 @@ from transformers import AttentionInterface
 from .kv_cache import current_layout
 
 ATTENTION_IMPLEMENTATION = "worker_paged"
+WINDOW_ATTRIBUTE = "worker_sliding_window"
 
 
-def _sdpa(query, key, value, mask, scaling, softcap, is_causal=False):
-    if softcap is not None:
-        # SDPA has no logit soft-capping; compute the few models that use it (Gemma 2) explicitly.
+def _sdpa(query, key, value, mask, scaling, softcap, is_causal=False, sinks=None):
+    if softcap is not None or sinks is not None:
+        # SDPA has neither logit soft-capping (Gemma 2) nor attention sinks (gpt-oss: a learned per-head logit
+        # that joins the softmax's denominator and attends to nothing); compute those models explicitly.
         groups = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
         scores = torch.matmul(query, key.transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
-        scores = torch.tanh(scores / softcap) * softcap
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if is_causal:
             mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
         if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(value.dtype), value)
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        scores = scores.float()
+        if sinks is not None:
+            sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            weights = torch.softmax(scores, dim=-1)
+        return torch.matmul(weights.to(value.dtype), value)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, is_causal=is_causal,
                                           enable_gqa=query.shape[1] != key.shape[1])
 
 
-def _paged(module, query, key, value, scaling, softcap, window):
+def _paged(module, query, key, value, scaling, softcap, window, sinks):
     cache, layout = current_layout()
     k_pool, v_pool = cache.pools(module.layer_idx)
     layout = layout.on(k_pool.device)
     kv_heads, key_dim, value_dim = k_pool.shape[2], k_pool.shape[3], v_pool.shape[3]
+    # MLA models (DeepSeek V2/V3) cache compressed latents and expand them to per-head keys and values after
+    # reading the cache: gathered latents go through the module's own expansion.
+    expand = getattr(module, "expand_kv", None)
     tokens = query.shape[2]
-    out = query.new_empty((1, tokens, query.shape[1], value_dim))
+    out = query.new_empty((1, tokens, query.shape[1], value.shape[-1]))
     for index, bucket in enumerate(layout.buckets):
         rows, span = bucket.rows, slice(bucket.offset, bucket.offset + bucket.rows)
         q = query[0, :, span].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
         # index_select copies whole blocks (several times faster than advanced indexing on CPU)
         k = k_pool.index_select(0, bucket.blocks).view(rows, -1, kv_heads, key_dim)[:, :bucket.max_len]
         v = v_pool.index_select(0, bucket.blocks).view(rows, -1, kv_heads, value_dim)[:, :bucket.max_len]
-        o = _sdpa(q, k.transpose(1, 2), v.transpose(1, 2), layout.bucket_mask(index, window), scaling, softcap)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if expand is not None:
+            k, v = expand(k, v)
+        o = _sdpa(q, k, v, layout.bucket_mask(index, window), scaling, softcap,
+                  sinks=sinks)
         out[0, span] = o[:, :, 0]
     for index, seg in enumerate(layout.segments):
         span = slice(seg.offset, seg.offset + seg.length)
         q = query[:, :, span]
         if seg.start == 0 and not (window and seg.length > window):
             # A chunk that starts its sequence attends only to its own keys: no gather, plain causal attention.
-            o = _sdpa(q, key[:, :, span], value[:, :, span], None, scaling, softcap, is_causal=True)
+            o = _sdpa(q, key[:, :, span], value[:, :, span], None, scaling, softcap, is_causal=True, sinks=sinks)
         else:
             length = seg.start + seg.length
             k = k_pool.index_select(0, seg.blocks).view(-1, kv_heads, key_dim)[:length].transpose(0, 1).unsqueeze(0)
             v = v_pool.index_select(0, seg.blocks).view(-1, kv_heads, value_dim)[:length].transpose(0, 1)
             v = v.unsqueeze(0)
-            o = _sdpa(q, k, v, layout.segment_mask(index, window), scaling, softcap)
+            if expand is not None:
+                k, v = expand(k, v)
+            o = _sdpa(q, k, v, layout.segment_mask(index, window), scaling, softcap, sinks=sinks)
         out[0, span] = o[0].transpose(0, 1)
     return out
 
 
 def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-               softcap: float | None = None, sliding_window: int | None = None, **kwargs):
+               softcap: float | None = None, sliding_window: int | None = None, s_aux: torch.Tensor | None = None,
+               **kwargs):
+    # Models that build a sliding-window mask without passing the window here get it from their config
+    # (engine/windows.py marks their attention modules at load).
+    window = sliding_window or getattr(module, WINDOW_ATTRIBUTE, None)
     if current_layout() is not None:
-        return _paged(module, query, key, value, scaling, softcap, sliding_window), None
-    out = _sdpa(query, key, value, attention_mask, scaling, softcap)
+        return _paged(module, query, key, value, scaling, softcap, window, s_aux), None
+    out = _sdpa(query, key, value, attention_mask, scaling, softcap, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 

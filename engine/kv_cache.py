@@ -205,7 +205,7 @@ class ForwardCache:
     masks itself, so the model sees an empty cache and builds no mask."""
 
     is_compileable = False
-    is_sliding = False
+    is_sliding = ()  # transformers asks `True in cache.is_sliding`; windows are the attention function's business
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0

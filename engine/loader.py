@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import attention, cpu_layout, fusion, model_store
+from . import attention, cpu_layout, fallback, fusion, model_store, windows
 from .config import EngineConfig
 from .pooling import PoolingConfig, Task, pooling_config
 from .tokenizer import Tokenizer
@@ -31,6 +31,7 @@ class LoadedModel:
     generation_defaults: dict  # sampling defaults from the model's generation_config.json
     task: Task = "generate"  # generate (a causal LM), embed (a plain encoder or decoder), classify (a cross-encoder)
     pooling: PoolingConfig | None = None  # how embeddings are pooled from its hidden states
+    fallback_reason: str | None = None  # why the paged engine cannot run it (engine/fallback.py serves it), or None
 
 
 _GENERATING_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
@@ -147,11 +148,7 @@ def _model_max_len(config) -> int:
             break
     else:
         limit = 2048
-    # The engine attends over the whole sequence; a sliding-window model is exact only within its window.
-    window = getattr(config, "sliding_window", None)
-    if isinstance(window, int) and window > 0 and "sliding_attention" in (getattr(config, "layer_types", None)
-                                                                       or ["sliding_attention"]):
-        limit = min(limit, window)
+    # Sliding-window layers attend over their own window in the engine (engine/windows.py): no cap.
     return limit
 
 
@@ -192,12 +189,16 @@ def load(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError(f"model {config.model or source.name}: no config.json in {folder}")
     try:
         hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, trust_remote_code=config.trust_remote_code)
-        task = model_task(AutoConfig.from_pretrained(folder, trust_remote_code=config.trust_remote_code))
+        model_config = AutoConfig.from_pretrained(folder, trust_remote_code=config.trust_remote_code)
+        task = model_task(model_config)
         if task == "generate":
+            fallback_reason = _fallback_reason(model_config)
             model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=dtype, attn_implementation=attention.ATTENTION_IMPLEMENTATION,
-                trust_remote_code=config.trust_remote_code, **_placement(config, device))
+                folder, dtype=dtype, trust_remote_code=config.trust_remote_code, **_placement(config, device),
+                # The fallback path runs the model with transformers' own attention and cache.
+                **({} if fallback_reason else {"attn_implementation": attention.ATTENTION_IMPLEMENTATION}))
         else:
+            fallback_reason = None
             # Encoders and classifiers never run a generation step: they keep their own attention (and its
             # bidirectional masks) instead of the engine's KV-cache attention.
             auto_class = AutoModelForSequenceClassification if task == "classify" else AutoModel
@@ -205,10 +206,13 @@ def load(config: EngineConfig) -> LoadedModel:
                                                trust_remote_code=config.trust_remote_code,
                                                **_placement(config, device))
     except Exception as exc:
-        raise ModelLoadError(f"model {config.model or source.name}: loading failed: {exc}") from exc
+        raise ModelLoadError(f"model {config.model or source.name}: loading failed: "
+                             f"{_one_line(exc)}") from exc
     model.eval()
     model.requires_grad_(False)
     if task == "generate":  # faster decode steps; the rewrites target decoder layers
+        if not fallback_reason:
+            windows.mark_windows(model)
         fusion.apply(model)
         if device.type == "cpu":
             cpu_layout.apply(model)
@@ -224,4 +228,20 @@ def load(config: EngineConfig) -> LoadedModel:
              str(dtype).removeprefix("torch."), max_model_len, task, pooling.pooling_type,
              " normalized" if pooling.normalize else "", pooling.source, time.perf_counter() - started)
     return LoadedModel(model, tokenizer, device, dtype, max_model_len, source.name, _generation_defaults(model),
-                       task, pooling)
+                       task, pooling, fallback_reason)
+
+
+def _fallback_reason(model_config) -> str | None:
+    """Why the paged engine cannot run a model of this configuration (see engine/fallback.py), or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
+    except KeyError:  # remote code or an unknown architecture: the paged path is tried, its probe decides
+        return None
+    return fallback.paged_path_refusal(model_class, model_config)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."

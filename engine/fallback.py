@@ -1,0 +1,260 @@
+"""The fallback path: models the paged engine cannot run, served with transformers' own cache.
+
+The paged engine needs every layer's attention to go through the worker's attention function and every layer's
+state to be keys and values. Models whose attention does not dispatch through transformers' AttentionInterface
+(GPT-J, BLOOM, Falcon, MPT...) or that keep recurrent or convolution state (Mamba, Jamba, Qwen3-Next, LFM2...)
+run here instead: each request keeps the cache transformers' model creates for it, its choices (`n`) decode
+together as the rows of one batch, and running requests take turns one token each, so all of them stream.
+Outputs are the paged engine's: the same sampler, stop handling, detokenising and deltas.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import sys
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from .engine import EngineDeadError, RequestTooLarge
+from .output_processor import OutputProcessor
+from .sampling import Sampler, SamplingParams
+from .sequence import OutputSink, RequestMetrics, RequestOutput, Sequence, SequenceGroup, Status
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("engine")
+
+_ATTENTION_KINDS = {"full_attention", "sliding_attention"}
+
+
+def paged_path_refusal(model_class, config) -> str | None:
+    """Why the paged engine cannot serve this model class, or None when it can."""
+    modeling = sys.modules.get(getattr(model_class, "__module__", ""))
+    if modeling is not None and not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
+        return f"{model_class.__name__} does not route its attention through transformers' AttentionInterface"
+    kinds = set(getattr(config.get_text_config(), "layer_types", None) or []) - _ATTENTION_KINDS
+    if kinds:
+        return f"{model_class.__name__} has {'/'.join(sorted(kinds))} layers that keep recurrent state"
+    if getattr(model_class, "_is_stateful", False):
+        return f"{model_class.__name__} keeps recurrent state"
+    return None
+
+
+class _Running:
+    """One request on the fallback path: its sequences and the cache they decode with (one row each)."""
+
+    def __init__(self, group: SequenceGroup):
+        self.group = group
+        self.cache: dict | None = None  # the model's cache, as the keyword argument it takes it back by
+
+
+class FallbackEngine:
+    """The Engine interface (submit/abort/shutdown/stats...) over transformers' own cache."""
+
+    def __init__(self, model, device: torch.device, tokenizer: Tokenizer, *, max_num_seqs: int,
+                 max_model_len: int):
+        self.model = model
+        self.device = device
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.sampler = Sampler(tokenizer.eos_token_ids, tokenizer.vocab_size)
+        self.outputs = OutputProcessor(tokenizer.eos_token_ids, max_model_len)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._groups: dict[str, SequenceGroup] = {}
+        self._waiting: list[SequenceGroup] = []
+        self._running: list[_Running] = []
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._thread = threading.Thread(target=self._loop, name="fallback-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- API used from other threads (as engine.Engine) ----
+
+    def check_fits(self, prompt_len: int, max_tokens: int, num_sequences: int) -> str | None:
+        # transformers' cache grows with the request: only the context bounds it (checked at submit).
+        return None
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped after a device failure: {self._dead}")
+        if self._stopping:
+            raise EngineDeadError("the engine was shut down")
+        if not prompt_ids or len(prompt_ids) >= self.max_model_len:
+            raise RequestTooLarge(f"a prompt of {len(prompt_ids)} tokens does not fit a context of "
+                                  f"{self.max_model_len} tokens")
+        if params.num_sequences > self.max_num_seqs:
+            raise RequestTooLarge(f"the request needs {params.num_sequences} sequences; the engine runs at most "
+                                  f"{self.max_num_seqs} (MAX_NUM_SEQS)")
+        group = SequenceGroup(request_id, list(prompt_ids), params, sink,
+                              RequestMetrics(arrival=time.perf_counter(), prompt_tokens=len(prompt_ids)))
+        self._commands.put(("add", group))
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(r.group.seqs) for r in self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._groups)
+
+    @property
+    def dead(self) -> BaseException | None:
+        return self._dead
+
+    def stats(self) -> dict:
+        # No fixed KV pool on this path: its cache figures are zero.
+        return {"num_running": self.num_running, "num_waiting": self.num_waiting, "kv_used_tokens": 0,
+                "kv_capacity_tokens": 0, "kv_used_bytes": 0, "kv_capacity_bytes": 0, "kv_peak_used_tokens": 0,
+                "preemptions": 0, "prefix_cache_hit_tokens": 0, "prompt_tokens_total": self.prompt_tokens_total,
+                "generation_tokens_total": self.generation_tokens_total}
+
+    # ---- the loop ----
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while not self._stopping:
+                if not self._groups:
+                    self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                self._drain_commands()
+                self._admit()
+                for running in list(self._running):
+                    try:
+                        self._step(running)
+                    except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
+                        if "CUDA error" in str(exc) or "device-side assert" in str(exc):
+                            self._dead = exc
+                            log.critical("engine stopped: device failure: %s", exc)
+                            self._fail_all(exc)
+                            if self.on_fatal is not None:
+                                self.on_fatal(exc)
+                            return
+                        self._fail_group(running.group, exc)
+                    self._deliver_outputs()
+            self._drain_commands()
+            self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command == "add":
+                self._groups[arg.request_id] = arg
+                try:
+                    arg.seqs = [Sequence(arg, i, self.tokenizer, self.sampler.vocab_size, self.device)
+                                for i in range(arg.params.num_sequences)]
+                except Exception as exc:  # noqa: BLE001
+                    self._fail_group(arg, exc)
+                    continue
+                self._waiting.append(arg)
+            elif command == "abort":
+                group = self._groups.get(arg)
+                if group is not None:
+                    self._finish_group(group)
+
+    def _admit(self) -> None:
+        while self._waiting and self.num_running + self._waiting[0].params.num_sequences <= self.max_num_seqs:
+            group = self._waiting.pop(0)
+            group.metrics.admitted = time.perf_counter()
+            self._running.append(_Running(group))
+
+    def _step(self, running: _Running) -> None:
+        """One forward for one request: its prompt (every choice a row), or the next token of every choice."""
+        self.steps += 1
+        group = running.group
+        seqs = group.seqs
+        rows = len(seqs)
+        if running.cache is None:
+            ids = torch.tensor([group.prompt_ids] * rows, device=self.device)
+            want_all = group.params.prompt_logprobs is not None
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=0 if want_all else 1)
+            self.prompt_tokens_total += len(group.prompt_ids)
+            if want_all:
+                self._collect_prompt_logprobs(group, out.logits[0])
+            group.metrics.first_token = time.perf_counter()
+            for seq in seqs:
+                seq.status = Status.DECODING
+                seq.num_computed = len(group.prompt_ids)
+        else:
+            ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **running.cache)
+        # Most models return their cache as past_key_values; Mamba's is cache_params.
+        name = "past_key_values" if getattr(out, "past_key_values", None) is not None else "cache_params"
+        running.cache = {name: getattr(out, name)}
+        logits = out.logits[:, -1]
+        live = [i for i, s in enumerate(seqs) if not s.finished]  # finished choices ride along as padding rows
+        tokens, logprobs = self.sampler.sample(logits[live], [seqs[i].sampling for i in live],
+                                               [seqs[i].num_generated for i in live])
+        for i, token, logprob in zip(live, tokens, logprobs):
+            self.generation_tokens_total += 1
+            self.outputs.append(seqs[i], token, logprob)
+        for i, seq in enumerate(seqs):
+            if seq.finished and i not in live:
+                seq.tokens.append(seq.tokens[-1])  # keeps every row's length equal; never sent
+
+    def _collect_prompt_logprobs(self, group: SequenceGroup, logits: torch.Tensor) -> None:
+        targets = group.prompt_ids[1:]
+        group.prompt_logprobs = [None]
+        if targets:
+            k = group.params.prompt_logprobs or 0
+            group.prompt_logprobs.extend(self.sampler.logprobs_of(
+                logits[:len(targets)], torch.tensor(targets, device=logits.device), [k] * len(targets)))
+
+    def _deliver_outputs(self) -> None:
+        for group, output in self.outputs.take_outputs():
+            if output.finished:
+                self._finish_group(group)
+            self._deliver(group, output)
+
+    def _deliver(self, group: SequenceGroup, output: RequestOutput) -> None:
+        try:
+            group.sink.deliver(output)
+        except Exception:  # noqa: BLE001 - the consumer is gone
+            log.warning("request %s: output could not be delivered; dropping it", group.request_id)
+            self._finish_group(group)
+
+    def _fail_group(self, group: SequenceGroup, exc: BaseException) -> None:
+        if group.done:
+            return
+        log.error("request %s failed in generation: %s", group.request_id, exc, exc_info=exc)
+        self._finish_group(group)
+        self._deliver(group, RequestOutput(group.request_id, [], finished=True, error=exc))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for group in list(self._groups.values()):
+            self._fail_group(group, exc)
+
+    def _finish_group(self, group: SequenceGroup) -> None:
+        if group.done:
+            return
+        group.done = True
+        self._groups.pop(group.request_id, None)
+        if group in self._waiting:
+            self._waiting.remove(group)
+        self._running = [r for r in self._running if r.group is not group]
+        for seq in group.seqs:
+            seq.status = Status.FINISHED

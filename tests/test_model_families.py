@@ -1,0 +1,308 @@
+"""Every decoder-only family the worker claims to serve, served exactly.
+
+Tiny random models are built from transformers' own config classes, saved with the embedded model's tokenizer and
+served through the real engine (float32, a small MAX_NUM_BATCHED_TOKENS so long prompts prefill in chunks, small
+sliding windows so prompts outrun them). Greedy tokens must equal transformers' own `generate` on the same
+folder, token for token, for rows of different lengths batched together, a prompt longer than the window, a
+prefix-cache hit and n > 1.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import zlib
+import warnings
+
+import pytest
+import torch
+
+from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine.engine import Engine
+from engine.fallback import FallbackEngine
+
+VOCAB = 49152  # the embedded model's tokenizer
+WINDOW = 12  # sliding windows shorter than the longer prompts
+BATCHED_TOKENS = 32  # chunked prefill: the longest prompt takes several steps
+NEW_TOKENS = 10
+
+_SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0)
+_MOE = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+# model_type -> config overrides (on top of _SMALL). Sliding-window families get a window shorter than the prompts.
+FAST_FAMILIES: dict[str, dict] = {
+    "llama": {},
+    "mistral": dict(sliding_window=WINDOW),
+    "mixtral": dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2": dict(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                      sliding_window=WINDOW, use_sliding_window=True, max_window_layers=2),
+    "qwen3": {},
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "gemma": {},
+    "gemma2": dict(sliding_window=WINDOW, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+    "gemma3_text": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "cohere": {},
+    "cohere2": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "phi": {},
+    "phi3": {},
+    "starcoder2": dict(sliding_window=WINDOW),
+    "gpt2": {},
+    "gpt_bigcode": {},
+    "gpt_neox": {},
+    "olmo": {},
+    "olmo2": {},
+    "stablelm": {},
+    "granite": {},
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v2": dict(num_key_value_heads=4, head_dim=None, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        n_group=1, topk_group=1),
+    "deepseek_v3": dict(num_key_value_heads=4, head_dim=None, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        n_group=1, topk_group=1),
+    "gpt_oss": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
+                    num_experts_per_tok=2),
+    "smollm3": {},
+    "glm": {},
+    "glm4": {},
+    "helium": {},
+    "ministral": dict(sliding_window=WINDOW),
+    "exaone4": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "opt": dict(ffn_dim=96, word_embed_proj_dim=64),
+    "biogpt": {},
+}
+
+
+# Families the paged engine cannot run (no AttentionInterface dispatch, or recurrent state): the fallback path.
+FALLBACK_FAMILIES: dict[str, dict] = {
+    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2, head_dim=None),
+    "gptj": dict(rotary_dim=8, head_dim=None),
+    "codegen": dict(rotary_dim=8, head_dim=None),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=WINDOW, head_dim=None),
+    "bloom": dict(head_dim=None),
+    "mpt": dict(head_dim=None),
+    "xglm": dict(head_dim=None),
+    "mamba": dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8, head_dim=None),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2,
+                  head_dim=None),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "lfm2": dict(layer_types=["conv", "full_attention"], block_ff_dim=96, head_dim=None),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8,
+                             mamba_n_groups=1, num_local_experts=2, num_experts_per_tok=1, head_dim=None),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from engine.loader import model_folder
+    folder = tmp_path_factory.mktemp("tokenizer")
+    AutoTokenizer.from_pretrained(model_folder(EngineConfig())).save_pretrained(folder)
+    return folder
+
+
+def build_model(model_type: str, overrides: dict, folder, tokenizer_folder):
+    """A tiny random model of this family saved to `folder`; its weights are drawn wide enough that greedy
+    choices are decisive (a random model at the usual 0.02 scale has nearly flat logits)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = {key: value for key, value in {**_SMALL, **overrides}.items() if value is not None}
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.0 / p.shape[-1] ** 0.5)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    for f in tokenizer_folder.iterdir():
+        shutil.copy(f, folder / f.name)
+    return model
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, VOCAB) for _ in range(n)] for n in (5, 23, 70)]
+
+
+def reference(model, ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+async def _choices(engine: AsyncEngine, request_id: str, ids: list[int], params: SamplingParams) -> list[list[int]]:
+    choices: dict[int, list[int]] = {}
+    async for output in engine.generate(request_id, ids, params):
+        for delta in output.deltas:
+            choices.setdefault(delta.index, []).extend(delta.token_ids)
+    return [choices[i] for i in sorted(choices)]
+
+
+def greedy(n: int = 1) -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, n=n)
+
+
+def serve_and_compare(engine: AsyncEngine, model, rows: list[list[int]], prefix_cache: bool = True) -> None:
+    """Batched rows of different lengths, then the longest again (a prefix-cache hit) with n = 2: every
+    choice equals transformers' greedy tokens."""
+    expected = [reference(model, ids) for ids in rows]
+
+    async def batched():
+        return await asyncio.gather(*(_choices(engine, f"r{i}", ids, greedy()) for i, ids in enumerate(rows)))
+
+    got = asyncio.run(batched())
+    for i, (choices, want) in enumerate(zip(got, expected)):
+        assert choices[0] == want, f"row {i} ({len(rows[i])} prompt tokens): {choices[0]} != {want}"
+    hits = engine.engine.stats()["prefix_cache_hit_tokens"]
+    again = asyncio.run(_choices(engine, "again", rows[-1], greedy(n=2)))
+    if prefix_cache:
+        assert engine.engine.stats()["prefix_cache_hit_tokens"] > hits, "the repeated prompt missed the prefix cache"
+    assert again == [expected[-1]] * 2, f"prefix hit, n=2: {again} != {expected[-1]}"
+
+
+def _engine(folder) -> AsyncEngine:
+    return AsyncEngine(EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=BATCHED_TOKENS,
+                                    kv_cache_memory=8 * 2**20, max_num_seqs=8))
+
+
+@pytest.mark.parametrize("model_type", sorted(FAST_FAMILIES))
+def test_family_matches_transformers(model_type, tmp_path, tokenizer_folder):
+    model = build_model(model_type, FAST_FAMILIES[model_type], tmp_path, tokenizer_folder)
+    engine = _engine(tmp_path)
+    try:
+        asyncio.run(engine.start())
+        rows = prompts(zlib.crc32(model_type.encode()))
+        assert max(map(len, rows)) > 2 * BATCHED_TOKENS and max(map(len, rows)) > WINDOW
+        serve_and_compare(engine, model, rows)
+        assert isinstance(engine.engine, Engine)  # the paged, batched path
+        # Served at the model's own context, not capped at a sliding window.
+        assert engine.max_model_len == model.config.max_position_embeddings
+    finally:
+        engine.close()
+
+
+def test_comparison_fails_when_a_layer_is_perturbed(tmp_path, tokenizer_folder):
+    """The comparison above can fail: a small change to one layer's output in the served model is caught."""
+    model = build_model("mistral", FAST_FAMILIES["mistral"], tmp_path, tokenizer_folder)
+    engine = _engine(tmp_path)
+    try:
+        asyncio.run(engine.start())
+        served = engine.engine.runner.model
+        layer = served.model.layers[-1]
+        hook = layer.register_forward_hook(lambda module, args, output: (
+            (output[0] + 0.05, *output[1:]) if isinstance(output, tuple) else output + 0.05))
+        try:
+            with pytest.raises(AssertionError, match="!="):
+                serve_and_compare(engine, model, prompts(1))
+        finally:
+            hook.remove()
+        serve_and_compare(engine, model, prompts(1))  # and without the change it passes
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("model_type", sorted(FALLBACK_FAMILIES))
+def test_fallback_family_matches_transformers(model_type, tmp_path, tokenizer_folder, caplog):
+    model = build_model(model_type, FALLBACK_FAMILIES[model_type], tmp_path, tokenizer_folder)
+    engine = _engine(tmp_path)
+    try:
+        with caplog.at_level("INFO", logger="engine"):
+            asyncio.run(engine.start())
+        assert isinstance(engine.engine, FallbackEngine)
+        # The start-up log names the path and why.
+        assert any(r.getMessage().startswith("serving path: fallback") and type(model).__name__ in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        serve_and_compare(engine, model, prompts(zlib.crc32(model_type.encode())), prefix_cache=False)
+    finally:
+        engine.close()
+
+
+def test_fallback_outputs_equal_the_paged_engine(tmp_path, tokenizer_folder):
+    """The fallback path gives what the paged engine gives for a model both can run: streamed text, stop
+    strings, finish reasons, logprobs, prompt logprobs; and an aborted request leaves it."""
+    import dataclasses
+
+    from engine.loader import load
+
+    build_model("llama", FAST_FAMILIES["llama"], tmp_path, tokenizer_folder)
+
+    def forced_fallback(config):
+        loaded = load(config)
+        loaded.model.set_attn_implementation("sdpa")
+        return dataclasses.replace(loaded, fallback_reason="forced by the test")
+
+    rows = prompts(7)
+
+    async def outputs(engine):
+        results = []
+        for i, ids in enumerate(rows):
+            free = await collect(engine, f"free{i}", ids, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                         ignore_eos=True, logprobs=2,
+                                                                         prompt_logprobs=1))
+            text = free["choices"][0]["text"]
+            stop = text[len(text) // 2:len(text) // 2 + 2]
+            stopped = await collect(engine, f"stop{i}", ids, SamplingParams(
+                max_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop,) if stop.strip() else ()))
+            results.append((free, stopped))
+        return results
+
+    async def abort_one(engine) -> int:
+        stream = engine.generate("abort", rows[0], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(100):
+            if engine.engine.num_requests == 0:
+                break
+            await asyncio.sleep(0.05)
+        return engine.engine.num_requests
+
+    def run(loader):
+        engine = AsyncEngine(EngineConfig(model=str(tmp_path), dtype="float32", kv_cache_memory=8 * 2**20,
+                                          max_num_seqs=8), loader=loader)
+        try:
+            asyncio.run(engine.start())
+            results = asyncio.run(outputs(engine))
+            assert asyncio.run(abort_one(engine)) == 0
+            return type(engine.engine), results
+        finally:
+            engine.close()
+
+    kind, paged = run(load)
+    assert kind is Engine
+    kind, fallback = run(forced_fallback)
+    assert kind is FallbackEngine
+    for (free_p, stop_p), (free_f, stop_f) in zip(paged, fallback):
+        for a, b in ((free_p, free_f), (stop_p, stop_f)):
+            ca, cb = a["choices"][0], b["choices"][0]
+            assert (ca["ids"], ca["text"], ca["finish"]) == (cb["ids"], cb["text"], cb["finish"])
+            assert [lp.token_id for lp in ca["logprobs"]] == [lp.token_id for lp in cb["logprobs"]]
+            assert [lp.logprob for lp in ca["logprobs"]] == pytest.approx([lp.logprob for lp in cb["logprobs"]],
+                                                                         abs=1e-4)
+        assert [p and p.token_id for p in free_p["prompt_logprobs"]] == \
+            [p and p.token_id for p in free_f["prompt_logprobs"]]
+    assert any(s["choices"][0]["finish"] == "stop" for _, s in fallback)  # a stop string really ended one
+
+
+async def collect(engine: AsyncEngine, request_id: str, ids: list[int], params: SamplingParams) -> dict:
+    choices: dict[int, dict] = {}
+    prompt_logprobs = None
+    async for output in engine.generate(request_id, ids, params):
+        prompt_logprobs = output.prompt_logprobs or prompt_logprobs
+        for delta in output.deltas:
+            c = choices.setdefault(delta.index, {"ids": [], "text": "", "finish": None, "logprobs": []})
+            c["ids"] += delta.token_ids
+            c["text"] += delta.text
+            c["logprobs"] += delta.logprobs or []
+            c["finish"] = delta.finish_reason or c["finish"]
+    return {"choices": [choices[i] for i in sorted(choices)], "prompt_logprobs": prompt_logprobs}
