@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from .beam_search import BeamSearch
 from .block_manager import BLOCK_SIZE, BlockManager
 from .output_processor import OutputProcessor
 from .runner import DecodeRow, ModelRunner, PrefillChunk
@@ -59,6 +60,9 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens)
         self.sampler = Sampler(tokenizer.eos_token_ids, tokenizer.vocab_size)
         self.outputs = OutputProcessor(tokenizer.eos_token_ids, max_model_len)
+        self.beam_search = BeamSearch(self.blocks, runner.kv.copy_block, tokenizer.eos_token_ids,
+                                      tokenizer.vocab_size, max_model_len)
+        self._finished_beams: list[tuple[SequenceGroup, RequestOutput]] = []
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._groups: dict[str, SequenceGroup] = {}
@@ -217,6 +221,10 @@ class Engine:
             if output.finished:  # out of the engine before the caller can see the end
                 self._finish_group(group)
             self._deliver(group, output)
+        finished_beams, self._finished_beams = self._finished_beams, []
+        for group, output in finished_beams:
+            self._finish_group(group)
+            self._deliver(group, output)
 
     def _guarded_execute(self, plan: StepPlan) -> list[tuple[StepPlan, torch.Tensor | None]]:
         """Run the step; if it fails, run each request's part alone so that only the request that causes the
@@ -290,7 +298,32 @@ class Engine:
                 rows.append(row - 1)
                 seqs.append(member)
         if seqs:
+            rows, seqs = self._beam_search_step(logits, rows, seqs)
+        if seqs:
             self._sample(logits, rows, seqs)
+
+    def _beam_search_step(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]
+                          ) -> tuple[list[int], list[Sequence]]:
+        """Beam-search requests choose their next tokens together (beam_search.py); the other rows are returned
+        for sampling."""
+        rest_rows, rest_seqs = [], []
+        beams: dict[SequenceGroup, list[tuple[Sequence, int]]] = {}
+        for row, seq in zip(rows, seqs):
+            if seq.group.params.beam_search:
+                beams.setdefault(seq.group, []).append((seq, row))
+            else:
+                rest_rows.append(row)
+                rest_seqs.append(seq)
+        for group, members in beams.items():
+            try:
+                output = self.beam_search.step(group, [s for s, _ in members], logits[[r for _, r in members]])
+            except Exception as exc:
+                self._fail_group(group, exc)
+                continue
+            self.generation_tokens_total += len(members)
+            if output is not None:
+                self._finished_beams.append((group, output))
+        return rest_rows, rest_seqs
 
     def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
         picked = logits[rows]

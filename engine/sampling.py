@@ -33,6 +33,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # alternatives per prompt token; None: none
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Beam search (engine/beam_search.py): num_sequences beams, the n best finished ones returned.
+    beam_search: bool = False
+    length_penalty: float = 1.0  # a finished beam scores sum(logprobs) / generated_tokens ** length_penalty
+    early_stopping: bool | str = False  # True | False | "never", as transformers
+    num_beam_groups: int = 1  # diverse (group) beam search when > 1
+    diversity_penalty: float = 0.0  # subtracted per earlier group that chose the same token at a step
 
     @property
     def greedy(self) -> bool:
@@ -47,7 +53,7 @@ class SamplingParams:
     @property
     def needs_logprobs(self) -> bool:
         """Logprobs are computed for the caller, or to rank best_of candidates."""
-        return self.logprobs is not None or self.num_sequences > self.n
+        return self.logprobs is not None or (self.num_sequences > self.n and not self.beam_search)
 
 
 @dataclass

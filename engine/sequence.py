@@ -56,6 +56,7 @@ class Status(enum.IntEnum):
     FORK_PENDING = 2  # a further choice of a prompt still prefilling: it forks when the prompt is done
     DECODING = 3
     FINISHED = 4
+    BEAM_PARKED = 5  # a beam whose next-token logits are in, waiting for its sibling beams' (beam_search.py)
 
 
 class Sequence:
@@ -107,11 +108,12 @@ class SequenceGroup:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
     done: bool = False
+    beam: object | None = None  # beam_search.BeamState of a beam-search request
 
     @property
     def holds_output(self) -> bool:
         """best_of > n: candidates are ranked when all finish, so nothing streams before that."""
-        return self.params.num_sequences > self.params.n
+        return self.params.num_sequences > self.params.n or self.params.beam_search
 
     @property
     def started(self) -> bool:

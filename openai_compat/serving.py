@@ -108,8 +108,11 @@ class OpenAIServing:
             value = getattr(request, name)
             return value if value is not None else defaults.get(name, fallback)
 
+        # Beam search ranks raw logprobs unless the request itself sets a temperature (the model's sampling
+        # defaults are for sampling).
+        temperature = (request.temperature or 0.0) if request.beam_search else pick("temperature", 1.0)
         return SamplingParams(
-            max_tokens=max_tokens, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+            max_tokens=max_tokens, temperature=temperature, top_p=pick("top_p", 1.0),
             top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=request.seed, n=request.n,
             best_of=request.best_of, stop=request.stop_list, stop_token_ids=tuple(request.stop_token_ids or ()),
             include_stop_str_in_output=request.include_stop_str_in_output, ignore_eos=request.ignore_eos,
@@ -117,7 +120,12 @@ class OpenAIServing:
             frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty", 1.0), logit_bias=bias, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
-            spaces_between_special_tokens=request.spaces_between_special_tokens)
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            beam_search=request.beam_search,
+            length_penalty=request.length_penalty if request.length_penalty is not None else 1.0,
+            early_stopping=request.early_stopping if request.early_stopping is not None else False,
+            num_beam_groups=request.beam_groups if request.beam_search else 1,
+            diversity_penalty=request.diversity_penalty or 0.0)
 
     async def run(self, request_id: str, prompt: Prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one prompt; logs the request's timings when it ends (texts at DEBUG only)."""
