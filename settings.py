@@ -13,6 +13,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
+from engine.speculative import SpeculativeConfig
 from openai_compat.config import ServingConfig
 
 _DTYPE_ALIASES = {
@@ -58,6 +59,7 @@ class WorkerSettings(BaseSettings):
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     torch_num_threads: int | None = Field(default=None, ge=1)
+    speculative_config: str | None = None  # JSON, vLLM's --speculative-config terms
 
     # Serving
     max_concurrency: int = Field(default=30, ge=1)
@@ -102,6 +104,13 @@ class WorkerSettings(BaseSettings):
                 raise ValueError(f"not a valid Jinja template: {exc.message or exc}{where}") from None
         return value
 
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculative_config(cls, value: str | None) -> str | None:
+        if value is not None:
+            SpeculativeConfig.parse(value)
+        return value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _log_level(cls, value: str) -> str:
@@ -134,6 +143,7 @@ class WorkerSettings(BaseSettings):
             tensor_parallel_size=self.tensor_parallel_size,
             num_threads=self.torch_num_threads,
             max_logprobs=self.max_logprobs,
+            speculative=SpeculativeConfig.parse(self.speculative_config) if self.speculative_config else None,
         )
 
     def serving_config(self) -> ServingConfig:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .speculative import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -32,3 +34,4 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     max_logprobs: int = 20
+    speculative: SpeculativeConfig | None = None  # SPECULATIVE_CONFIG

@@ -80,6 +80,8 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.proposal: list[int] = []  # speculative tokens to verify this step (speculative.py)
+        self.proposal_at = -1  # len(tokens) when they were proposed
 
     @property
     def num_generated(self) -> int:

@@ -89,6 +89,9 @@ class SamplingFields(_Request):
     early_stopping: bool | Literal["never"] | None = None
     diversity_penalty: float | None = Field(default=None, ge=0.0)
     num_beam_groups: int | None = Field(default=None, ge=1)
+    # OVMS's speculative decoding controls (need SPECULATIVE_CONFIG).
+    num_assistant_tokens: int | None = Field(default=None, ge=1, le=16)
+    assistant_confidence_threshold: float | None = Field(default=None, gt=0.0, lt=1.0)
 
     @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                      "length_penalty", "diversity_penalty")
@@ -126,6 +129,13 @@ class SamplingFields(_Request):
             raise ParamError("best_of", f"best_of must be greater than or equal to n, got n={self.n} and "
                                         f"best_of={self.best_of}")
         self._check_beam_search()
+        if self.num_assistant_tokens is not None and self.assistant_confidence_threshold is not None:
+            raise ParamError("assistant_confidence_threshold", "give num_assistant_tokens or "
+                                                               "assistant_confidence_threshold, not both")
+        if self.beam_search:
+            for name in ("num_assistant_tokens", "assistant_confidence_threshold"):
+                if getattr(self, name) is not None:
+                    raise ParamError(name, f"{name} does not apply to beam search (beams do not speculate)")
         return self
 
     @property

@@ -102,6 +102,7 @@ class OpenAIServing:
         self._check_in_vocabulary(request.stop_token_ids or (), "stop_token_ids")
         bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
         self._check_in_vocabulary(bias, "logit_bias")
+        self._check_speculation(request)
         defaults = self.engine.generation_defaults
 
         def pick(name: str, fallback):
@@ -125,7 +126,21 @@ class OpenAIServing:
             length_penalty=request.length_penalty if request.length_penalty is not None else 1.0,
             early_stopping=request.early_stopping if request.early_stopping is not None else False,
             num_beam_groups=request.beam_groups if request.beam_search else 1,
-            diversity_penalty=request.diversity_penalty or 0.0)
+            diversity_penalty=request.diversity_penalty or 0.0,
+            num_assistant_tokens=request.num_assistant_tokens,
+            assistant_confidence_threshold=request.assistant_confidence_threshold)
+
+    def _check_speculation(self, request: SamplingFields) -> None:
+        spec = self.engine.config.speculative
+        for name in ("num_assistant_tokens", "assistant_confidence_threshold"):
+            if getattr(request, name) is None:
+                continue
+            if spec is None:
+                raise OpenAIError(f"{name} needs speculative decoding, which this worker does not run "
+                                  f"(SPECULATIVE_CONFIG is not set)", param=name)
+            if name == "assistant_confidence_threshold" and spec.method != "draft_model":
+                raise OpenAIError("assistant_confidence_threshold needs a draft model; this worker speculates "
+                                  "by n-gram prompt lookup", param=name)
 
     async def run(self, request_id: str, prompt: Prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one prompt; logs the request's timings when it ends (texts at DEBUG only)."""
