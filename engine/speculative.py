@@ -16,12 +16,9 @@ sampling (Leviathan et al., 2023). Draws use the sequence's generator, so a seed
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger("engine")
 
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -106,7 +103,7 @@ class NgramProposer:
                     break
         return []
 
-    def forget(self, seq) -> None:
+    def forget(self, key: int) -> None:
         pass
 
 
@@ -156,8 +153,9 @@ class DraftModelProposer:
         self._state[id(seq)] = (cache, held)
         return proposal
 
-    def forget(self, seq) -> None:
-        self._state.pop(id(seq), None)
+    def forget(self, key: int) -> None:
+        """Drop the draft cache of a sequence (by id) that no longer decodes."""
+        self._state.pop(key, None)
 
 
 class SpeculativeStats:
@@ -197,7 +195,7 @@ class Speculator:
                     thresholds.append(params.assistant_confidence_threshold)
         if isinstance(self.proposer, DraftModelProposer):
             for gone in self._seen - live:
-                self.proposer._state.pop(gone, None)
+                self.proposer.forget(gone)
             self._seen = live
             proposals = self.proposer.propose(seqs, ks, thresholds)
         else:
