@@ -13,6 +13,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
+from engine.speculative import SpeculativeConfig
 from openai_compat.config import ServingConfig
 
 _DTYPE_ALIASES = {
@@ -58,6 +59,7 @@ class WorkerSettings(BaseSettings):
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     torch_num_threads: int | None = Field(default=None, ge=1)
+    speculative_config: str | None = None  # JSON, vLLM's --speculative-config terms
 
     # Embeddings (unset: the model's sentence-transformers config, else the architecture's usual choice)
     pooling_type: Literal["last", "mean", "cls", "max"] | None = None
@@ -140,6 +142,13 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"must be at most the {cores} CPUs of this machine (got {value})")
         return value
 
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculative_config(cls, value: str | None) -> str | None:
+        if value is not None:
+            SpeculativeConfig.parse(value)
+        return value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _log_level(cls, value: str) -> str:
@@ -178,6 +187,7 @@ class WorkerSettings(BaseSettings):
             max_logprobs=self.max_logprobs,
             pooling_type=self.pooling_type,
             embedding_normalize=self.embedding_normalize,
+            speculative=SpeculativeConfig.parse(self.speculative_config) if self.speculative_config else None,
         )
 
     def serving_config(self) -> ServingConfig:

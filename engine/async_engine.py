@@ -6,6 +6,7 @@ jobs and poll for cancellations) never waits on a forward pass.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import concurrent.futures
 import logging
 import os
@@ -19,6 +20,7 @@ from .fallback import FallbackEngine
 from .loader import LoadedModel, load
 from .pooling import PoolingConfig, PoolingInput, PoolingModel, PoolingOutput, PoolingParams, PoolingQueue, Task
 from .runner import ModelRunner
+from .speculative import Speculator
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -121,7 +123,8 @@ class AsyncEngine:
                 engine = Engine(runner, model.tokenizer, max_num_seqs=self.config.max_num_seqs,
                                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                                 max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes,
-                                pooling=pooling)
+                                pooling=pooling,
+                                speculator=self._speculator(model) if runner is not None else None)
             engine.on_fatal = self._fatal
             self._model, self._engine = model, engine
             host_memory.freeze_long_lived()
@@ -129,6 +132,21 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
             log.error("model load failed: %s", exc)
             future.set_exception(exc)
+
+    def _speculator(self, model: LoadedModel) -> Speculator | None:
+        """SPECULATIVE_CONFIG's proposer; a draft model loads like the main one and must share its vocabulary."""
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        if spec.method != "draft_model":
+            return Speculator(spec)
+        draft = self._loader(dataclasses.replace(self.config, model=spec.model, revision=spec.revision,
+                                                 tokenizer=None, tokenizer_revision=None, speculative=None))
+        if draft.tokenizer.vocab_size != model.tokenizer.vocab_size or draft.device != model.device:
+            raise RuntimeError(f"SPECULATIVE_CONFIG: the draft model {spec.model} must share the model's vocabulary "
+                               f"({draft.tokenizer.vocab_size} vs {model.tokenizer.vocab_size} tokens) and device")
+        log.info("speculative decoding: draft model %s, %d tokens", spec.model, spec.num_speculative_tokens)
+        return Speculator(spec, draft.model, draft.device)
 
     def close(self) -> None:
         """Stop generation and drop the model, so its memory can be reclaimed; start() loads it again."""

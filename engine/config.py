@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .speculative import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -36,3 +38,4 @@ class EngineConfig:
     # token (encoders), normalised.
     pooling_type: str | None = None  # last | mean | cls | max
     embedding_normalize: bool | None = None
+    speculative: SpeculativeConfig | None = None  # SPECULATIVE_CONFIG

@@ -37,6 +37,13 @@ class IncrementalDetokenizer:
             return full[len(prefix):]
         return ""
 
+    def clone(self) -> "IncrementalDetokenizer":
+        """An independent copy (a beam continuing from another beam's text)."""
+        other = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
+        other.__dict__.update(self.__dict__)
+        other._ids = list(self._ids)
+        return other
+
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
         if self._read_offset == len(self._ids):

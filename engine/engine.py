@@ -16,12 +16,14 @@ from typing import Callable
 import torch
 
 from . import host_memory
+from .beam_search import BeamSearch
 from .block_manager import BLOCK_SIZE, BlockManager
 from .output_processor import OutputProcessor
 from .pooling import PoolingInput, PoolingParams, PoolingQueue, PoolingSink
 from .runner import DecodeRow, ModelRunner, PrefillChunk
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, StepPlan
+from .speculative import Speculator
 from .sequence import (OutputSink, RequestMetrics, RequestOutput, Sequence, SequenceDelta, SequenceGroup,
                        Status)
 from .tokenizer import Tokenizer
@@ -50,7 +52,7 @@ def _is_fatal(exc: BaseException) -> bool:
 class Engine:
     def __init__(self, runner: ModelRunner | None, tokenizer: Tokenizer, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, prefix_cache_bytes: int,
-                 pooling: PoolingQueue | None = None):
+                 pooling: PoolingQueue | None = None, speculator: Speculator | None = None):
         self.runner = runner  # None for models that only pool (encoders, classifiers): they never generate
         self.pooling = pooling  # embeddings and scores, run between generation steps (engine/pooling.py)
         self.tokenizer = tokenizer
@@ -64,6 +66,10 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens)
         self.sampler = Sampler(tokenizer.eos_token_ids, tokenizer.vocab_size)
         self.outputs = OutputProcessor(tokenizer.eos_token_ids, max_model_len)
+        self.beam_search = BeamSearch(self.blocks, runner.kv.copy_block if runner is not None else None,
+                                      tokenizer.eos_token_ids, tokenizer.vocab_size, max_model_len)
+        self._finished_beams: list[tuple[SequenceGroup, RequestOutput]] = []
+        self.speculator = speculator
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._groups: dict[str, SequenceGroup] = {}
@@ -167,6 +173,8 @@ class Engine:
             "prefix_cache_hit_tokens": self.blocks.hit_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
+            **({"speculative_proposed_tokens": self.speculator.stats.proposed,
+                "speculative_accepted_tokens": self.speculator.stats.accepted} if self.speculator else {}),
         }
 
     # ---- the loop ----
@@ -236,6 +244,8 @@ class Engine:
 
     def _step(self) -> None:
         self.steps += 1
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
         plan = self.scheduler.schedule()
         if plan.empty:
             return
@@ -247,6 +257,10 @@ class Engine:
         for group, output in self.outputs.take_outputs():
             if output.finished:  # out of the engine before the caller can see the end
                 self._finish_group(group)
+            self._deliver(group, output)
+        finished_beams, self._finished_beams = self._finished_beams, []
+        for group, output in finished_beams:
+            self._finish_group(group)
             self._deliver(group, output)
 
     def _guarded_execute(self, plan: StepPlan) -> list[tuple[StepPlan, torch.Tensor | None]]:
@@ -262,8 +276,10 @@ class Engine:
                 parts.setdefault(id(seq.group), StepPlan()).decodes.append(seq)
             for work in plan.prefills:
                 parts.setdefault(id(work.seq.group), StepPlan()).prefills.append(work)
+            for seq in plan.verifies:
+                parts.setdefault(id(seq.group), StepPlan()).verifies.append(seq)
             if len(parts) == 1:
-                self._fail_group((plan.decodes or [w.seq for w in plan.prefills])[0].group, exc)
+                self._fail_group((plan.decodes or plan.verifies or [w.seq for w in plan.prefills])[0].group, exc)
                 return []
             results = []
             for part in parts.values():
@@ -272,13 +288,16 @@ class Engine:
                 except Exception as part_exc:
                     if _is_fatal(part_exc):
                         raise
-                    self._fail_group((part.decodes or [w.seq for w in part.prefills])[0].group, part_exc)
+                    self._fail_group((part.decodes or part.verifies or [w.seq for w in part.prefills])[0].group,
+                                     part_exc)
             return results
 
     def _execute(self, plan: StepPlan) -> torch.Tensor | None:
         decodes = [DecodeRow(s.tokens[-1], len(s.tokens) - 1, s.blocks) for s in plan.decodes]
         chunks = [PrefillChunk(w.seq.tokens[w.seq.num_computed:w.seq.num_computed + w.length], w.seq.num_computed,
                                w.seq.blocks, w.logits) for w in plan.prefills]
+        chunks += [PrefillChunk([s.tokens[-1]] + s.proposal, len(s.tokens) - 1, s.blocks, "all")
+                   for s in plan.verifies]
         return self.runner.execute(decodes, chunks)
 
     def _process(self, plan: StepPlan, logits: torch.Tensor | None) -> None:
@@ -320,8 +339,56 @@ class Engine:
             for member in group.seqs:  # every choice samples from the prompt's last logits
                 rows.append(row - 1)
                 seqs.append(member)
+        for seq in plan.verifies:
+            width = len(seq.proposal) + 1
+            self._accept_speculated(seq, logits[row:row + width])
+            row += width
+        if seqs:
+            rows, seqs = self._beam_search_step(logits, rows, seqs)
         if seqs:
             self._sample(logits, rows, seqs)
+
+    def _accept_speculated(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Keep the verified prefix of a sequence's proposal and one token of the target's own (speculative.py);
+        the cache then holds every kept token but the last, as after a plain decode step."""
+        proposal, seq.proposal = seq.proposal, []
+        if seq.group.done:
+            return
+        kept = 0
+        try:
+            for token, logprob in self.speculator.verify(seq, proposal, logits, self.sampler):
+                kept += 1
+                self.generation_tokens_total += 1
+                if self.outputs.append(seq, token, logprob):
+                    self.scheduler.free(seq)
+                    return
+            self.scheduler.computed(seq, kept)
+            self.scheduler.trim(seq)
+        except Exception as exc:
+            self._fail_group(seq.group, exc)
+
+    def _beam_search_step(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]
+                          ) -> tuple[list[int], list[Sequence]]:
+        """Beam-search requests choose their next tokens together (beam_search.py); the other rows are returned
+        for sampling."""
+        rest_rows, rest_seqs = [], []
+        beams: dict[SequenceGroup, list[tuple[Sequence, int]]] = {}
+        for row, seq in zip(rows, seqs):
+            if seq.group.params.beam_search:
+                beams.setdefault(seq.group, []).append((seq, row))
+            else:
+                rest_rows.append(row)
+                rest_seqs.append(seq)
+        for group, members in beams.items():
+            try:
+                output = self.beam_search.step(group, [s for s, _ in members], logits[[r for _, r in members]])
+            except Exception as exc:
+                self._fail_group(group, exc)
+                continue
+            self.generation_tokens_total += len(members)
+            if output is not None:
+                self._finished_beams.append((group, output))
+        return rest_rows, rest_seqs
 
     def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
         picked = logits[rows]

@@ -38,6 +38,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     grammar: "GrammarSpec | None" = None  # structured output: tokens are masked to those the grammar allows
+    # Beam search (engine/beam_search.py): num_sequences beams, the n best finished ones returned.
+    beam_search: bool = False
+    length_penalty: float = 1.0  # a finished beam scores sum(logprobs) / generated_tokens ** length_penalty
+    early_stopping: bool | str = False  # True | False | "never", as transformers
+    num_beam_groups: int = 1  # diverse (group) beam search when > 1
+    diversity_penalty: float = 0.0  # subtracted per earlier group that chose the same token at a step
+    # Speculative decoding (speculative.py), OVMS's per-request controls: draft length, or the draft model's
+    # confidence below which it stops drafting.
+    num_assistant_tokens: int | None = None
+    assistant_confidence_threshold: float | None = None
 
     @property
     def greedy(self) -> bool:
@@ -52,7 +62,7 @@ class SamplingParams:
     @property
     def needs_logprobs(self) -> bool:
         """Logprobs are computed for the caller, or to rank best_of candidates."""
-        return self.logprobs is not None or self.num_sequences > self.n
+        return self.logprobs is not None or (self.num_sequences > self.n and not self.beam_search)
 
 
 @dataclass
@@ -203,9 +213,33 @@ class Sampler:
             logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
         return logits
 
+    def distribution(self, logits: torch.Tensor, state: SequenceSamplingState, generated: int) -> torch.Tensor:
+        """The probabilities one row's token is drawn from (penalties, temperature, top-k, min-p, top-p applied):
+        speculative decoding's rejection sampling needs them."""
+        row = logits[: self.vocab_size].float()
+        if state.adjusts_logits(generated):
+            row = self._adjust_row(row.clone(), state, generated)
+        return self._probabilities(row.view(1, -1), [state])[0]
+
     @staticmethod
     def _draw(logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
         """Temperature, top-k, min-p and top-p for the drawn rows at once, then one draw per row."""
+        probs = Sampler._probabilities(logits, states)
+        device = logits.device
+        vocab = logits.shape[-1]
+        noise = torch.empty_like(probs)
+        for row, state in enumerate(states):
+            if state.generator is not None:
+                noise[row].exponential_(generator=state.generator)
+        unseeded = [row for row, state in enumerate(states) if state.generator is None]
+        if len(unseeded) == len(states):
+            noise.exponential_()
+        elif unseeded:
+            noise[unseeded] = torch.empty((len(unseeded), vocab), device=device).exponential_()
+        return (probs / noise.clamp_(min=1e-30)).argmax(dim=-1)
+
+    @staticmethod
+    def _probabilities(logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
         device = logits.device
         params = [s.params for s in states]
         temperature = torch.tensor([p.temperature for p in params], device=device).view(-1, 1)
@@ -234,14 +268,4 @@ class Sampler:
             drop_sorted[:, 0] = False
             logits[nucleus] = part.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted),
                                                float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
-        for row, state in enumerate(states):
-            if state.generator is not None:
-                noise[row].exponential_(generator=state.generator)
-        unseeded = [row for row, state in enumerate(states) if state.generator is None]
-        if len(unseeded) == len(states):
-            noise.exponential_()
-        elif unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), vocab), device=device).exponential_()
-        return (probs / noise.clamp_(min=1e-30)).argmax(dim=-1)
+        return torch.softmax(logits, dim=-1)

@@ -31,10 +31,12 @@ class PrefillWork:
 class StepPlan:
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[PrefillWork] = field(default_factory=list)
+    # Decoding sequences that verify speculative tokens: their last token and `proposal` in one chunk.
+    verifies: list[Sequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.verifies
 
 
 def blocks_for(tokens: int) -> int:
@@ -101,6 +103,7 @@ class Scheduler:
                     rows.append(seq)
             plan.decodes.extend(rows)
         budget = self.max_num_batched_tokens - len(plan.decodes)
+        budget -= self._plan_verifies(plan, budget)
         for group in self.running:
             for seq in group.seqs:
                 if seq.status != Status.PREFILLING or budget <= 0:
@@ -113,6 +116,32 @@ class Scheduler:
                                                  "last" if (fresh and last) else "none"))
                 budget -= take
         return plan
+
+    def _plan_verifies(self, plan: StepPlan, budget: int) -> int:
+        """Decoding sequences with a current proposal verify it instead of decoding one token, when the budget
+        and free blocks allow (speculation never preempts anyone). Returns the extra tokens planned."""
+        extra = 0
+        for seq in list(plan.decodes):
+            k = len(seq.proposal)
+            if not k or seq.proposal_at != len(seq.tokens):
+                continue
+            need = blocks_for(len(seq.tokens) + k) - len(seq.blocks)
+            if k > budget - extra or need > self.blocks.num_free:
+                seq.proposal = []
+                continue
+            for _ in range(need):
+                seq.blocks.append(self.blocks.allocate())
+            plan.decodes.remove(seq)
+            plan.verifies.append(seq)
+            extra += k
+        return extra
+
+    def trim(self, seq: Sequence) -> None:
+        """Let go of blocks past the sequence's next slot (reserved for speculative tokens it did not keep)."""
+        keep = blocks_for(len(seq.tokens))
+        if len(seq.blocks) > keep:
+            self.blocks.release(seq.blocks[keep:])
+            del seq.blocks[keep:]
 
     def _make_room(self, seq: Sequence) -> bool:
         """Ensure the slot for `seq`'s next token exists, preempting younger requests (or, if it is the youngest,

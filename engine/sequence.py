@@ -57,6 +57,7 @@ class Status(enum.IntEnum):
     FORK_PENDING = 2  # a further choice of a prompt still prefilling: it forks when the prompt is done
     DECODING = 3
     FINISHED = 4
+    BEAM_PARKED = 5  # a beam whose next-token logits are in, waiting for its sibling beams' (beam_search.py)
 
 
 class Sequence:
@@ -80,6 +81,8 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.proposal: list[int] = []  # speculative tokens to verify this step (speculative.py)
+        self.proposal_at = -1  # len(tokens) when they were proposed
 
     @property
     def num_generated(self) -> int:
@@ -110,11 +113,12 @@ class SequenceGroup:
     done: bool = False
     # The submitter's context (made on its thread): log lines about the request carry its job id.
     context: contextvars.Context = field(default_factory=contextvars.copy_context)
+    beam: object | None = None  # beam_search.BeamState of a beam-search request
 
     @property
     def holds_output(self) -> bool:
         """best_of > n: candidates are ranked when all finish, so nothing streams before that."""
-        return self.params.num_sequences > self.params.n
+        return self.params.num_sequences > self.params.n or self.params.beam_search
 
     @property
     def started(self) -> bool:

@@ -42,6 +42,9 @@ class LegacyJob(BaseModel):
         # Both or neither would leave it to chance which text the model sees.
         if (self.prompt is None) == (self.messages is None):
             raise ParamError("prompt", "give either prompt (a string) or messages (a list), not both or neither")
+        if self.stream and self.sampling_params.beam_search:
+            raise ParamError("stream", "beam search cannot stream: beams are reordered and replaced until the "
+                                       "search ends, so no beam's text is final before then")
         return self
 
 

@@ -198,8 +198,19 @@ class SamplingFields(RequestModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # Beam search: vLLM's form (use_beam_search with best_of or n beams) and OVMS's (best_of > 1 with
+    # length_penalty or diversity_penalty).
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
+    diversity_penalty: float | None = Field(default=None, ge=0.0)
+    num_beam_groups: int | None = Field(default=None, ge=1)
+    # OVMS's speculative decoding controls (need SPECULATIVE_CONFIG).
+    num_assistant_tokens: int | None = Field(default=None, ge=1, le=16)
+    assistant_confidence_threshold: float | None = Field(default=None, gt=0.0, lt=1.0)
 
-    @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "length_penalty", "diversity_penalty")
     @classmethod
     def _finite_numbers(cls, value, info):
         return _finite(value, info.field_name)
@@ -234,7 +245,50 @@ class SamplingFields(RequestModel):
             raise ParamError("best_of", f"best_of must be greater than or equal to n, got n={self.n} and "
                                         f"best_of={self.best_of}")
         self.constraint()  # a malformed or conflicting constraint fails here, naming its parameter
+        self._check_beam_search()
+        if self.num_assistant_tokens is not None and self.assistant_confidence_threshold is not None:
+            raise ParamError("assistant_confidence_threshold", "give num_assistant_tokens or "
+                                                               "assistant_confidence_threshold, not both")
+        if self.beam_search:
+            for name in ("num_assistant_tokens", "assistant_confidence_threshold"):
+                if getattr(self, name) is not None:
+                    raise ParamError(name, f"{name} does not apply to beam search (beams do not speculate)")
         return self
+
+    @property
+    def beam_search(self) -> bool:
+        return self.use_beam_search or ((self.best_of or 1) > 1 and (self.length_penalty is not None or
+                                                                     self.diversity_penalty is not None))
+
+    @property
+    def beam_width(self) -> int:
+        return max(self.n, self.best_of or 1)
+
+    @property
+    def beam_groups(self) -> int:
+        """Groups of diverse beam search; a diversity_penalty alone puts each beam in its own group."""
+        if self.num_beam_groups is not None:
+            return self.num_beam_groups
+        return self.beam_width if self.diversity_penalty else 1
+
+    def _check_beam_search(self) -> None:
+        if not self.beam_search:
+            for name in ("length_penalty", "early_stopping", "diversity_penalty", "num_beam_groups"):
+                if getattr(self, name) is not None:
+                    raise ParamError(name, f"{name} only applies to beam search (use_beam_search: true, or best_of "
+                                           f"> 1 with length_penalty or diversity_penalty)")
+            return
+        if self.beam_width < 2:
+            raise ParamError("best_of", "beam search needs a beam width (best_of, or n) of at least 2")
+        for name, off in (("top_p", 1.0), ("top_k", (0, -1)), ("min_p", 0.0)):
+            value = getattr(self, name)
+            if value is not None and value not in (off if isinstance(off, tuple) else (off,)):
+                raise ParamError(name, f"{name} does not apply to beam search, which ranks every token")
+        if self.beam_width % self.beam_groups:
+            raise ParamError("num_beam_groups", f"num_beam_groups ({self.beam_groups}) must divide the beam width "
+                                                f"({self.beam_width})")
+        if self.diversity_penalty and self.beam_groups < 2:
+            raise ParamError("diversity_penalty", "diversity_penalty needs num_beam_groups > 1")
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -322,6 +376,9 @@ class OpenAIRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _streaming(self) -> "OpenAIRequest":
+        if self.stream and self.beam_search:
+            raise ParamError("stream", "beam search cannot stream: beams are reordered and replaced until the "
+                                       "search ends, so no beam's text is final before then")
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise ParamError("best_of", "best_of > n is not supported with stream=true")
         if self.stream_options is not None and not self.stream:

@@ -142,14 +142,21 @@ class OpenAIServing:
         self.check_in_vocabulary(request.stop_token_ids or (), "stop_token_ids")
         bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
         self.check_in_vocabulary(bias, "logit_bias")
+        self._check_speculation(request)
+        if grammar is not None and request.beam_search:
+            raise OpenAIError("structured outputs cannot be combined with beam search (beams are scored, not "
+                              "masked)", param="use_beam_search")
         defaults = self.engine.generation_defaults
 
         def pick(name: str, fallback):
             value = getattr(request, name)
             return value if value is not None else defaults.get(name, fallback)
 
+        # Beam search ranks raw logprobs unless the request itself sets a temperature (the model's sampling
+        # defaults are for sampling).
+        temperature = (request.temperature or 0.0) if request.beam_search else pick("temperature", 1.0)
         first = SamplingParams(
-            max_tokens=resolved[0], temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+            max_tokens=resolved[0], temperature=temperature, top_p=pick("top_p", 1.0),
             top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=request.seed, n=request.n,
             best_of=request.best_of, stop=request.stop_list, stop_token_ids=tuple(request.stop_token_ids or ()),
             include_stop_str_in_output=request.include_stop_str_in_output, ignore_eos=request.ignore_eos,
@@ -158,7 +165,14 @@ class OpenAIServing:
             repetition_penalty=pick("repetition_penalty", 1.0), logit_bias=bias, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens and not with_special_tokens,
-            spaces_between_special_tokens=request.spaces_between_special_tokens, grammar=grammar)
+            spaces_between_special_tokens=request.spaces_between_special_tokens, grammar=grammar,
+            beam_search=request.beam_search,
+            length_penalty=request.length_penalty if request.length_penalty is not None else 1.0,
+            early_stopping=request.early_stopping if request.early_stopping is not None else False,
+            num_beam_groups=request.beam_groups if request.beam_search else 1,
+            diversity_penalty=request.diversity_penalty or 0.0,
+            num_assistant_tokens=request.num_assistant_tokens,
+            assistant_confidence_threshold=request.assistant_confidence_threshold)
         return [first] + [dataclasses.replace(first, max_tokens=m) for m in resolved[1:]]
 
     def _max_tokens(self, request: SamplingFields, prompt_len: int, max_tokens: int | None, prompt_param: str,
@@ -184,6 +198,18 @@ class OpenAIServing:
         if constraint is None:
             return None
         return await self.grammars.compile(self.engine.tokenizer, constraint, gate)
+
+    def _check_speculation(self, request: SamplingFields) -> None:
+        spec = self.engine.config.speculative
+        for name in ("num_assistant_tokens", "assistant_confidence_threshold"):
+            if getattr(request, name) is None:
+                continue
+            if spec is None:
+                raise OpenAIError(f"{name} needs speculative decoding, which this worker does not run "
+                                  f"(SPECULATIVE_CONFIG is not set)", param=name)
+            if name == "assistant_confidence_threshold" and spec.method != "draft_model":
+                raise OpenAIError("assistant_confidence_threshold needs a draft model; this worker speculates "
+                                  "by n-gram prompt lookup", param=name)
 
     async def run(self, request_id: str, prompt: Prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one prompt; logs the request's timings when it ends (texts at DEBUG only)."""

@@ -513,7 +513,7 @@ def test_user_and_metadata_are_accepted_and_ignored(client):
 
 @pytest.mark.parametrize("param,value", [
     ("chat_template", "{{ messages }}"),
-    ("prompt_logprobs", 1), ("add_special_tokens", True), ("use_beam_search", True),
+    ("prompt_logprobs", 1), ("add_special_tokens", True),
 ])
 def test_unsupported_features_are_400(client, param, value):
     # Features this worker does not have fail loudly instead of being silently ignored.

@@ -1,0 +1,132 @@
+"""Speculative decoding on the real embedded model: greedy output equals plain decoding token for token (under
+batching, for both proposers), sampled output keeps its distribution, and the configuration and per-request
+controls are checked."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import Counter
+
+import pytest
+
+from engine import AsyncEngine, SamplingParams
+from engine.loader import model_folder
+from engine.speculative import SpeculativeConfig
+from test_engine import assert_same_greedy, chat_ids, generate, greedy
+
+ECHO = ["Repeat exactly: the quick brown fox jumps over the lazy dog, and the lazy dog sleeps on.",
+        "Copy this list: apples, pears, plums, apples, pears, plums, cherries.",
+        "What is two plus two?"]
+
+
+def _engine(worker, spec: str) -> AsyncEngine:
+    config = worker.settings.engine_config()
+    if "MODEL" in spec:
+        spec = spec.replace("MODEL", str(model_folder(config)))
+    engine = AsyncEngine(dataclasses.replace(config, speculative=SpeculativeConfig.parse(spec)))
+    asyncio.run(engine.start())
+    return engine
+
+
+@pytest.fixture(scope="module")
+def ngram_engine(worker):
+    engine = _engine(worker, '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def draft_engine(worker):
+    # The embedded model drafting for itself: every draft should be kept (up to float noise).
+    engine = _engine(worker, '{"model": "MODEL", "num_speculative_tokens": 3}')
+    yield engine
+    engine.close()
+
+
+def _run_batch(engine, prompts, params, tag):
+    async def together():
+        return await asyncio.gather(*(generate(engine, f"{tag}-{i}", ids, params) for i, ids in enumerate(prompts)))
+    return asyncio.run(together())
+
+
+@pytest.mark.parametrize("which", ["ngram_engine", "draft_engine"])
+def test_greedy_speculation_equals_plain_decoding(worker, request, which):
+    engine = request.getfixturevalue(which)
+    prompts = [chat_ids(engine, p) for p in ECHO]
+    plain = _run_batch(worker.engine, prompts, greedy(28), "plain")
+    # Batched: three requests speculate in the same steps.
+    fast = _run_batch(engine, prompts, greedy(28), f"spec-{which}")
+    for a, b in zip(fast, plain):
+        assert_same_greedy(a["choices"][0], b["choices"][0]["ids"])
+        assert [lp.token_id for lp in a["choices"][0]["logprobs"]] == a["choices"][0]["ids"]
+    stats = engine.engine.stats()
+    assert stats["speculative_accepted_tokens"] > 10  # it really speculated and kept drafts
+    # Stop strings, max_tokens and usage behave exactly as without speculation.
+    stop_text = plain[0]["choices"][0]["text"][10:16]
+    params = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True, stop=(stop_text,))
+    a = asyncio.run(generate(engine, f"stop-{which}", prompts[0], params))["choices"][0]
+    b = asyncio.run(generate(worker.engine, "stop-plain", prompts[0], params))["choices"][0]
+    assert (a["text"], a["ids"], a["finish"]) == (b["text"], b["ids"], b["finish"]) and a["finish"] == "stop"
+    short = asyncio.run(generate(engine, f"short-{which}", prompts[0], greedy(5)))["choices"][0]
+    assert short["ids"] == plain[0]["choices"][0]["ids"][:5] and short["finish"] == "length"
+    # OVMS's per-request controls change how much is drafted, never the result.
+    control = {"num_assistant_tokens": 1} if which == "ngram_engine" else {"assistant_confidence_threshold": 0.9}
+    before = stats["speculative_proposed_tokens"]
+    tuned = asyncio.run(generate(engine, f"tuned-{which}", prompts[1], greedy(28, **control)))["choices"][0]
+    assert_same_greedy(tuned, plain[1]["choices"][0]["ids"])
+    assert engine.engine.stats()["speculative_proposed_tokens"] - before <= 28
+
+
+def test_sampled_speculation_keeps_the_distribution(worker, ngram_engine):
+    """Many samples of a short continuation of a repetitive text (prompt lookup guesses most tokens): with and
+    without speculation each position's token follows the same distribution (a two-sample chi-square test;
+    keeping every guess, or never, would be far off). A seed reproduces its samples."""
+    ids = chat_ids(worker.engine, ECHO[1])
+    params = SamplingParams(max_tokens=6, temperature=0.8, ignore_eos=True, n=25)
+
+    def draws(engine, tag):
+        results = _run_batch(engine, [ids] * 10, params, tag)
+        return [c["ids"] for r in results for c in r["choices"]]
+
+    before = ngram_engine.engine.stats()
+    spec, plain = draws(ngram_engine, "dist-spec"), draws(worker.engine, "dist-plain")
+    after = ngram_engine.engine.stats()
+    proposed = after["speculative_proposed_tokens"] - before["speculative_proposed_tokens"]
+    accepted = after["speculative_accepted_tokens"] - before["speculative_accepted_tokens"]
+    assert proposed > 200 and 10 < accepted < proposed  # guesses kept and rejected
+    for position in range(1, 6):
+        a, b = Counter(s[position] for s in spec), Counter(s[position] for s in plain)
+        # Two-sample chi-square over the tokens seen at least 10 times (the rest pooled), at about p < 0.001.
+        common = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+        bins = [(a[k], b[k]) for k in common] + [(len(spec) - sum(a[k] for k in common),
+                                                  len(plain) - sum(b[k] for k in common))]
+        bins = [(x, y) for x, y in bins if x + y]
+        chi2 = sum((x - y) ** 2 / (x + y) for x, y in bins)
+        df = max(1, len(bins) - 1)
+        assert chi2 < df + 4.5 * (2 * df) ** 0.5, (position, chi2, df, a.most_common(4), b.most_common(4))
+    seeded = dataclasses.replace(params, seed=7, n=4)
+    first = asyncio.run(generate(ngram_engine, "seed-a", ids, seeded))
+    again = asyncio.run(generate(ngram_engine, "seed-b", ids, seeded))
+    assert [c["ids"] for c in first["choices"]] == [c["ids"] for c in again["choices"]]
+
+
+def test_speculative_config_is_validated_at_start_up(monkeypatch):
+    from settings import SettingsError, load_settings
+    for bad in ('{"method": "ngram"}', '{"method": "eagle", "num_speculative_tokens": 2}', "[1]", "{",
+                '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 5}',
+                '{"num_speculative_tokens": 4, "draft_tensor_parallel_size": 1}'):
+        monkeypatch.setenv("SPECULATIVE_CONFIG", bad)
+        with pytest.raises(SettingsError, match="SPECULATIVE_CONFIG"):
+            load_settings()
+    monkeypatch.setenv("SPECULATIVE_CONFIG", '{"model": "org/draft", "num_speculative_tokens": 5}')
+    spec = load_settings().engine_config().speculative
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", "org/draft", 5)
+
+
+def test_assistant_controls_need_speculation(client):
+    from test_openai_conformance import bad_request, complete
+    bad_request(lambda: complete(client, extra_body={"num_assistant_tokens": 3}), "num_assistant_tokens")
+    bad_request(lambda: complete(client, extra_body={"num_assistant_tokens": 3,
+                                                     "assistant_confidence_threshold": 0.5}),
+                "assistant_confidence_threshold")
+    bad_request(lambda: complete(client, extra_body={"num_assistant_tokens": 0}), "num_assistant_tokens")
