@@ -96,6 +96,7 @@ def main() -> None:
         for level, (rate, tokens) in result.items():
             rows.append({"mode": mode, "streams": level, "tok_s": round(rate, 1), "tokens": tokens,
                          "acceptance": round(accepted / proposed, 3) if proposed else None})
+            print(json.dumps(rows[-1]), flush=True)
     plain = {r["streams"]: r["tok_s"] for r in rows if r["mode"] == "plain"}
     print(f"{'mode':<8}{'streams':>8}{'tok/s':>10}{'x plain':>9}{'accept':>8}")
     for r in rows:
