@@ -380,6 +380,8 @@ SAMPLING_WRONG = {
     "logit_bias": [5], "skip_special_tokens": "maybe", "spaces_between_special_tokens": "maybe",
     "guided_json": 5, "guided_regex": 5, "guided_choice": "yes", "guided_grammar": 5,
     "guided_whitespace_pattern": 5, "structured_outputs": "json",
+    "use_beam_search": "maybe", "length_penalty": "long", "early_stopping": "soon", "diversity_penalty": "high",
+    "num_beam_groups": "two", "num_assistant_tokens": "four", "assistant_confidence_threshold": "sure",
 }
 OPENAI_WRONG = {**SAMPLING_WRONG, "model": 5, "stream": "maybe", "stream_options": "usage", "response_format": "json"}
 CHAT_WRONG = {
