@@ -49,7 +49,63 @@ def _is_fatal(exc: BaseException) -> bool:
                                       "illegal memory access", "NCCL error"))
 
 
-class Engine:
+class GenerationLoop:
+    """The thread-safe front door both generation loops share (the paged `Engine` and the fallback's): checks on
+    arrival, the command queue the loop drains, shutdown. Subclasses set the attributes and run `_loop`."""
+
+    max_model_len: int
+    max_num_seqs: int
+    _commands: queue.SimpleQueue
+    _wake: threading.Event
+    _groups: dict[str, SequenceGroup]
+    _dead: BaseException | None
+    _stopping: bool
+    _thread: threading.Thread
+
+    def check_fits(self, prompt_len: int, max_tokens: int, num_sequences: int) -> str | None:
+        """Why a request could never run in this engine, or None."""
+        return None
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped after a device failure: {self._dead}")
+        if self._stopping:
+            raise EngineDeadError("the engine was shut down")
+        if not prompt_ids or len(prompt_ids) >= self.max_model_len:
+            raise RequestTooLarge(f"a prompt of {len(prompt_ids)} tokens does not fit a context of "
+                                  f"{self.max_model_len} tokens")
+        if params.num_sequences > self.max_num_seqs:
+            raise RequestTooLarge(f"the request needs {params.num_sequences} sequences; the engine runs at most "
+                                  f"{self.max_num_seqs} (MAX_NUM_SEQS)")
+        reason = self.check_fits(len(prompt_ids), params.max_tokens, params.num_sequences)
+        if reason is not None:
+            raise RequestTooLarge(reason)
+        group = SequenceGroup(request_id, list(prompt_ids), params, sink,
+                              RequestMetrics(arrival=time.perf_counter(), prompt_tokens=len(prompt_ids)))
+        self._commands.put(("add", group))
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop: requests still held fail."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the engine still holds (waiting or running); 0 once everything has left."""
+        return len(self._groups)
+
+    @property
+    def dead(self) -> BaseException | None:
+        return self._dead
+
+
+class Engine(GenerationLoop):
     def __init__(self, runner: ModelRunner | None, tokenizer: Tokenizer, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, prefix_cache_bytes: int,
                  pooling: PoolingQueue | None = None, speculator: Speculator | None = None):
@@ -92,25 +148,6 @@ class Engine:
             return "this model does not generate text"
         return self.scheduler.check_fits(prompt_len, max_tokens, num_sequences)
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(f"engine stopped after a device failure: {self._dead}")
-        if self._stopping:
-            raise EngineDeadError("the engine was shut down")
-        if not prompt_ids or len(prompt_ids) >= self.max_model_len:
-            raise RequestTooLarge(f"a prompt of {len(prompt_ids)} tokens does not fit a context of "
-                                  f"{self.max_model_len} tokens")
-        if params.num_sequences > self.max_num_seqs:
-            raise RequestTooLarge(f"the request needs {params.num_sequences} sequences; the engine runs at most "
-                                  f"{self.max_num_seqs} (MAX_NUM_SEQS)")
-        reason = self.check_fits(len(prompt_ids), params.max_tokens, params.num_sequences)
-        if reason is not None:
-            raise RequestTooLarge(reason)
-        group = SequenceGroup(request_id, list(prompt_ids), params, sink,
-                              RequestMetrics(arrival=time.perf_counter(), prompt_tokens=len(prompt_ids)))
-        self._commands.put(("add", group))
-        self._wake.set()
-
     def submit_pooling(self, request_id: str, inputs: list[PoolingInput], params: PoolingParams,
                        sink: PoolingSink) -> None:
         """Embeddings, pooled states and scores: engine/pooling.py batches them, the loop runs one batch between
@@ -131,16 +168,6 @@ class Engine:
     def _pooling_pending(self) -> bool:
         return self.pooling is not None and self.pooling.pending
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop: requests still held fail."""
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout)
-
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-        self._wake.set()
-
     @property
     def num_running(self) -> int:
         return self.scheduler.num_running_seqs
@@ -148,15 +175,6 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
-
-    @property
-    def num_requests(self) -> int:
-        """Requests the engine still holds (waiting or running); 0 once everything has left."""
-        return len(self._groups)
-
-    @property
-    def dead(self) -> BaseException | None:
-        return self._dead
 
     def stats(self) -> dict:
         """A snapshot for /health and the stats routes (read from another thread: each value is consistent on

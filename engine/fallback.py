@@ -18,10 +18,10 @@ from typing import Callable
 
 import torch
 
-from .engine import EngineDeadError, RequestTooLarge
+from .engine import EngineDeadError, GenerationLoop
 from .output_processor import OutputProcessor
-from .sampling import Sampler, SamplingParams
-from .sequence import OutputSink, RequestMetrics, RequestOutput, Sequence, SequenceGroup, Status
+from .sampling import Sampler
+from .sequence import RequestOutput, Sequence, SequenceGroup, Status
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
@@ -50,7 +50,7 @@ class _Running:
         self.cache: dict | None = None  # the model's cache, as the keyword argument it takes it back by
 
 
-class FallbackEngine:
+class FallbackEngine(GenerationLoop):
     """The Engine interface (submit/abort/shutdown/stats...) over transformers' own cache."""
 
     def __init__(self, model, device: torch.device, tokenizer: Tokenizer, *, max_num_seqs: int,
@@ -78,34 +78,7 @@ class FallbackEngine:
 
     # ---- API used from other threads (as engine.Engine) ----
 
-    def check_fits(self, prompt_len: int, max_tokens: int, num_sequences: int) -> str | None:
-        # transformers' cache grows with the request: only the context bounds it (checked at submit).
-        return None
-
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(f"engine stopped after a device failure: {self._dead}")
-        if self._stopping:
-            raise EngineDeadError("the engine was shut down")
-        if not prompt_ids or len(prompt_ids) >= self.max_model_len:
-            raise RequestTooLarge(f"a prompt of {len(prompt_ids)} tokens does not fit a context of "
-                                  f"{self.max_model_len} tokens")
-        if params.num_sequences > self.max_num_seqs:
-            raise RequestTooLarge(f"the request needs {params.num_sequences} sequences; the engine runs at most "
-                                  f"{self.max_num_seqs} (MAX_NUM_SEQS)")
-        group = SequenceGroup(request_id, list(prompt_ids), params, sink,
-                              RequestMetrics(arrival=time.perf_counter(), prompt_tokens=len(prompt_ids)))
-        self._commands.put(("add", group))
-        self._wake.set()
-
-    def shutdown(self, timeout: float = 30.0) -> None:
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout)
-
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-        self._wake.set()
+    # transformers' cache grows with the request: only the context bounds it (GenerationLoop.submit checks it).
 
     @property
     def num_running(self) -> int:
@@ -114,14 +87,6 @@ class FallbackEngine:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._groups)
-
-    @property
-    def dead(self) -> BaseException | None:
-        return self._dead
 
     def stats(self) -> dict:
         # No fixed KV pool on this path: its cache figures are zero.
