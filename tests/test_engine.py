@@ -22,18 +22,21 @@ def chat_ids(engine: AsyncEngine, text: str) -> list[int]:
 
 
 async def generate(engine: AsyncEngine, request_id: str, ids: list[int], params: SamplingParams) -> dict:
-    """Token ids, text, logprobs and finish reason per choice, plus how many outputs the request streamed."""
+    """Token ids, text, logprobs and finish reason per choice, the prompt logprobs, and how many outputs the
+    request streamed."""
     choices: dict[int, dict] = {}
     outputs = 0
+    prompt_logprobs = None
     async for output in engine.generate(request_id, ids, params):
         outputs += 1
+        prompt_logprobs = output.prompt_logprobs or prompt_logprobs
         for delta in output.deltas:
             c = choices.setdefault(delta.index, {"ids": [], "text": "", "finish": None, "logprobs": []})
             c["ids"] += delta.token_ids
             c["text"] += delta.text
             c["logprobs"] += delta.logprobs or []
             c["finish"] = delta.finish_reason or c["finish"]
-    return {"choices": [choices[i] for i in sorted(choices)], "outputs": outputs}
+    return {"choices": [choices[i] for i in sorted(choices)], "outputs": outputs, "prompt_logprobs": prompt_logprobs}
 
 
 NEAR_TIE = 2e-3  # logprob gap below which float rounding order (which differs by batch size) may pick either

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
+from test_engine import generate
 from engine.engine import Engine
 from engine.fallback import FallbackEngine
 
@@ -246,12 +247,12 @@ def test_fallback_outputs_equal_the_paged_engine(tmp_path, tokenizer_folder):
     async def outputs(engine):
         results = []
         for i, ids in enumerate(rows):
-            free = await collect(engine, f"free{i}", ids, SamplingParams(max_tokens=12, temperature=0.0,
+            free = await generate(engine, f"free{i}", ids, SamplingParams(max_tokens=12, temperature=0.0,
                                                                          ignore_eos=True, logprobs=2,
                                                                          prompt_logprobs=1))
             text = free["choices"][0]["text"]
             stop = text[len(text) // 2:len(text) // 2 + 2]
-            stopped = await collect(engine, f"stop{i}", ids, SamplingParams(
+            stopped = await generate(engine, f"stop{i}", ids, SamplingParams(
                 max_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop,) if stop.strip() else ()))
             results.append((free, stopped))
         return results
@@ -292,17 +293,3 @@ def test_fallback_outputs_equal_the_paged_engine(tmp_path, tokenizer_folder):
         assert [p and p.token_id for p in free_p["prompt_logprobs"]] == \
             [p and p.token_id for p in free_f["prompt_logprobs"]]
     assert any(s["choices"][0]["finish"] == "stop" for _, s in fallback)  # a stop string really ended one
-
-
-async def collect(engine: AsyncEngine, request_id: str, ids: list[int], params: SamplingParams) -> dict:
-    choices: dict[int, dict] = {}
-    prompt_logprobs = None
-    async for output in engine.generate(request_id, ids, params):
-        prompt_logprobs = output.prompt_logprobs or prompt_logprobs
-        for delta in output.deltas:
-            c = choices.setdefault(delta.index, {"ids": [], "text": "", "finish": None, "logprobs": []})
-            c["ids"] += delta.token_ids
-            c["text"] += delta.text
-            c["logprobs"] += delta.logprobs or []
-            c["finish"] = delta.finish_reason or c["finish"]
-    return {"choices": [choices[i] for i in sorted(choices)], "prompt_logprobs": prompt_logprobs}
