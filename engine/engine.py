@@ -95,6 +95,20 @@ class GenerationLoop:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    def _drain_commands(self) -> None:
+        """Take in what other threads asked for since the last pass (on the loop's thread)."""
+        while True:
+            try:
+                command, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command == "add":
+                self._add(arg)
+            elif command == "abort":
+                group = self._groups.get(arg)
+                if group is not None:
+                    self._finish_group(group)
+
     @property
     def num_requests(self) -> int:
         """Requests the engine still holds (waiting or running); 0 once everything has left."""
@@ -235,19 +249,6 @@ class Engine(GenerationLoop):
         self._idle_since_release = True
         if self.runner is not None:
             self.runner.kv.give_back(self.blocks.free_uncached())
-
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                command, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command == "add":
-                self._add(arg)
-            elif command == "abort":
-                group = self._groups.get(arg)
-                if group is not None:
-                    self._finish_group(group)
 
     def _add(self, group: SequenceGroup) -> None:
         try:

@@ -121,25 +121,15 @@ class FallbackEngine(GenerationLoop):
             self._drain_commands()
             self._fail_all(EngineDeadError("the engine was shut down"))
 
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                command, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command == "add":
-                self._groups[arg.request_id] = arg
-                try:
-                    arg.seqs = [Sequence(arg, i, self.tokenizer, self.sampler.vocab_size, self.device)
-                                for i in range(arg.params.num_sequences)]
-                except Exception as exc:  # noqa: BLE001
-                    self._fail_group(arg, exc)
-                    continue
-                self._waiting.append(arg)
-            elif command == "abort":
-                group = self._groups.get(arg)
-                if group is not None:
-                    self._finish_group(group)
+    def _add(self, group: SequenceGroup) -> None:
+        self._groups[group.request_id] = group
+        try:
+            group.seqs = [Sequence(group, i, self.tokenizer, self.sampler.vocab_size, self.device)
+                          for i in range(group.params.num_sequences)]
+        except Exception as exc:  # noqa: BLE001
+            self._fail_group(group, exc)
+            return
+        self._waiting.append(group)
 
     def _admit(self) -> None:
         while self._waiting and self.num_running + self._waiting[0].params.num_sequences <= self.max_num_seqs:
