@@ -153,7 +153,10 @@ def _local_test(test_input: str | None) -> int:
         print('test input must be a JSON object with an "input" key', file=sys.stderr)
         return 1
     job.setdefault("id", "local_test")
-    result = asyncio.run(run_local_job(job))
+    try:
+        result = asyncio.run(run_local_job(job))
+    finally:
+        close()  # a generation thread still inside torch at interpreter exit aborts the process
     print(json.dumps(result, indent=2, ensure_ascii=False))
     return 0 if result["status"] == "COMPLETED" else 1
 

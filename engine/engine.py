@@ -146,6 +146,7 @@ class Engine(GenerationLoop):
         self._dead: BaseException | None = None
         self._stopping = False
         self._idle_since_release = True
+        self._heap_release = host_memory.IdleRelease()
         self._zeroed_blocks = 0  # blocks [0, this) have been cleared once (see PagedKVCache.zero_blocks)
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.steps = 0
@@ -218,7 +219,7 @@ class Engine(GenerationLoop):
 
     def _run(self) -> None:
         while not self._stopping:
-            host_memory.release_if_idle(self.steps)
+            self._heap_release.tick(self.steps)
             if not self._groups and not self._pooling_pending():
                 self._release_idle_memory()
                 self._wake.wait(timeout=1.0)

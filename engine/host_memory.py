@@ -13,7 +13,6 @@ import ctypes
 import ctypes.util
 import gc
 import logging
-import threading
 import time
 
 log = logging.getLogger("engine")
@@ -33,10 +32,6 @@ def _load_malloc_trim():
 
 
 _malloc_trim = _load_malloc_trim()
-_lock = threading.Lock()
-_last_work: int | None = None
-_idle_since = 0.0
-_trimmed = True  # nothing to give back before any work
 
 
 def release() -> bool:
@@ -47,21 +42,29 @@ def release() -> bool:
     return True
 
 
-def release_if_idle(work_done: int) -> None:
-    """Called by the engine loop on each pass with a count of the work it has done so far (its steps): while the
-    count stands still the engine is idle. Trims once per idle period, after IDLE_BEFORE_TRIM_S of idleness."""
-    global _last_work, _idle_since, _trimmed
-    with _lock:
+class IdleRelease:
+    """One per generation loop: each loop judges its own idleness. (A process may hold several engines; with one
+    shared record, two loops reporting their different step counts in turn looked forever busy, and nothing was
+    ever given back.)"""
+
+    def __init__(self):
+        self._last_work: int | None = None
+        self._idle_since = 0.0
+        self._trimmed = True  # nothing to give back before any work
+
+    def tick(self, work_done: int) -> None:
+        """Called by the loop on each pass with a count of the work it has done so far (its steps): while the
+        count stands still the loop is idle. Trims once per idle period, after IDLE_BEFORE_TRIM_S of idleness."""
         now = time.monotonic()
-        if work_done != _last_work:
-            _last_work, _idle_since, _trimmed = work_done, now, False
+        if work_done != self._last_work:
+            self._last_work, self._idle_since, self._trimmed = work_done, now, False
             return
-        if _trimmed or now - _idle_since < IDLE_BEFORE_TRIM_S:
+        if self._trimmed or now - self._idle_since < IDLE_BEFORE_TRIM_S:
             return
-        _trimmed = True
-    started = time.perf_counter()
-    if release():
-        log.debug("idle: returned free host memory to the system in %.1f ms", (time.perf_counter() - started) * 1e3)
+        self._trimmed = True
+        started = time.perf_counter()
+        if release():
+            log.debug("idle: returned free host memory to the system in %.1f ms", (time.perf_counter() - started) * 1e3)
 
 
 def freeze_long_lived() -> None:

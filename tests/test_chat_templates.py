@@ -28,6 +28,17 @@ def templated_model(tmp_path_factory):
     return build_small_model(tmp_path_factory.mktemp("templated-model"), chat_template=MODEL_TEMPLATE)
 
 
+_started: list = []
+
+
+@pytest.fixture(autouse=True)
+def _close_engines():
+    """Each test's engine stops with the test: a loop left running idles beside the later tests' engines."""
+    yield
+    while _started:
+        _started.pop().close()
+
+
 class Worker:
     """The handler's worker (settings -> engine -> OpenAI serving -> job router) for the given environment."""
 
@@ -43,6 +54,7 @@ class Worker:
             monkeypatch.setenv(name, value)
         settings = load_settings()
         self.engine = AsyncEngine(settings.engine_config())
+        _started.append(self.engine)
         self.router = JobRouter(OpenAIServing(self.engine, settings.serving_config()), settings.serving_config())
 
     def job(self, job_input) -> dict:

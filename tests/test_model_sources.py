@@ -108,7 +108,8 @@ def run_jobs(config: EngineConfig, *job_inputs) -> list:
     from openai_compat.jobs import JobRouter
     from openai_compat.serving import OpenAIServing
 
-    router = JobRouter(OpenAIServing(AsyncEngine(config), ServingConfig()), ServingConfig())
+    engine = AsyncEngine(config)
+    router = JobRouter(OpenAIServing(engine, ServingConfig()), ServingConfig())
 
     async def first_part(job_input):
         return [part async for part in router.run(job_input)][0]
@@ -116,7 +117,10 @@ def run_jobs(config: EngineConfig, *job_inputs) -> list:
     async def run_all():
         return await asyncio.gather(*(first_part(job) for job in job_inputs))
 
-    return asyncio.run(run_all())
+    try:
+        return asyncio.run(run_all())
+    finally:
+        engine.close()
 
 
 def resolve(source: str, cache: Path, **kwargs) -> model_store.LocalModel:
