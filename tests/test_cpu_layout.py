@@ -1,0 +1,52 @@
+"""The CPU weight layouts (engine/cpu_layout.py): the same model, the same outputs, no memory added."""
+from __future__ import annotations
+
+import torch
+
+from engine import cpu_layout, fusion
+from source_fixtures import build_small_model
+
+
+def _storages(model: torch.nn.Module) -> dict[int, int]:
+    return {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+
+
+def test_column_major_weights_keep_outputs_and_memory(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_small_model(tmp_path), dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    ids = torch.tensor([[1, 5, 9, 30, 7, 64, 3, 11]])
+    with torch.inference_mode():
+        expected = model(ids).logits
+        fusion.apply(model)
+        before = _storages(model)
+        moved = cpu_layout.use_column_major(model)
+        got = model(ids).logits
+    after = _storages(model)
+
+    layer = model.model.layers[0]
+    # Every linear weight of the decoder moved (the fused products and their parts: 9 per layer); the output
+    # head shares the input embeddings' storage and stays.
+    assert moved == 9 * len(model.model.layers)
+    assert layer.mlp.gate_up_proj.weight.stride() == (1, layer.mlp.gate_up_proj.out_features)
+    assert layer.mlp.gate_proj.weight.untyped_storage().data_ptr() == \
+        layer.mlp.gate_up_proj.weight.untyped_storage().data_ptr()
+    assert torch.equal(layer.mlp.up_proj.weight,
+                       layer.mlp.gate_up_proj.weight[layer.mlp.gate_proj.out_features:])
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert sum(after.values()) == sum(before.values()), "the layout added memory"
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_probe_names_the_layout_it_chose(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_small_model(tmp_path), dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    with torch.inference_mode():
+        fusion.apply(model)
+    choice = cpu_layout.apply(model)
+    assert choice in ("default", "column-major", "packed")
+    strides = {m.weight.stride() for m in model.model.layers[0].modules() if type(m) is torch.nn.Linear}
+    assert (choice == "column-major") == all(s[0] == 1 for s in strides)
