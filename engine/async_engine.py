@@ -19,7 +19,7 @@ from .engine import Engine, RequestOutput
 from .fallback import FallbackEngine
 from .loader import LoadedModel, load
 from .pooling import PoolingConfig, PoolingInput, PoolingModel, PoolingOutput, PoolingParams, PoolingQueue, Task
-from .runner import ModelRunner
+from .runner import ModelRunner, PagedPathUnsupported
 from .speculative import Speculator
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -29,6 +29,15 @@ log = logging.getLogger("engine")
 
 class GenerationError(RuntimeError):
     """Generation of one request failed; other requests are unaffected."""
+
+
+def _use_own_attention(model) -> None:
+    """Give a model that goes to the fallback path transformers' own attention back: SDPA, or eager for the
+    classes that refuse SDPA (those without attention layers, as Mamba)."""
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError:
+        model.set_attn_implementation("eager")
 
 
 class _QueueSink:
@@ -105,10 +114,11 @@ class AsyncEngine:
             if model.task == "generate" and model.fallback_reason is None:
                 try:
                     runner = _generation_runner(model, self.config)
-                except (AttributeError, NotImplementedError, TypeError) as exc:
-                    # The model calls cache methods the paged cache does not have (recurrent or conv state).
+                except (AttributeError, NotImplementedError, TypeError, PagedPathUnsupported) as exc:
+                    # The model calls cache methods the paged cache does not have (recurrent or conv state), or
+                    # keeps its state elsewhere (a cache of its own, as Mamba does).
                     model.fallback_reason = f"the paged engine cannot run it ({exc})"
-                    model.model.set_attn_implementation("sdpa")
+                    _use_own_attention(model.model)
             if model.task == "generate" and model.fallback_reason is not None:
                 log.info("serving path: fallback (transformers' cache, requests take turns): %s",
                          model.fallback_reason)

@@ -5,8 +5,9 @@ Registered with transformers' AttentionInterface, so every model whose attention
 
 Inside an engine step the model sees one packed sequence of tokens (no padding): the decode rows' single tokens,
 then each prefill chunk. This function splits it again: all decode rows attend in one batched product over their
-own blocks (in buckets of similar lengths, each gathered to its longest row and masked to each row's length), and each prefill chunk attends causally
-over its sequence's keys. Outside a step (pooling forwards) it is plain SDPA with the mask it is given.
+own blocks (in buckets of similar lengths, each gathered to its longest row and masked to each row's length), and
+each prefill chunk attends causally over its sequence's keys. A sliding-window layer gathers only the blocks its
+window reaches. Outside a step (pooling forwards) it is plain SDPA with the mask it is given.
 """
 from __future__ import annotations
 
@@ -59,13 +60,13 @@ def _paged(module, query, key, value, scaling, softcap, window, sinks):
         rows, span = bucket.rows, slice(bucket.offset, bucket.offset + bucket.rows)
         q = query[0, :, span].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
         # index_select copies whole blocks (several times faster than advanced indexing on CPU)
-        k = k_pool.index_select(0, bucket.blocks).view(rows, -1, kv_heads, key_dim)[:, :bucket.max_len]
-        v = v_pool.index_select(0, bucket.blocks).view(rows, -1, kv_heads, value_dim)[:, :bucket.max_len]
+        blocks, keys, mask = layout.bucket_keys(index, window)
+        k = k_pool.index_select(0, blocks).view(rows, -1, kv_heads, key_dim)[:, :keys]
+        v = v_pool.index_select(0, blocks).view(rows, -1, kv_heads, value_dim)[:, :keys]
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if expand is not None:
             k, v = expand(k, v)
-        o = _sdpa(q, k, v, layout.bucket_mask(index, window), scaling, softcap,
-                  sinks=sinks)
+        o = _sdpa(q, k, v, mask, scaling, softcap, sinks=sinks)
         out[0, span] = o[:, :, 0]
     for index, seg in enumerate(layout.segments):
         span = slice(seg.offset, seg.offset + seg.length)
@@ -74,13 +75,13 @@ def _paged(module, query, key, value, scaling, softcap, window, sinks):
             # A chunk that starts its sequence attends only to its own keys: no gather, plain causal attention.
             o = _sdpa(q, key[:, :, span], value[:, :, span], None, scaling, softcap, is_causal=True, sinks=sinks)
         else:
-            length = seg.start + seg.length
-            k = k_pool.index_select(0, seg.blocks).view(-1, kv_heads, key_dim)[:length].transpose(0, 1).unsqueeze(0)
-            v = v_pool.index_select(0, seg.blocks).view(-1, kv_heads, value_dim)[:length].transpose(0, 1)
-            v = v.unsqueeze(0)
+            blocks, first, mask = layout.segment_keys(index, window)
+            keys = seg.start + seg.length - first
+            k = k_pool.index_select(0, blocks).view(-1, kv_heads, key_dim)[:keys].transpose(0, 1).unsqueeze(0)
+            v = v_pool.index_select(0, blocks).view(-1, kv_heads, value_dim)[:keys].transpose(0, 1).unsqueeze(0)
             if expand is not None:
                 k, v = expand(k, v)
-            o = _sdpa(q, k, v, layout.segment_mask(index, window), scaling, softcap, sinks=sinks)
+            o = _sdpa(q, k, v, mask, scaling, softcap, sinks=sinks)
         out[0, span] = o[0].transpose(0, 1)
     return out
 

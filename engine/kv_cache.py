@@ -149,7 +149,7 @@ class StepLayout:
     buckets: list[DecodeBucket]
     segments: list[PrefillSegment]
     slots: torch.Tensor  # [tokens] pool slot each new token's key and value go to
-    _masks: dict = field(default_factory=dict)
+    _reads: dict = field(default_factory=dict)  # (kind, index, window) -> what a bucket or segment reads
     _copies: dict = field(default_factory=dict)
 
     def on(self, device: torch.device) -> "StepLayout":
@@ -162,34 +162,53 @@ class StepLayout:
                                                      [s.to(device) for s in self.segments], self.slots.to(device))
         return copy
 
-    def bucket_mask(self, index: int, window: int | None) -> torch.Tensor:
-        """[rows, 1, 1, max_len] True where a bucket's row may attend (its own keys, within a sliding window)."""
+    def bucket_keys(self, index: int, window: int | None) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """What a bucket's rows read from the cache for a layer with this sliding window (None: all keys): the
+        block ids to gather ([rows * width], row by row), the keys per row they hold (width * BLOCK_SIZE, or
+        fewer), and the [rows, 1, 1, keys] mask of the keys each row attends to. A windowed layer gathers only
+        the blocks its window reaches, not the whole history."""
         key = ("bucket", index, window)
-        mask = self._masks.get(key)
-        if mask is None:
+        found = self._reads.get(key)
+        if found is None:
             bucket = self.buckets[index]
-            columns = torch.arange(bucket.max_len, device=bucket.lengths.device).view(1, -1)
+            rows, device = bucket.rows, bucket.lengths.device
+            width = bucket.blocks.numel() // rows
             lengths = bucket.lengths.view(-1, 1)
-            mask = columns < lengths
+            if window and bucket.max_len > window + BLOCK_SIZE:
+                # Each row's window starts in its own block; gather from there (padding repeats a valid block).
+                first = ((lengths - window).clamp(min=0) // BLOCK_SIZE)
+                span = min(width, window // BLOCK_SIZE + 2)
+                which = (first + torch.arange(span, device=device).view(1, -1)).clamp(max=width - 1)
+                blocks = bucket.blocks.view(rows, width).gather(1, which).reshape(-1)
+                positions = (first * BLOCK_SIZE + torch.arange(span * BLOCK_SIZE, device=device).view(1, -1))
+                keys = span * BLOCK_SIZE
+            else:
+                blocks, keys = bucket.blocks, bucket.max_len
+                positions = torch.arange(keys, device=device).view(1, -1)
+            mask = positions < lengths
             if window:
-                mask &= columns >= lengths - window
-            mask = self._masks[key] = mask.view(-1, 1, 1, bucket.max_len)
-        return mask
+                mask &= positions >= lengths - window
+            found = self._reads[key] = (blocks, keys, mask.view(rows, 1, 1, -1))
+        return found
 
-    def segment_mask(self, index: int, window: int | None) -> torch.Tensor:
-        """[1, 1, new, keys] causal mask of a prefill segment that has keys before its first new token."""
+    def segment_keys(self, index: int, window: int | None) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """What a prefill segment with earlier keys (or longer than its window) reads for a layer with this
+        sliding window: the block ids to gather, the position of the first key they hold, and the [1, 1, new,
+        keys] causal (and windowed) mask."""
         key = ("segment", index, window)
-        mask = self._masks.get(key)
-        if mask is None:
+        found = self._reads.get(key)
+        if found is None:
             seg = self.segments[index]
             device = seg.blocks.device
-            query_pos = torch.arange(seg.start, seg.start + seg.length, device=device).view(-1, 1)
-            key_pos = torch.arange(seg.start + seg.length, device=device).view(1, -1)
+            first = max(0, seg.start - window + 1) // BLOCK_SIZE if window else 0
+            end = seg.start + seg.length
+            query_pos = torch.arange(seg.start, end, device=device).view(-1, 1)
+            key_pos = torch.arange(first * BLOCK_SIZE, end, device=device).view(1, -1)
             mask = key_pos <= query_pos
             if window:
                 mask &= key_pos > query_pos - window
-            mask = self._masks[key] = mask.view(1, 1, seg.length, -1)
-        return mask
+            found = self._reads[key] = (seg.blocks[first:], first * BLOCK_SIZE, mask.view(1, 1, seg.length, -1))
+        return found
 
 
 _current = threading.local()

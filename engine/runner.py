@@ -51,6 +51,10 @@ def _length_buckets(decodes: list[DecodeRow]) -> list[list[int]]:
     return buckets
 
 
+class PagedPathUnsupported(RuntimeError):
+    """The model's forward pass does not keep its state in the paged cache (the fallback path serves it)."""
+
+
 class _ShapeProbe(ForwardCache):
     """A cache that only records the key/value shapes each attention layer writes (start-up probe)."""
 
@@ -83,7 +87,7 @@ class ModelRunner:
         self.model(input_ids=ids, position_ids=torch.arange(2, device=self.device).view(1, 2),
                    past_key_values=probe, use_cache=True, logits_to_keep=1)
         if not probe.layers:
-            raise RuntimeError("the model wrote no keys or values to the cache")
+            raise PagedPathUnsupported("the model wrote no keys or values to the cache")
         return probe.layers
 
     @torch.inference_mode()

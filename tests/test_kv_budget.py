@@ -169,3 +169,32 @@ def test_a_cache_smaller_than_one_context_stops_the_load(worker):
     engine = AsyncEngine(config)
     with pytest.raises(RuntimeError, match="KV_CACHE_MEMORY or lower MAX_MODEL_LEN"):
         asyncio.run(engine.start())
+
+
+def test_a_sliding_window_layer_reads_only_the_blocks_its_window_reaches():
+    """Decode rows of 300 and 100 keys under a 64-token window gather 6 blocks each instead of 19, and the mask
+    picks exactly each row's last 64 positions; a layer without a window reads everything."""
+    from engine.block_manager import BLOCK_SIZE
+    from engine.kv_cache import DecodeBucket, PrefillSegment, StepLayout
+
+    width = 19  # blocks of the longest row (300 keys)
+    table = torch.arange(2 * width).view(2, width)  # row r owns blocks r*19 ... r*19+18
+    lengths = torch.tensor([300, 100])
+    layout = StepLayout([DecodeBucket(0, 2, table.reshape(-1), lengths, 300)],
+                        [PrefillSegment(2, 40, 200, torch.arange(100, 115))], torch.zeros(42, dtype=torch.long))
+
+    blocks, keys, mask = layout.bucket_keys(0, 64)
+    assert keys == 6 * BLOCK_SIZE and blocks.numel() == 2 * 6
+    for row, length in enumerate(lengths.tolist()):
+        row_blocks = blocks.view(2, 6)[row]
+        positions = [(b - row * width) * BLOCK_SIZE + t for b in row_blocks.tolist() for t in range(BLOCK_SIZE)]
+        chosen = [p for p, m in zip(positions, mask[row, 0, 0].tolist()) if m]
+        assert chosen == list(range(length - 64, length))
+    blocks, keys, mask = layout.bucket_keys(0, None)
+    assert keys == 300 and blocks.numel() == 2 * width and mask[1, 0, 0].sum() == 100
+
+    blocks, first, mask = layout.segment_keys(0, 64)
+    assert first == (200 - 63) // BLOCK_SIZE * BLOCK_SIZE and blocks.tolist() == list(range(100 + first // 16, 115))
+    query, key = 5, 230  # query position 205 sees keys 142 ... 205
+    assert mask[0, 0, query].nonzero().view(-1).add(first).tolist() == list(range(142, 206))
+    assert key - first < mask.shape[-1] and not mask[0, 0, query, key - first]

@@ -228,6 +228,28 @@ def test_fallback_family_matches_transformers(model_type, tmp_path, tokenizer_fo
         engine.close()
 
 
+@pytest.mark.parametrize("model_type", ["lfm2", "mamba"])
+def test_a_model_the_start_up_probe_rejects_is_served_on_the_fallback(model_type, tmp_path, tokenizer_folder,
+                                                                       monkeypatch, caplog):
+    """The configuration check is the first line; the second is the paged engine's start-up forward pass. A
+    stateful model the check misses (here: the check switched off) fails that probe, and the worker switches to
+    the fallback path and serves it exactly, instead of failing at load or on every request."""
+    from engine import loader
+
+    monkeypatch.setattr(loader, "_fallback_reason", lambda model_config: None)
+    model = build_model(model_type, FALLBACK_FAMILIES[model_type], tmp_path, tokenizer_folder)
+    engine = _engine(tmp_path)
+    try:
+        with caplog.at_level("INFO", logger="engine"):
+            asyncio.run(engine.start())
+        assert isinstance(engine.engine, FallbackEngine)
+        assert any(r.getMessage().startswith("serving path: fallback") and "the paged engine cannot run it"
+                   in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        serve_and_compare(engine, model, prompts(zlib.crc32(model_type.encode())), prefix_cache=False)
+    finally:
+        engine.close()
+
+
 def test_fallback_outputs_equal_the_paged_engine(tmp_path, tokenizer_folder):
     """The fallback path gives what the paged engine gives for a model both can run: streamed text, stop
     strings, finish reasons, logprobs, prompt logprobs; and an aborted request leaves it."""
