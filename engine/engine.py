@@ -221,8 +221,11 @@ class Engine(GenerationLoop):
         while not self._stopping:
             self._heap_release.tick(self.steps)
             if not self._groups and not self._pooling_pending():
-                self._release_idle_memory()
-                self._wake.wait(timeout=1.0)
+                # Give memory back only once the pause lasts: a client's next request usually follows at once,
+                # and must not wait behind the release.
+                if not self._wake.wait(timeout=host_memory.IDLE_BEFORE_TRIM_S):
+                    self._release_idle_memory()
+                    self._wake.wait(timeout=1.0)
             self._wake.clear()
             self._drain_commands()
             if not self._groups and not self._pooling_pending():
@@ -249,7 +252,8 @@ class Engine(GenerationLoop):
             return
         self._idle_since_release = True
         if self.runner is not None:
-            self.runner.kv.give_back(self.blocks.free_uncached())
+            # Blocks past the ones ever written were never touched: they hold no memory to give back.
+            self.runner.kv.give_back([b for b in self.blocks.free_uncached() if b < self._zeroed_blocks])
 
     def _add(self, group: SequenceGroup) -> None:
         try:

@@ -77,13 +77,14 @@ class PagedKVCache:
         if not blocks or _madvise is None:
             return
         page = _PAGE_SIZE
+        runs = _runs(sorted(blocks))
         for store in (self._k, self._v):
             for pool in store.values():
                 if pool.device.type != "cpu":
                     continue
                 block_bytes = pool[0].numel() * pool.element_size()
                 base = pool.data_ptr()
-                for start, end in _runs(sorted(blocks)):
+                for start, end in runs:
                     lo = -(-(base + start * block_bytes) // page) * page
                     hi = (base + end * block_bytes) // page * page
                     if hi > lo:
