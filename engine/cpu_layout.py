@@ -55,6 +55,20 @@ def best_time(fn, repeats: int = 5) -> float:
     return min(times)
 
 
+def speedup(baseline, candidate, repeats: int = 7) -> float:
+    """How many times faster `candidate` runs than `baseline`: the fastest of `repeats` calls each, timed in
+    turns so that a burst of load on the machine (another worker starting) slows both alike."""
+    baseline()
+    candidate()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for fn, kept in ((baseline, times[0]), (candidate, times[1])):
+            start = time.perf_counter()
+            fn()
+            kept.append(time.perf_counter() - start)
+    return min(times[0]) / min(times[1])
+
+
 def _probe(weight: torch.Tensor) -> float:
     """The packed product's worst speed-up over F.linear at 1 and 16 rows on this weight (0 if unavailable)."""
     if not torch.backends.mkldnn.is_available():
@@ -66,7 +80,7 @@ def _probe(weight: torch.Tensor) -> float:
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
             if not torch.allclose(_packed_linear(x, packed, None), F.linear(x, weight), rtol=1e-3, atol=1e-3):
                 return 0.0
-            gains.append(best_time(lambda: F.linear(x, weight)) / best_time(lambda: _packed_linear(x, packed, None)))
+            gains.append(speedup(lambda: F.linear(x, weight), lambda: _packed_linear(x, packed, None)))
         return min(gains)
     except (RuntimeError, AttributeError, NotImplementedError):  # a torch build without these oneDNN ops
         return 0.0
@@ -92,7 +106,7 @@ def bfloat16_gain(hidden: int = 1024) -> float:
         for rows in (16, 256):
             x = torch.randn(rows, hidden)
             xb, wb = x.bfloat16(), weight.bfloat16()
-            gains.append(best_time(lambda: F.linear(x, weight)) / best_time(lambda: F.linear(xb, wb)))
+            gains.append(speedup(lambda: F.linear(x, weight), lambda: F.linear(xb, wb)))
     return min(gains)
 
 
@@ -120,7 +134,7 @@ def _column_major_gain(weights: list[torch.Tensor]) -> float:
     gains = []
     for rows in (*_DECODE_ROWS, _PREFILL_ROWS):
         x_for = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-        gains.append(best_time(layer(weights, x_for)) / best_time(layer(moved, x_for)))
+        gains.append(speedup(layer(weights, x_for), layer(moved, x_for)))
     if gains[-1] < 0.9:
         return 0.0
     decode = gains[:-1]

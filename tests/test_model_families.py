@@ -212,20 +212,26 @@ def test_comparison_fails_when_a_layer_is_perturbed(tmp_path, tokenizer_folder):
         engine.close()
 
 
-@pytest.mark.parametrize("model_type", sorted(FALLBACK_FAMILIES))
-def test_fallback_family_matches_transformers(model_type, tmp_path, tokenizer_folder, caplog):
+def _serve_on_fallback(model_type: str, tmp_path, tokenizer_folder, caplog, reason) -> None:
+    """Build the family's model, start the worker on it, check that it took the fallback path and logged why
+    (`reason(model)` is a text the log line holds), then compare its outputs with transformers'."""
     model = build_model(model_type, FALLBACK_FAMILIES[model_type], tmp_path, tokenizer_folder)
     engine = _engine(tmp_path)
     try:
         with caplog.at_level("INFO", logger="engine"):
             asyncio.run(engine.start())
         assert isinstance(engine.engine, FallbackEngine)
-        # The start-up log names the path and why.
-        assert any(r.getMessage().startswith("serving path: fallback") and type(model).__name__ in r.getMessage()
+        assert any(r.getMessage().startswith("serving path: fallback") and reason(model) in r.getMessage()
                    for r in caplog.records), [r.getMessage() for r in caplog.records]
         serve_and_compare(engine, model, prompts(zlib.crc32(model_type.encode())), prefix_cache=False)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("model_type", sorted(FALLBACK_FAMILIES))
+def test_fallback_family_matches_transformers(model_type, tmp_path, tokenizer_folder, caplog):
+    # The start-up log names the path and why (the model class the check refused).
+    _serve_on_fallback(model_type, tmp_path, tokenizer_folder, caplog, lambda model: type(model).__name__)
 
 
 @pytest.mark.parametrize("model_type", ["lfm2", "mamba"])
@@ -237,17 +243,8 @@ def test_a_model_the_start_up_probe_rejects_is_served_on_the_fallback(model_type
     from engine import loader
 
     monkeypatch.setattr(loader, "_fallback_reason", lambda model_config: None)
-    model = build_model(model_type, FALLBACK_FAMILIES[model_type], tmp_path, tokenizer_folder)
-    engine = _engine(tmp_path)
-    try:
-        with caplog.at_level("INFO", logger="engine"):
-            asyncio.run(engine.start())
-        assert isinstance(engine.engine, FallbackEngine)
-        assert any(r.getMessage().startswith("serving path: fallback") and "the paged engine cannot run it"
-                   in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
-        serve_and_compare(engine, model, prompts(zlib.crc32(model_type.encode())), prefix_cache=False)
-    finally:
-        engine.close()
+    _serve_on_fallback(model_type, tmp_path, tokenizer_folder, caplog,
+                       lambda model: "the paged engine cannot run it")
 
 
 def test_fallback_outputs_equal_the_paged_engine(tmp_path, tokenizer_folder):
