@@ -198,3 +198,31 @@ def test_a_sliding_window_layer_reads_only_the_blocks_its_window_reaches():
     query, key = 5, 230  # query position 205 sees keys 142 ... 205
     assert mask[0, 0, query].nonzero().view(-1).add(first).tolist() == list(range(142, 206))
     assert key - first < mask.shape[-1] and not mask[0, 0, query, key - first]
+
+
+def test_beam_search_survives_preemption(small):
+    """Beams (sequences that park until their siblings' logits are in) preempted by a crowd and recomputed give
+    the beams of a quiet run."""
+    ids = chat_ids(small, PROMPTS[3])
+    params = SamplingParams(max_tokens=40, temperature=0.0, n=2, best_of=3, beam_search=True, ignore_eos=True)
+    quiet = asyncio.run(generate(small, "beam-quiet", ids, params))
+
+    async def beams_and_preemptions(request_id):
+        choices: dict[int, list[int]] = {}
+        preemptions = 0
+        async for output in small.generate(request_id, ids, params):
+            for delta in output.deltas:
+                choices.setdefault(delta.index, []).extend(delta.token_ids)
+            if output.metrics is not None:
+                preemptions = output.metrics.preemptions
+        return [choices[i] for i in sorted(choices)], preemptions
+
+    async def crowded():
+        others = [generate(small, f"beam-crowd-{i}", chat_ids(small, PROMPTS[i % 8]), greedy(120))
+                  for i in range(12)]
+        # Submitted last, the beam request is the youngest: the first the scheduler preempts.
+        return (await asyncio.gather(*others, beams_and_preemptions("beam-crowded")))[-1]
+
+    loud, preemptions = asyncio.run(crowded())
+    assert preemptions > 0, "the crowd was meant to preempt the beam request"
+    assert loud == [c["ids"] for c in quiet["choices"]]
