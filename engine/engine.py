@@ -51,7 +51,8 @@ def _is_fatal(exc: BaseException) -> bool:
 
 class GenerationLoop:
     """The thread-safe front door both generation loops share (the paged `Engine` and the fallback's): checks on
-    arrival, the command queue the loop drains, shutdown. Subclasses set the attributes and run `_loop`."""
+    arrival, the command queue the loop drains, shutdown. Subclasses set their own attributes, then call
+    `_start_loop`, which sets the shared ones and starts their `_loop` on its thread."""
 
     max_model_len: int
     max_num_seqs: int
@@ -61,6 +62,19 @@ class GenerationLoop:
     _dead: BaseException | None
     _stopping: bool
     _thread: threading.Thread
+
+    def _start_loop(self, thread_name: str) -> None:
+        self._commands = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._groups = {}
+        self._dead = None
+        self._stopping = False
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
+        self._thread.start()
 
     def check_fits(self, prompt_len: int, max_tokens: int, num_sequences: int) -> str | None:
         """Why a request could never run in this engine, or None."""
@@ -140,20 +154,10 @@ class Engine(GenerationLoop):
                                       tokenizer.eos_token_ids, tokenizer.vocab_size, max_model_len)
         self._finished_beams: list[tuple[SequenceGroup, RequestOutput]] = []
         self.speculator = speculator
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._groups: dict[str, SequenceGroup] = {}
-        self._dead: BaseException | None = None
-        self._stopping = False
         self._idle_since_release = True
         self._heap_release = host_memory.IdleRelease()
         self._zeroed_blocks = 0  # blocks [0, this) have been cleared once (see PagedKVCache.zero_blocks)
-        self.on_fatal: Callable[[BaseException], None] | None = None
-        self.steps = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._start_loop("engine-loop")
 
     # ---- API used from other threads ----
 

@@ -10,15 +10,12 @@ Outputs are the paged engine's: the same sampler, stop handling, detokenising an
 from __future__ import annotations
 
 import logging
-import queue
 import sys
-import threading
 import time
-from typing import Callable
 
 import torch
 
-from .engine import EngineDeadError, GenerationLoop
+from .engine import EngineDeadError, GenerationLoop, _is_fatal
 from .output_processor import OutputProcessor
 from .sampling import Sampler
 from .sequence import RequestOutput, Sequence, SequenceGroup, Status
@@ -62,19 +59,9 @@ class FallbackEngine(GenerationLoop):
         self.max_model_len = max_model_len
         self.sampler = Sampler(tokenizer.eos_token_ids, tokenizer.vocab_size)
         self.outputs = OutputProcessor(tokenizer.eos_token_ids, max_model_len)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._groups: dict[str, SequenceGroup] = {}
         self._waiting: list[SequenceGroup] = []
         self._running: list[_Running] = []
-        self._dead: BaseException | None = None
-        self._stopping = False
-        self.on_fatal: Callable[[BaseException], None] | None = None
-        self.steps = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self._thread = threading.Thread(target=self._loop, name="fallback-engine-loop", daemon=True)
-        self._thread.start()
+        self._start_loop("fallback-engine-loop")
 
     # ---- API used from other threads (as engine.Engine) ----
 
@@ -109,7 +96,7 @@ class FallbackEngine(GenerationLoop):
                     try:
                         self._step(running)
                     except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
-                        if "CUDA error" in str(exc) or "device-side assert" in str(exc):
+                        if _is_fatal(exc):
                             self._dead = exc
                             log.critical("engine stopped: device failure: %s", exc)
                             self._fail_all(exc)
