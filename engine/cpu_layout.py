@@ -19,6 +19,7 @@ Results equal `F.linear` up to float summation order.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import types
 
@@ -137,11 +138,7 @@ def _column_major_gain(weights: list[torch.Tensor]) -> float:
         gains.append(speedup(layer(weights, x_for), layer(moved, x_for)))
     if gains[-1] < 0.9:
         return 0.0
-    decode = gains[:-1]
-    product = 1.0
-    for gain in decode:
-        product *= gain
-    return product ** (1 / len(decode))
+    return math.prod(gains[:-1]) ** (1 / len(_DECODE_ROWS))
 
 
 def use_column_major(model: torch.nn.Module) -> int:
