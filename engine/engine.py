@@ -154,8 +154,7 @@ class Engine(GenerationLoop):
                                       tokenizer.eos_token_ids, tokenizer.vocab_size, max_model_len)
         self._finished_beams: list[tuple[SequenceGroup, RequestOutput]] = []
         self.speculator = speculator
-        self._idle_since_release = True
-        self._heap_release = host_memory.IdleRelease()
+        self._idle_release = host_memory.IdleRelease(on_idle=self._give_back_free_blocks)
         self._zeroed_blocks = 0  # blocks [0, this) have been cleared once (see PagedKVCache.zero_blocks)
         self._start_loop("engine-loop")
 
@@ -223,18 +222,13 @@ class Engine(GenerationLoop):
 
     def _run(self) -> None:
         while not self._stopping:
-            self._heap_release.tick(self.steps)
+            self._idle_release.tick(self.steps)
             if not self._groups and not self._pooling_pending():
-                # Give memory back only once the pause lasts: a client's next request usually follows at once,
-                # and must not wait behind the release.
-                if not self._wake.wait(timeout=host_memory.IDLE_BEFORE_TRIM_S):
-                    self._release_idle_memory()
-                    self._wake.wait(timeout=1.0)
+                self._wake.wait(timeout=1.0)
             self._wake.clear()
             self._drain_commands()
             if not self._groups and not self._pooling_pending():
                 continue
-            self._idle_since_release = False
             try:
                 if self._pooling_pending():  # one pooling batch between generation steps
                     self.pooling.run_next_batch(_is_fatal)
@@ -250,11 +244,8 @@ class Engine(GenerationLoop):
         self._drain_commands()
         self._fail_all(EngineDeadError("the engine was shut down"))
 
-    def _release_idle_memory(self) -> None:
-        """Once per idle period: blocks holding nothing give their memory back."""
-        if self._idle_since_release:
-            return
-        self._idle_since_release = True
+    def _give_back_free_blocks(self) -> None:
+        """Blocks holding nothing give their memory back (once per idle period, see host_memory.IdleRelease)."""
         if self.runner is not None:
             # Blocks past the ones ever written were never touched: they hold no memory to give back.
             self.runner.kv.give_back([b for b in self.blocks.free_uncached() if b < self._zeroed_blocks])

@@ -14,6 +14,7 @@ import ctypes.util
 import gc
 import logging
 import time
+from typing import Callable
 
 log = logging.getLogger("engine")
 
@@ -47,14 +48,17 @@ class IdleRelease:
     shared record, two loops reporting their different step counts in turn looked forever busy, and nothing was
     ever given back.)"""
 
-    def __init__(self):
+    def __init__(self, on_idle: Callable[[], None] | None = None):
+        self._on_idle = on_idle  # the loop's own memory to give back at the same moment (free KV blocks)
         self._last_work: int | None = None
         self._idle_since = 0.0
         self._trimmed = True  # nothing to give back before any work
 
     def tick(self, work_done: int) -> None:
         """Called by the loop on each pass with a count of the work it has done so far (its steps): while the
-        count stands still the loop is idle. Trims once per idle period, after IDLE_BEFORE_TRIM_S of idleness."""
+        count stands still the loop is idle. Once per idle period, after IDLE_BEFORE_TRIM_S of idleness (a client's
+        next request usually follows at once and must not wait behind the release), it gives the loop's own memory
+        back and trims the heap."""
         now = time.monotonic()
         if work_done != self._last_work:
             self._last_work, self._idle_since, self._trimmed = work_done, now, False
@@ -63,6 +67,8 @@ class IdleRelease:
             return
         self._trimmed = True
         started = time.perf_counter()
+        if self._on_idle is not None:
+            self._on_idle()
         if release():
             log.debug("idle: returned free host memory to the system in %.1f ms", (time.perf_counter() - started) * 1e3)
 
