@@ -1,10 +1,11 @@
-"""Decode speed of a sliding-window model and a full-attention model of the same size, on the paged engine and on
-the fallback path (transformers' own cache), at 1 and 16 streams.
+"""Decode speed of a full-attention model, a sliding-window model and a hybrid model (Mamba-2 and attention layers,
+Granite 4's architecture) of the same width, on the paged engine and on the fallback path (transformers' own
+cache), at 1 and 16 streams.
 
     .venv/bin/python bench/families.py [--hidden 256] [--layers 4] [--tokens 48]
 
-The models are random (built from transformers' Mistral config, with and without a sliding window) and saved
-with the embedded model's tokenizer; greedy decoding with ignore_eos, so every stream decodes --tokens tokens.
+The models are random (built from transformers' Mistral config, with and without a sliding window, and its
+GraniteMoeHybrid config with dense MLPs) and saved with the embedded model's tokenizer; greedy decoding with ignore_eos, so every stream decodes --tokens tokens.
 """
 from __future__ import annotations
 
@@ -25,14 +26,22 @@ from engine import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
 from engine.loader import load, model_folder  # noqa: E402
 
 
-def build(folder: Path, hidden: int, layers: int, window: int | None) -> None:
-    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+def build(folder: Path, hidden: int, layers: int, window: int | None, hybrid: bool = False) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GraniteMoeHybridConfig, MistralConfig
 
-    config = MistralConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=hidden * 3,
-                           num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=2,
-                           head_dim=64, max_position_embeddings=4096, sliding_window=window)
+    if hybrid:  # every other layer a Mamba-2 mixer
+        config = GraniteMoeHybridConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=hidden * 3,
+                                        shared_intermediate_size=hidden * 3, num_local_experts=0,
+                                        num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                                        num_key_value_heads=2, max_position_embeddings=4096,
+                                        layer_types=["mamba", "attention"] * (layers // 2), mamba_n_heads=hidden // 32,
+                                        mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1)
+    else:
+        config = MistralConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=hidden * 3,
+                               num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=2,
+                               head_dim=64, max_position_embeddings=4096, sliding_window=window)
     torch.manual_seed(0)
-    MistralForCausalLM(config).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(model_folder(EngineConfig())).save_pretrained(folder)
 
 
@@ -71,9 +80,11 @@ def main() -> None:
         print(f"hidden {args.hidden}, {args.layers} layers, prompt {args.prompt}, {args.tokens} new tokens per stream;"
               f" tokens/s over all streams")
         print(f"{'model':<22}{'path':<10}{'1 stream':>10}{'16 streams':>12}")
-        for name, window in (("full attention", None), (f"sliding window {args.window}", args.window)):
+        for name, window, hybrid in (("full attention", None, False),
+                                     (f"sliding window {args.window}", args.window, False),
+                                     ("hybrid (mamba-2)", None, True)):
             folder = work / name.replace(" ", "-")
-            build(folder, args.hidden, args.layers, window)
+            build(folder, args.hidden, args.layers, window, hybrid)
             for path, loader in (("paged", load), ("fallback", _fallback_loader)):
                 engine = AsyncEngine(EngineConfig(model=str(folder), dtype="float32", max_num_seqs=16,
                                                   kv_cache_memory=256 * 2**20), loader=loader)

@@ -67,10 +67,17 @@ def _generation_runner(model: LoadedModel, config: EngineConfig) -> ModelRunner:
     runner = ModelRunner(model.model, model.device, model.dtype,
                          kv_budget_bytes=config.kv_cache_memory or default_cpu_kv_budget(),
                          gpu_memory_utilization=config.gpu_memory_utilization,
-                         max_num_batched_tokens=config.max_num_batched_tokens)
+                         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs)
     kv = runner.kv
     budget = (f"GPU_MEMORY_UTILIZATION={config.gpu_memory_utilization}" if model.device.type == "cuda"
               else "KV_CACHE_MEMORY")
+    if runner.states is not None:
+        log.info("recurrent state: %d slots (MAX_NUM_SEQS) in %.1f MB (%.1f KB per sequence) for %d layers",
+                 runner.states.num_slots, runner.states.nbytes / 2**20,
+                 runner.states.nbytes / runner.states.num_slots / 1024, len({k[1] for k in runner.states.shapes}))
+    if not runner.layer_shapes:
+        log.info("KV cache: none (the model has no attention layer)")
+        return runner
     log.info("KV cache: %d tokens in %.1f MB (%.1f KB per token, %s)", kv.capacity_tokens, kv.nbytes / 2**20,
              kv.nbytes / kv.capacity_tokens / 1024, budget)
     if kv.capacity_tokens < model.max_model_len:
@@ -134,7 +141,7 @@ class AsyncEngine:
                                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                                 max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes,
                                 pooling=pooling,
-                                speculator=self._speculator(model) if runner is not None else None)
+                                speculator=self._speculator(model, runner) if runner is not None else None)
             engine.on_fatal = self._fatal
             self._model, self._engine = model, engine
             host_memory.freeze_long_lived()
@@ -143,11 +150,14 @@ class AsyncEngine:
             log.error("model load failed: %s", exc)
             future.set_exception(exc)
 
-    def _speculator(self, model: LoadedModel) -> Speculator | None:
+    def _speculator(self, model: LoadedModel, runner: ModelRunner) -> Speculator | None:
         """SPECULATIVE_CONFIG's proposer; a draft model loads like the main one and must share its vocabulary."""
         spec = self.config.speculative
         if spec is None:
             return None
+        if runner.states is not None:
+            raise RuntimeError("SPECULATIVE_CONFIG: speculative decoding is not supported for models with recurrent "
+                               "layers (a rejected token cannot be taken back out of a recurrent state)")
         if spec.method != "draft_model":
             return Speculator(spec)
         draft = self._loader(dataclasses.replace(self.config, model=spec.model, revision=spec.revision,
@@ -193,6 +203,10 @@ class AsyncEngine:
     def check_fits(self, prompt_len: int, max_tokens: int, num_sequences: int) -> str | None:
         """Why such a request could never run in the KV cache (too large even alone), or None."""
         return self.engine.check_fits(prompt_len, max_tokens, num_sequences)
+
+    def check_supported(self, params: SamplingParams) -> str | None:
+        """Why the serving path cannot honour these parameters (beam search on the fallback path), or None."""
+        return self.engine.check_supported(params)
 
     @property
     def task(self) -> Task:

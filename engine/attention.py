@@ -94,6 +94,13 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     # (engine/windows.py marks their attention modules at load).
     window = sliding_window or getattr(module, WINDOW_ATTRIBUTE, None)
     if current_layout() is not None:
+        rows = query.shape[0]
+        if rows > 1:
+            # A stateful model's decode pass (runner.py): one sequence per batch row, one token each, which is
+            # the packed layout's decode rows laid along the batch.
+            out = _paged(module, query.transpose(0, 2), key.transpose(0, 2), value.transpose(0, 2), scaling,
+                         softcap, window, s_aux)
+            return out.view(rows, 1, *out.shape[2:]), None
         return _paged(module, query, key, value, scaling, softcap, window, s_aux), None
     out = _sdpa(query, key, value, attention_mask, scaling, softcap, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None

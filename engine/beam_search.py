@@ -71,10 +71,13 @@ class _Snapshot:
 
 
 class BeamSearch:
-    def __init__(self, blocks: BlockManager, copy_block: Callable[[int, int], None], eos_token_ids: frozenset[int],
-                 vocab_size: int, max_model_len: int):
+    def __init__(self, blocks: BlockManager, copy_block: Callable[[int, int], None],
+                 free: Callable[[Sequence], None], copy_states: Callable[[list[int], list[int]], None] | None,
+                 eos_token_ids: frozenset[int], vocab_size: int, max_model_len: int):
         self.blocks = blocks
         self.copy_block = copy_block
+        self.free = free  # a sequence lets go of its blocks (and recurrent-state slot)
+        self.copy_states = copy_states  # models with recurrent layers: slot contents follow the beams
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -217,8 +220,7 @@ class BeamSearch:
         for beam_group, start in zip(live_groups, range(0, len(running), per_group)):
             if beam_group.done:  # its beams are no longer needed
                 for seq in running[start:start + per_group]:
-                    self.blocks.release(seq.blocks)
-                    seq.blocks, seq.block_keys = [], []
+                    self.free(seq)
                     seq.status = Status.FINISHED
 
     def _continue(self, snap: _Snapshot, token: int, params: SamplingParams, generated: int,
@@ -268,6 +270,9 @@ class BeamSearch:
             seq.status = Status.DECODING
         for snap in snapshots:
             self.blocks.release(snap.blocks)
+        if self.copy_states is not None:
+            self.copy_states([running[row].state_slot for _, row, _, _ in assignments],
+                             [seq.state_slot for seq, _, _, _ in assignments])
         for seq, _, _, _ in assignments:
             if seq.num_computed % BLOCK_SIZE == 0:
                 continue  # the next token starts a new block

@@ -80,6 +80,10 @@ class GenerationLoop:
         """Why a request could never run in this engine, or None."""
         return None
 
+    def check_supported(self, params: SamplingParams) -> str | None:
+        """Why this engine cannot honour these parameters, or None."""
+        return None
+
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped after a device failure: {self._dead}")
@@ -94,6 +98,9 @@ class GenerationLoop:
         reason = self.check_fits(len(prompt_ids), params.max_tokens, params.num_sequences)
         if reason is not None:
             raise RequestTooLarge(reason)
+        reason = self.check_supported(params)
+        if reason is not None:
+            raise ValueError(reason)
         group = SequenceGroup(request_id, list(prompt_ids), params, sink,
                               RequestMetrics(arrival=time.perf_counter(), prompt_tokens=len(prompt_ids)))
         self._commands.put(("add", group))
@@ -143,14 +150,18 @@ class Engine(GenerationLoop):
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         kv = runner.kv if runner is not None else None
+        self.states = runner.states if runner is not None else None
         self._block_bytes = kv.nbytes // kv.num_blocks if kv is not None else 0
+        # A recurrent state sums up everything before it: no prefix of it can be shared, so no prefix cache.
+        cacheable = self._block_bytes and self.states is None
         self.blocks = BlockManager(kv.num_blocks if kv is not None else 0,
-                                   max_cached_blocks=prefix_cache_bytes // self._block_bytes if kv else 0)
+                                   max_cached_blocks=prefix_cache_bytes // self._block_bytes if cacheable else 0)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+                                   max_num_batched_tokens=max_num_batched_tokens, states=self.states)
         self.sampler = Sampler(tokenizer.eos_token_ids, tokenizer.vocab_size)
         self.outputs = OutputProcessor(tokenizer.eos_token_ids, max_model_len)
         self.beam_search = BeamSearch(self.blocks, runner.kv.copy_block if runner is not None else None,
+                                      self.scheduler.free, self.states.copy if self.states else None,
                                       tokenizer.eos_token_ids, tokenizer.vocab_size, max_model_len)
         self._finished_beams: list[tuple[SequenceGroup, RequestOutput]] = []
         self.speculator = speculator
@@ -312,9 +323,9 @@ class Engine(GenerationLoop):
             return results
 
     def _execute(self, plan: StepPlan) -> torch.Tensor | None:
-        decodes = [DecodeRow(s.tokens[-1], len(s.tokens) - 1, s.blocks) for s in plan.decodes]
+        decodes = [DecodeRow(s.tokens[-1], len(s.tokens) - 1, s.blocks, s.state_slot) for s in plan.decodes]
         chunks = [PrefillChunk(w.seq.tokens[w.seq.num_computed:w.seq.num_computed + w.length], w.seq.num_computed,
-                               w.seq.blocks, w.logits) for w in plan.prefills]
+                               w.seq.blocks, w.logits, w.seq.state_slot) for w in plan.prefills]
         chunks += [PrefillChunk([s.tokens[-1]] + s.proposal, len(s.tokens) - 1, s.blocks, "all")
                    for s in plan.verifies]
         return self.runner.execute(decodes, chunks)
@@ -348,8 +359,11 @@ class Engine(GenerationLoop):
                 if group.started:  # resumed after preemption: its next token is already known
                     seq.status = Status.DECODING
                     continue
+                forked = [s for s in group.seqs[1:] if s.status == Status.FORK_PENDING]
                 for src, dst in self.scheduler.fork(group):
                     self.runner.kv.copy_block(src, dst)
+                if self.states is not None:  # every choice starts from the prompt's state
+                    self.states.copy([seq.state_slot] * len(forked), [s.state_slot for s in forked])
             except Exception as exc:
                 self._fail_group(group, exc)
                 continue

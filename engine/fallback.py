@@ -1,9 +1,9 @@
 """The fallback path: models the paged engine cannot run, served with transformers' own cache.
 
 The paged engine needs every layer's attention to go through the worker's attention function and every layer's
-state to be keys and values. Models whose attention does not dispatch through transformers' AttentionInterface
-(GPT-J, BLOOM, Falcon, MPT...) or that keep recurrent or convolution state (Mamba, Jamba, Qwen3-Next, LFM2...)
-run here instead: each request keeps the cache transformers' model creates for it, its choices (`n`) decode
+state to live in its cache (keys and values, or recurrent state through transformers' cache API). Models whose
+attention does not dispatch through transformers' AttentionInterface (GPT-J, BLOOM, Falcon, MPT...) or that keep
+their state elsewhere (RWKV, RecurrentGemma, xLSTM) run here instead: each request keeps the cache transformers' model creates for it, its choices (`n`) decode
 together as the rows of one batch, and running requests take turns one token each, so all of them stream.
 Outputs are the paged engine's: the same sampler, stop handling, detokenising and deltas.
 """
@@ -17,26 +17,26 @@ import torch
 
 from .engine import EngineDeadError, GenerationLoop, _is_fatal
 from .output_processor import OutputProcessor
-from .sampling import Sampler
+from .sampling import Sampler, SamplingParams
 from .sequence import RequestOutput, Sequence, SequenceGroup, Status
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
 
-_ATTENTION_KINDS = {"full_attention", "sliding_attention"}
-
-
 def paged_path_refusal(model_class, config) -> str | None:
-    """Why the paged engine cannot serve this model class, or None when it can."""
+    """Why the paged engine cannot serve this model class, or None when it can. Recurrent and convolution layers
+    are no reason: the paged engine keeps their state per sequence when they use transformers' cache API (the
+    start-up probe, runner.py, finds out and sends a model that keeps its state elsewhere here)."""
     modeling = sys.modules.get(getattr(model_class, "__module__", ""))
-    if modeling is not None and not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
+    if modeling is not None and not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS") and _has_attention(modeling):
         return f"{model_class.__name__} does not route its attention through transformers' AttentionInterface"
-    kinds = set(getattr(config.get_text_config(), "layer_types", None) or []) - _ATTENTION_KINDS
-    if kinds:
-        return f"{model_class.__name__} has {'/'.join(sorted(kinds))} layers that keep recurrent state"
-    if getattr(model_class, "_is_stateful", False):
-        return f"{model_class.__name__} keeps recurrent state"
     return None
+
+
+def _has_attention(modeling) -> bool:
+    """Whether a modeling module defines attention layers (pure state-space models, such as Mamba, do not)."""
+    return any(isinstance(v, type) and issubclass(v, torch.nn.Module) and name.endswith("Attention")
+               for name, v in vars(modeling).items())
 
 
 class _Running:
@@ -66,6 +66,12 @@ class FallbackEngine(GenerationLoop):
     # ---- API used from other threads (as engine.Engine) ----
 
     # transformers' cache grows with the request: only the context bounds it (GenerationLoop.submit checks it).
+
+    def check_supported(self, params: SamplingParams) -> str | None:
+        if params.beam_search:
+            return ("beam search is not available for this model: it runs on the fallback path (transformers' own "
+                    "cache), which samples each choice on its own")
+        return None
 
     @property
     def num_running(self) -> int:

@@ -255,7 +255,13 @@ class StepCache(ForwardCache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         k_pool, v_pool = self.cache.pools(layer_idx)
         slots = self.layout.on(k_pool.device).slots
-        # [1, kv_heads, tokens, dim] -> [tokens, kv_heads, dim] rows of the flattened pool
-        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, key_states[0].transpose(0, 1).to(k_pool.dtype))
-        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, value_states[0].transpose(0, 1).to(v_pool.dtype))
+        # [1, kv_heads, tokens, dim] -> [tokens, kv_heads, dim] rows of the flattened pool (a stateful model's
+        # decode pass has one row per sequence instead: [rows, kv_heads, 1, dim])
+        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, _token_rows(key_states).to(k_pool.dtype))
+        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, _token_rows(value_states).to(v_pool.dtype))
         return key_states, value_states
+
+
+def _token_rows(states: torch.Tensor) -> torch.Tensor:
+    """[1, heads, tokens, dim] or [rows, heads, 1, dim] as [tokens, heads, dim]."""
+    return states[0].transpose(0, 1) if states.shape[0] == 1 else states[:, :, 0]

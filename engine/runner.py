@@ -2,6 +2,7 @@
 together, with no padding (a step costs the tokens it computes)."""
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import torch
 
 from .block_manager import BLOCK_SIZE
 from .kv_cache import DecodeBucket, ForwardCache, LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
+from .state_cache import RecurrentStates, StateKey, StateShape, StateStepCache
 
 log = logging.getLogger("engine")
 
@@ -18,6 +20,7 @@ class DecodeRow:
     token: int  # the sequence's last token, not yet in the cache
     position: int
     blocks: list[int]
+    state_slot: int | None = None  # its recurrent-state slot (models with recurrent layers)
 
 
 @dataclass
@@ -26,6 +29,7 @@ class PrefillChunk:
     start: int  # tokens of the sequence already in the cache
     blocks: list[int]  # covering at least start + len(token_ids) slots
     logits: str = "none"  # "none" | "last" | "all": which positions' logits the step returns
+    state_slot: int | None = None
 
 
 def _slot(blocks: list[int], position: int) -> int:
@@ -56,39 +60,83 @@ class PagedPathUnsupported(RuntimeError):
 
 
 class _ShapeProbe(ForwardCache):
-    """A cache that only records the key/value shapes each attention layer writes (start-up probe)."""
+    """A cache that only records what each layer keeps (start-up probe): the key/value shapes an attention layer
+    writes, the state shapes a recurrent or convolution layer keeps (one sequence's worth)."""
 
     def __init__(self):
         self.layers: dict[int, LayerShape] = {}
+        self.states: dict[StateKey, StateShape] = {}
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.layers[layer_idx] = LayerShape(key_states.shape[1], key_states.shape[-1], value_states.shape[-1],
                                             key_states.device)
         return key_states, value_states
 
+    def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
+        return False
+
+    def is_recording_past(self, layer_idx) -> bool:
+        return False
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return None
+
+    get_recurrent_state = get_conv_state
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
+        width = conv_kernel_size or conv_states.shape[-1]
+        self.states[("conv", layer_idx, state_idx)] = StateShape((*conv_states.shape[1:-1], width),
+                                                                 conv_states.dtype, conv_states.device)
+        if conv_states.shape[-1] < width:
+            conv_states = torch.nn.functional.pad(conv_states, (width - conv_states.shape[-1], 0))
+        return conv_states
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        self.states[("recurrent", layer_idx, state_idx)] = StateShape(
+            tuple(recurrent_states.shape[1:]), recurrent_states.dtype, recurrent_states.device)
+        return recurrent_states
+
+
+def cache_argument(model) -> str:
+    """The keyword a model's forward takes its cache by (Mamba-style models: cache_params)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
+
+
+_STATELESS_BLOCKS = 1 << 16  # positions the block manager tracks for a model with no attention layer (no memory)
+
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, kv_budget_bytes: int | None = None,
-                 gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 512):
+                 gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 512, max_num_seqs: int = 64):
         self.model = model
         self.device = device
         self.dtype = dtype
-        self.layer_shapes = self._probe_layers()
-        if device.type == "cuda":
+        self._cache_argument = cache_argument(model)
+        self.layer_shapes, state_shapes = self._probe_layers()
+        # A model with recurrent or convolution layers keeps one state slot per running sequence (state_cache.py);
+        # their memory comes out of the budget first.
+        self.states = RecurrentStates(state_shapes, max_num_seqs) if state_shapes else None
+        if not self.layer_shapes:
+            num_blocks = _STATELESS_BLOCKS
+        elif device.type == "cuda":
             num_blocks = self._cuda_blocks(gpu_memory_utilization, max_num_batched_tokens)
         else:
-            num_blocks = kv_budget_bytes // (PagedKVCache.bytes_per_token(self.layer_shapes, dtype) * BLOCK_SIZE)
+            budget = kv_budget_bytes - (self.states.nbytes if self.states else 0)
+            num_blocks = budget // (PagedKVCache.bytes_per_token(self.layer_shapes, dtype) * BLOCK_SIZE)
         self.kv = PagedKVCache(device, dtype, self.layer_shapes, max(1, num_blocks))
 
     @torch.inference_mode()
-    def _probe_layers(self) -> dict[int, LayerShape]:
+    def _probe_layers(self) -> tuple[dict[int, LayerShape], dict[StateKey, StateShape]]:
         probe = _ShapeProbe()
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         self.model(input_ids=ids, position_ids=torch.arange(2, device=self.device).view(1, 2),
-                   past_key_values=probe, use_cache=True, logits_to_keep=1)
-        if not probe.layers:
-            raise PagedPathUnsupported("the model wrote no keys or values to the cache")
-        return probe.layers
+                   use_cache=True, logits_to_keep=1, **{self._cache_argument: probe})
+        if not probe.layers and not probe.states:
+            raise PagedPathUnsupported("the model wrote no keys, values or recurrent state to the cache")
+        if getattr(self.model, "_is_stateful", False) and not probe.states:
+            raise PagedPathUnsupported("the model keeps recurrent state outside the cache")
+        return probe.layers, probe.states
 
     @torch.inference_mode()
     def _cuda_blocks(self, utilization: float, profile_tokens: int) -> int:
@@ -99,7 +147,8 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(d)
         provisional = -(-profile_tokens // BLOCK_SIZE)
         self.kv = PagedKVCache(self.device, self.dtype, self.layer_shapes, provisional)
-        self.execute([], [PrefillChunk([0] * profile_tokens, 0, list(range(provisional)), "last")])
+        self.execute([], [PrefillChunk([0] * profile_tokens, 0, list(range(provisional)), "last",
+                                       state_slot=0 if self.states else None)])
         blocks = None
         for d in devices:
             torch.cuda.synchronize(d)
@@ -120,28 +169,9 @@ class ModelRunner:
     def execute(self, decodes: list[DecodeRow], chunks: list[PrefillChunk]) -> torch.Tensor | None:
         """Compute one step. Returns logits [rows, vocab]: one row per decode row, then per chunk none, its last
         position's or all its positions', in order; None when no position asked for logits."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        buckets = []
-        packed_at = [0] * len(decodes)  # where each decode row (in the caller's order) sits among the tokens
-        for members in _length_buckets(decodes):
-            max_len = decodes[members[-1]].position + 1
-            width = -(-max_len // BLOCK_SIZE)
-            table = []
-            for i in members:
-                row = decodes[i]
-                packed_at[i] = len(ids)
-                ids.append(row.token)
-                positions.append(row.position)
-                slots.append(_slot(row.blocks, row.position))
-                table.extend(row.blocks[:width])
-                table.extend([row.blocks[0]] * (width - min(width, len(row.blocks))))
-            buckets.append(DecodeBucket(packed_at[members[0]], len(members),
-                                        torch.tensor(table, device=self.device),
-                                        torch.tensor([decodes[i].position + 1 for i in members], device=self.device),
-                                        max_len))
-        keep: list[int] = list(packed_at)
+        if self.states is not None:
+            return self._execute_stateful(decodes, chunks)
+        ids, positions, slots, buckets, keep = self._decode_rows(decodes)
         segments = []
         for chunk in chunks:
             offset, n = len(ids), len(chunk.token_ids)
@@ -160,10 +190,72 @@ class ModelRunner:
         if not keep:
             keep = [len(ids) - 1]  # the model computes at least one logit row; it is dropped below
         with StepCache(self.kv, layout) as cache:
-            out = self.model(input_ids=torch.tensor([ids], device=self.device),
-                             position_ids=torch.tensor([positions], device=self.device),
-                             past_key_values=cache, use_cache=True,
-                             logits_to_keep=torch.tensor(keep, device=self.device))
+            logits = self._forward([ids], [positions], cache, keep)
         if not any(c.logits != "none" for c in chunks) and not decodes:
             return None
-        return out.logits[0]
+        return logits[0]
+
+    def _decode_rows(self, decodes: list[DecodeRow]):
+        """The decode rows packed bucket by bucket: their tokens, positions and cache slots in packed order, the
+        buckets, and where each row (in the caller's order) sits among them."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        buckets = []
+        packed_at = [0] * len(decodes)
+        for members in _length_buckets(decodes):
+            max_len = decodes[members[-1]].position + 1
+            width = -(-max_len // BLOCK_SIZE)
+            table = []
+            for i in members:
+                row = decodes[i]
+                packed_at[i] = len(ids)
+                ids.append(row.token)
+                positions.append(row.position)
+                slots.append(_slot(row.blocks, row.position))
+                table.extend(row.blocks[:width])
+                table.extend([row.blocks[0]] * (width - min(width, len(row.blocks))))
+            buckets.append(DecodeBucket(packed_at[members[0]], len(members),
+                                        torch.tensor(table, device=self.device),
+                                        torch.tensor([decodes[i].position + 1 for i in members], device=self.device),
+                                        max_len))
+        return ids, positions, slots, buckets, packed_at
+
+    def _forward(self, ids: list[list[int]], positions: list[list[int]], cache, keep: list[int]) -> torch.Tensor:
+        out = self.model(input_ids=torch.tensor(ids, device=self.device),
+                         position_ids=torch.tensor(positions, device=self.device), use_cache=True,
+                         logits_to_keep=torch.tensor(keep, device=self.device), **{self._cache_argument: cache})
+        return out.logits
+
+    def _execute_stateful(self, decodes: list[DecodeRow], chunks: list[PrefillChunk]) -> torch.Tensor | None:
+        """A step of a model with recurrent layers. Those layers take one sequence per batch row, so the decode
+        rows run as one [rows, 1] batch and each prompt as its own pass, whole (transformers' recurrent layers
+        start a multi-token pass from a zero state, so a prompt cannot continue from an earlier chunk). States
+        are written back only once every pass of the step has succeeded."""
+        passes: list[StateStepCache] = []
+        parts: list[torch.Tensor] = []
+        if decodes:
+            ids, positions, slots, buckets, packed_at = self._decode_rows(decodes)
+            order = sorted(range(len(decodes)), key=packed_at.__getitem__)
+            layout = StepLayout(buckets, [], torch.tensor(slots, device=self.device))
+            with StateStepCache(self.kv, layout, self.states, [decodes[i].state_slot for i in order],
+                                previous=True) as cache:
+                logits = self._forward([[t] for t in ids], [[p] for p in positions], cache, [0])
+            passes.append(cache)
+            parts.append(logits[:, 0][torch.tensor(packed_at, device=logits.device)])
+        for chunk in chunks:
+            if chunk.start != 0:
+                raise RuntimeError("a model with recurrent layers computes each prompt in one pass")
+            n = len(chunk.token_ids)
+            segment = PrefillSegment(0, n, 0, torch.tensor(chunk.blocks[:-(-n // BLOCK_SIZE)], device=self.device))
+            layout = StepLayout([], [segment], torch.tensor([_slot(chunk.blocks, p) for p in range(n)],
+                                                            device=self.device))
+            keep = list(range(n)) if chunk.logits == "all" else [n - 1]
+            with StateStepCache(self.kv, layout, self.states, [chunk.state_slot], previous=False) as cache:
+                logits = self._forward([chunk.token_ids], [list(range(n))], cache, keep)
+            passes.append(cache)
+            if chunk.logits != "none":
+                parts.append(logits[0])
+        for cache in passes:
+            cache.commit()
+        return torch.cat(parts) if parts else None

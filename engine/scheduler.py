@@ -9,6 +9,9 @@
   blocks are freed and it goes back to the front of the queue, to be recomputed later from its tokens (its
   sampling state is kept, so a seeded or greedy run continues exactly as it would have).
 - A request that could not run even alone in the whole pool is refused at arrival (`check_fits`).
+- Models with recurrent layers (state_cache.py): each running sequence also holds a state slot (there are
+  MAX_NUM_SEQS), and a prompt is computed in one pass, never split into chunks: the first prompt of a step goes
+  whole even past the token budget, further ones only while they fit.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BLOCK_SIZE, BlockManager, chain_key
 from .sequence import Sequence, SequenceGroup, Status
+from .state_cache import RecurrentStates
 
 
 @dataclass
@@ -44,8 +48,10 @@ def blocks_for(tokens: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 states: RecurrentStates | None = None):
         self.blocks = blocks
+        self.states = states
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[SequenceGroup] = deque()
@@ -81,6 +87,9 @@ class Scheduler:
         self.blocks.release(seq.blocks)
         seq.blocks = []
         seq.block_keys = []
+        if seq.state_slot is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = None
 
     @property
     def num_running_seqs(self) -> int:
@@ -104,17 +113,23 @@ class Scheduler:
             plan.decodes.extend(rows)
         budget = self.max_num_batched_tokens - len(plan.decodes)
         budget -= self._plan_verifies(plan, budget)
-        for group in self.running:
-            for seq in group.seqs:
-                if seq.status != Status.PREFILLING or budget <= 0:
-                    continue
-                take = min(seq.prefill_target - seq.num_computed, budget)
-                fresh = not group.started
-                last = seq.num_computed + take == seq.prefill_target
-                wants_all = fresh and group.params.prompt_logprobs is not None
-                plan.prefills.append(PrefillWork(seq, take, "all" if wants_all else
-                                                 "last" if (fresh and last) else "none"))
-                budget -= take
+        prefilling = [(g, s) for g in self.running for s in g.seqs if s.status == Status.PREFILLING]
+        for group, seq in prefilling:
+            remaining = seq.prefill_target - seq.num_computed
+            if self.states is not None:  # whole prompts only, in arrival order
+                if plan.prefills and remaining > budget:
+                    break
+                take = remaining
+            elif budget <= 0:
+                break
+            else:
+                take = min(remaining, budget)
+            fresh = not group.started
+            last = seq.num_computed + take == seq.prefill_target
+            wants_all = fresh and group.params.prompt_logprobs is not None
+            plan.prefills.append(PrefillWork(seq, take, "all" if wants_all else
+                                             "last" if (fresh and last) else "none"))
+            budget -= take
         return plan
 
     def _plan_verifies(self, plan: StepPlan, budget: int) -> int:
@@ -219,6 +234,9 @@ class Scheduler:
             for seq in members[1:]:
                 seq.blocks = [self.blocks.allocate()]  # reserved for the fork
                 seq.status = Status.FORK_PENDING
+        if self.states is not None:
+            for seq in members:
+                seq.state_slot = self.states.allocate()
         return True
 
     def fork(self, group: SequenceGroup) -> list[tuple[int, int]]:

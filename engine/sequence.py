@@ -69,6 +69,7 @@ class Sequence:
         self.num_computed = 0  # tokens whose keys and values are in the cache
         self.blocks: list[int] = []
         self.block_keys: list[int] = []  # prefix-cache keys of its first full blocks
+        self.state_slot: int | None = None  # its recurrent-state slot, for models that keep one (state_cache.py)
         self.status = Status.WAITING
         self.sampling = SequenceSamplingState(params, group.prompt_ids, index, vocab_size, device)
         self.detok = tokenizer.detokenizer(group.prompt_ids, params.skip_special_tokens,

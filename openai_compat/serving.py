@@ -173,6 +173,9 @@ class OpenAIServing:
             diversity_penalty=request.diversity_penalty or 0.0,
             num_assistant_tokens=request.num_assistant_tokens,
             assistant_confidence_threshold=request.assistant_confidence_threshold)
+        unsupported = self.engine.check_supported(first)
+        if unsupported is not None:
+            raise OpenAIError(unsupported, param="use_beam_search")
         return [first] + [dataclasses.replace(first, max_tokens=m) for m in resolved[1:]]
 
     def _max_tokens(self, request: SamplingFields, prompt_len: int, max_tokens: int | None, prompt_param: str,

@@ -76,15 +76,9 @@ FAST_FAMILIES: dict[str, dict] = {
 }
 
 
-# Families the paged engine cannot run (no AttentionInterface dispatch, or recurrent state): the fallback path.
-FALLBACK_FAMILIES: dict[str, dict] = {
-    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2, head_dim=None),
-    "gptj": dict(rotary_dim=8, head_dim=None),
-    "codegen": dict(rotary_dim=8, head_dim=None),
-    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=WINDOW, head_dim=None),
-    "bloom": dict(head_dim=None),
-    "mpt": dict(head_dim=None),
-    "xglm": dict(head_dim=None),
+# Families with recurrent or convolution layers (state-space, linear attention, short convolutions; all but Mamba
+# next to attention layers): the paged engine keeps each sequence's state in a slot of its own.
+HYBRID_FAMILIES: dict[str, dict] = {
     "mamba": dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8, head_dim=None),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2,
@@ -95,6 +89,17 @@ FALLBACK_FAMILIES: dict[str, dict] = {
     "lfm2": dict(layer_types=["conv", "full_attention"], block_ff_dim=96, head_dim=None),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8,
                              mamba_n_groups=1, num_local_experts=2, num_experts_per_tok=1, head_dim=None),
+}
+
+# Families whose attention does not dispatch through transformers' AttentionInterface: the fallback path.
+FALLBACK_FAMILIES: dict[str, dict] = {
+    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2, head_dim=None),
+    "gptj": dict(rotary_dim=8, head_dim=None),
+    "codegen": dict(rotary_dim=8, head_dim=None),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=WINDOW, head_dim=None),
+    "bloom": dict(head_dim=None),
+    "mpt": dict(head_dim=None),
+    "xglm": dict(head_dim=None),
 }
 
 
@@ -212,10 +217,86 @@ def test_comparison_fails_when_a_layer_is_perturbed(tmp_path, tokenizer_folder):
         engine.close()
 
 
-def _serve_on_fallback(model_type: str, tmp_path, tokenizer_folder, caplog, reason) -> None:
+@pytest.mark.parametrize("model_type", sorted(HYBRID_FAMILIES))
+def test_hybrid_family_matches_transformers(model_type, tmp_path, tokenizer_folder, caplog):
+    """Recurrent and convolution layers run in the batched engine: rows of different lengths decode in one pass,
+    each from its own state slot, and n = 2 forks the prompt's state."""
+    model = build_model(model_type, HYBRID_FAMILIES[model_type], tmp_path, tokenizer_folder)
+    engine = _engine(tmp_path)
+    try:
+        with caplog.at_level("INFO", logger="engine"):
+            asyncio.run(engine.start())
+        assert isinstance(engine.engine, Engine) and engine.engine.states is not None
+        messages = [r.getMessage() for r in caplog.records]
+        assert "serving path: paged (batched engine)" in messages, messages
+        assert any(m.startswith("recurrent state: 8 slots") for m in messages), messages
+        serve_and_compare(engine, model, prompts(zlib.crc32(model_type.encode())), prefix_cache=False)
+        assert engine.engine.stats()["prefix_cache_hit_tokens"] == 0  # a state cannot be shared by a prefix
+    finally:
+        engine.close()
+
+
+def _transformers_beams(model, ids: list[int], width: int, n: int) -> list[list[int]]:
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(torch.tensor([ids]), num_beams=width, num_return_sequences=n, do_sample=False,
+                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
+    return out[:, len(ids):].tolist()
+
+
+def test_hybrid_states_follow_their_sequences_through_preemption_beams_and_failures(tmp_path, tokenizer_folder):
+    """A hybrid model (Mamba and attention layers) under a KV budget so small that requests preempt each other:
+    a preempted sequence recomputes its state, beams copy their parent's state when the search reassigns them,
+    and a request that fails inside a step (a token id past the vocabulary) costs the others nothing: their
+    states are written only once the step has succeeded, so retrying it request by request advances none of them
+    twice."""
+    model = build_model("granitemoehybrid", HYBRID_FAMILIES["granitemoehybrid"], tmp_path, tokenizer_folder)
+    rows = prompts(11) + prompts(12)
+    expected = [reference(model, ids, 40) for ids in rows]
+    beam_prompt = rows[1]
+    expected_beams = _transformers_beams(model, beam_prompt, width=3, n=2)
+    engine = AsyncEngine(EngineConfig(model=str(tmp_path), dtype="float32", max_num_batched_tokens=BATCHED_TOKENS,
+                                      kv_cache_memory=8 * 6400 + 22 * 16 * 256, max_num_seqs=8))
+    try:
+        asyncio.run(engine.start())
+        # 8 state slots of 6.2 KB, then blocks of 16 tokens x 256 bytes: too few for every row at once
+        assert engine.engine.blocks.num_blocks * 16 < sum(len(ids) + 40 for ids in rows)
+
+        async def crowd():
+            greedy_rows = [_choices(engine, f"g{i}", ids, SamplingParams(max_tokens=40, temperature=0.0,
+                                                                          ignore_eos=True))
+                           for i, ids in enumerate(rows)]
+            beam = _choices(engine, "beam", beam_prompt, SamplingParams(
+                max_tokens=NEW_TOKENS, temperature=0.0, n=2, best_of=3, beam_search=True, ignore_eos=True))
+            return await asyncio.gather(*greedy_rows, beam)
+
+        *got, beams = asyncio.run(crowd())
+        assert engine.engine.stats()["preemptions"] > 0, "the crowd was meant to preempt"
+        for i, (choices, want) in enumerate(zip(got, expected)):
+            assert choices[0] == want, f"row {i}: {choices[0]} != {want}"
+        assert beams == expected_beams
+
+        async def failure_beside_a_decode():
+            stream = engine.generate("steady", rows[2], SamplingParams(max_tokens=20, temperature=0.0,
+                                                                       ignore_eos=True))
+            tokens = []
+            async for output in stream:
+                tokens.extend(output.deltas[0].token_ids if output.deltas else [])
+                if len(tokens) == 3:  # decoding: the broken request joins a step with this decode row
+                    broken = asyncio.ensure_future(_choices(engine, "broken", [VOCAB + 5] * 4, greedy()))
+            with pytest.raises(Exception, match="index"):
+                await broken
+            return tokens
+
+        assert asyncio.run(failure_beside_a_decode()) == expected[2][:20]
+    finally:
+        engine.close()
+
+
+def _serve_on_fallback(model_type: str, tmp_path, tokenizer_folder, caplog, reason, families=None) -> None:
     """Build the family's model, start the worker on it, check that it took the fallback path and logged why
     (`reason(model)` is a text the log line holds), then compare its outputs with transformers'."""
-    model = build_model(model_type, FALLBACK_FAMILIES[model_type], tmp_path, tokenizer_folder)
+    model = build_model(model_type, (families or FALLBACK_FAMILIES)[model_type], tmp_path, tokenizer_folder)
     engine = _engine(tmp_path)
     try:
         with caplog.at_level("INFO", logger="engine"):
@@ -224,6 +305,11 @@ def _serve_on_fallback(model_type: str, tmp_path, tokenizer_folder, caplog, reas
         assert any(r.getMessage().startswith("serving path: fallback") and reason(model) in r.getMessage()
                    for r in caplog.records), [r.getMessage() for r in caplog.records]
         serve_and_compare(engine, model, prompts(zlib.crc32(model_type.encode())), prefix_cache=False)
+        # Beam search is the paged engine's: refused here (a 400 over the API), never sampled instead.
+        beams = SamplingParams(max_tokens=4, temperature=0.0, n=2, best_of=2, beam_search=True)
+        assert "fallback path" in engine.check_supported(beams)
+        with pytest.raises(ValueError, match="beam search"):
+            asyncio.run(_choices(engine, "beams", [5, 6, 7], beams))
     finally:
         engine.close()
 
@@ -237,14 +323,16 @@ def test_fallback_family_matches_transformers(model_type, tmp_path, tokenizer_fo
 @pytest.mark.parametrize("model_type", ["lfm2", "mamba"])
 def test_a_model_the_start_up_probe_rejects_is_served_on_the_fallback(model_type, tmp_path, tokenizer_folder,
                                                                        monkeypatch, caplog):
-    """The configuration check is the first line; the second is the paged engine's start-up forward pass. A
-    stateful model the check misses (here: the check switched off) fails that probe, and the worker switches to
-    the fallback path and serves it exactly, instead of failing at load or on every request."""
-    from engine import loader
+    """The configuration check is the first line; the second is the paged engine's start-up forward pass. A model
+    that asks its cache for something the engine's cache does not have (here: the recurrent-state API taken off
+    the probe, as a future transformers cache method would be missing) fails that probe, and the worker switches
+    to the fallback path and serves it exactly, instead of failing at load or on every request."""
+    from engine import runner
 
-    monkeypatch.setattr(loader, "_fallback_reason", lambda model_config: None)
+    monkeypatch.delattr(runner._ShapeProbe, "get_conv_state")
+    monkeypatch.delattr(runner._ShapeProbe, "get_recurrent_state")
     _serve_on_fallback(model_type, tmp_path, tokenizer_folder, caplog,
-                       lambda model: "the paged engine cannot run it")
+                       lambda model: "the paged engine cannot run it", HYBRID_FAMILIES)
 
 
 def test_fallback_outputs_equal_the_paged_engine(tmp_path, tokenizer_folder):
