@@ -72,9 +72,11 @@ def _generation_runner(model: LoadedModel, config: EngineConfig) -> ModelRunner:
     budget = (f"GPU_MEMORY_UTILIZATION={config.gpu_memory_utilization}" if model.device.type == "cuda"
               else "KV_CACHE_MEMORY")
     if runner.states is not None:
-        log.info("recurrent state: %d slots (MAX_NUM_SEQS) in %.1f MB (%.1f KB per sequence) for %d layers",
+        log.info("recurrent state: %d slots (MAX_NUM_SEQS) in %.1f MB (%.1f KB per sequence) for %d layers; %s",
                  runner.states.num_slots, runner.states.nbytes / 2**20,
-                 runner.states.nbytes / runner.states.num_slots / 1024, len({k[1] for k in runner.states.shapes}))
+                 runner.states.nbytes / runner.states.num_slots / 1024, len({k[1] for k in runner.states.shapes}),
+                 "prompts prefill in chunks" if runner.prefill_continues else
+                 "each prompt prefills in one pass (its recurrent layers restart a multi-token pass from zero)")
     if not runner.layer_shapes:
         log.info("KV cache: none (the model has no attention layer)")
         return runner

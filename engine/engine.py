@@ -157,7 +157,8 @@ class Engine(GenerationLoop):
         self.blocks = BlockManager(kv.num_blocks if kv is not None else 0,
                                    max_cached_blocks=prefix_cache_bytes // self._block_bytes if cacheable else 0)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, states=self.states)
+                                   max_num_batched_tokens=max_num_batched_tokens, states=self.states,
+                                   whole_prompts=runner is not None and not runner.prefill_continues)
         self.sampler = Sampler(tokenizer.eos_token_ids, tokenizer.vocab_size)
         self.outputs = OutputProcessor(tokenizer.eos_token_ids, max_model_len)
         self.beam_search = BeamSearch(self.blocks, runner.kv.copy_block if runner is not None else None,

@@ -125,6 +125,9 @@ class ModelRunner:
             budget = kv_budget_bytes - (self.states.nbytes if self.states else 0)
             num_blocks = budget // (PagedKVCache.bytes_per_token(self.layer_shapes, dtype) * BLOCK_SIZE)
         self.kv = PagedKVCache(device, dtype, self.layer_shapes, max(1, num_blocks))
+        # Whether a prompt may be computed in chunks: always for attention, for recurrent layers when they continue
+        # a multi-token pass from the state an earlier one left (found out by trying).
+        self.prefill_continues = self.states is None or self._probe_continuation()
 
     @torch.inference_mode()
     def _probe_layers(self) -> tuple[dict[int, LayerShape], dict[StateKey, StateShape]]:
@@ -137,6 +140,22 @@ class ModelRunner:
         if getattr(self.model, "_is_stateful", False) and not probe.states:
             raise PagedPathUnsupported("the model keeps recurrent state outside the cache")
         return probe.layers, probe.states
+
+    @torch.inference_mode()
+    def _probe_continuation(self) -> bool:
+        """Whether the model's recurrent layers carry a state into a multi-token pass (Mamba-2, gated delta nets and
+        short convolutions do; Mamba-1's scan starts from zero whatever the cache holds): a prompt computed in
+        two chunks must give the logits it gives whole, up to rounding."""
+        ids = [1 + (i * 37) % 97 for i in range(24)]
+        blocks = list(range(min(self.kv.num_blocks, -(-len(ids) // BLOCK_SIZE))))
+        if len(blocks) * BLOCK_SIZE < len(ids) and self.layer_shapes:
+            return False
+        self.prefill_continues = True
+        whole = self._execute_stateful([], [PrefillChunk(ids, 0, blocks, "last", state_slot=0)])
+        self._execute_stateful([], [PrefillChunk(ids[:10], 0, blocks, "none", state_slot=0)])
+        split = self._execute_stateful([], [PrefillChunk(ids[10:], 10, blocks, "last", state_slot=0)])
+        scale = whole.float().abs().max().item()
+        return bool(torch.allclose(split.float(), whole.float(), rtol=0.0, atol=0.02 * scale))
 
     @torch.inference_mode()
     def _cuda_blocks(self, utilization: float, profile_tokens: int) -> int:
@@ -229,8 +248,8 @@ class ModelRunner:
 
     def _execute_stateful(self, decodes: list[DecodeRow], chunks: list[PrefillChunk]) -> torch.Tensor | None:
         """A step of a model with recurrent layers. Those layers take one sequence per batch row, so the decode
-        rows run as one [rows, 1] batch and each prompt as its own pass, whole (transformers' recurrent layers
-        start a multi-token pass from a zero state, so a prompt cannot continue from an earlier chunk). States
+        rows run as one [rows, 1] batch and each prompt chunk as its own pass (continuing the state its earlier
+        chunks left, for models whose layers can: `prefill_continues`; the others compute prompts whole). States
         are written back only once every pass of the step has succeeded."""
         passes: list[StateStepCache] = []
         parts: list[torch.Tensor] = []
@@ -244,15 +263,18 @@ class ModelRunner:
             passes.append(cache)
             parts.append(logits[:, 0][torch.tensor(packed_at, device=logits.device)])
         for chunk in chunks:
-            if chunk.start != 0:
-                raise RuntimeError("a model with recurrent layers computes each prompt in one pass")
-            n = len(chunk.token_ids)
-            segment = PrefillSegment(0, n, 0, torch.tensor(chunk.blocks[:-(-n // BLOCK_SIZE)], device=self.device))
-            layout = StepLayout([], [segment], torch.tensor([_slot(chunk.blocks, p) for p in range(n)],
+            if chunk.start and not self.prefill_continues:
+                raise RuntimeError("this model's recurrent layers compute each prompt in one pass")
+            n, end = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
+            span = range(chunk.start, end)
+            segment = PrefillSegment(0, n, chunk.start,
+                                     torch.tensor(chunk.blocks[:-(-end // BLOCK_SIZE)], device=self.device))
+            layout = StepLayout([], [segment], torch.tensor([_slot(chunk.blocks, p) for p in span],
                                                             device=self.device))
             keep = list(range(n)) if chunk.logits == "all" else [n - 1]
-            with StateStepCache(self.kv, layout, self.states, [chunk.state_slot], previous=False) as cache:
-                logits = self._forward([chunk.token_ids], [list(range(n))], cache, keep)
+            with StateStepCache(self.kv, layout, self.states, [chunk.state_slot],
+                                previous=chunk.start > 0) as cache:
+                logits = self._forward([chunk.token_ids], [list(span)], cache, keep)
             passes.append(cache)
             if chunk.logits != "none":
                 parts.append(logits[0])

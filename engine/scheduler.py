@@ -10,8 +10,9 @@
   sampling state is kept, so a seeded or greedy run continues exactly as it would have).
 - A request that could not run even alone in the whole pool is refused at arrival (`check_fits`).
 - Models with recurrent layers (state_cache.py): each running sequence also holds a state slot (there are
-  MAX_NUM_SEQS), and a prompt is computed in one pass, never split into chunks: the first prompt of a step goes
-  whole even past the token budget, further ones only while they fit.
+  MAX_NUM_SEQS). Those whose layers cannot carry a state into a multi-token pass (`whole_prompts`) compute each
+  prompt in one pass: the first prompt of a step goes whole even past the token budget, further ones only while
+  they fit.
 """
 from __future__ import annotations
 
@@ -49,9 +50,10 @@ def blocks_for(tokens: int) -> int:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 states: RecurrentStates | None = None):
+                 states: RecurrentStates | None = None, whole_prompts: bool = False):
         self.blocks = blocks
         self.states = states
+        self.whole_prompts = whole_prompts
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[SequenceGroup] = deque()
@@ -116,7 +118,7 @@ class Scheduler:
         prefilling = [(g, s) for g in self.running for s in g.seqs if s.status == Status.PREFILLING]
         for group, seq in prefilling:
             remaining = seq.prefill_target - seq.num_computed
-            if self.states is not None:  # whole prompts only, in arrival order
+            if self.whole_prompts:  # in arrival order
                 if plan.prefills and remaining > budget:
                     break
                 take = remaining
