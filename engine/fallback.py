@@ -45,6 +45,7 @@ class _Running:
     def __init__(self, group: SequenceGroup):
         self.group = group
         self.cache: dict | None = None  # the model's cache, as the keyword argument it takes it back by
+        self.recompute = False  # the model hands back no cache (it keeps state in its modules): no cache is used
 
 
 class FallbackEngine(GenerationLoop):
@@ -136,7 +137,11 @@ class FallbackEngine(GenerationLoop):
         group = running.group
         seqs = group.seqs
         rows = len(seqs)
-        if running.cache is None:
+        if running.recompute:
+            # Every step computes the whole sequences again: quadratic, but exact for any model.
+            ids = torch.tensor([s.tokens for s in seqs], device=self.device)
+            out = self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        elif running.cache is None:
             ids = torch.tensor([group.prompt_ids] * rows, device=self.device)
             want_all = group.params.prompt_logprobs is not None
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=0 if want_all else 1)
@@ -150,9 +155,12 @@ class FallbackEngine(GenerationLoop):
         else:
             ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **running.cache)
-        # Most models return their cache as past_key_values; Mamba's is cache_params.
-        name = "past_key_values" if getattr(out, "past_key_values", None) is not None else "cache_params"
-        running.cache = {name: getattr(out, name)}
+        # Most models return their cache as past_key_values; Mamba's is cache_params. Some keep their state in
+        # their own modules and return none (RecurrentGemma): one model-wide state cannot serve several requests.
+        if not running.recompute:
+            name = "past_key_values" if getattr(out, "past_key_values", None) is not None else "cache_params"
+            running.cache = {name: getattr(out, name, None)}
+            running.recompute = running.cache[name] is None
         logits = out.logits[:, -1]
         live = [i for i, s in enumerate(seqs) if not s.finished]  # finished choices ride along as padding rows
         tokens, logprobs = self.sampler.sample(logits[live], [seqs[i].sampling for i in live],

@@ -338,6 +338,17 @@ def test_a_model_the_start_up_probe_rejects_is_served_on_the_fallback(model_type
                        lambda model: "the paged engine cannot run it", HYBRID_FAMILIES)
 
 
+def test_a_model_that_keeps_its_state_in_its_modules_is_served_on_the_fallback(tmp_path, tokenizer_folder, caplog):
+    """RecurrentGemma keeps its recurrent state in its own modules, outside any cache: the start-up probe sees a
+    stateful model that left no state in the cache and picks the fallback, which (as the model hands back no
+    cache either) computes each request's whole sequence at every step, exactly."""
+    families = {"recurrent_gemma": dict(lru_width=64, attention_window_size=16, conv1d_width=4, head_dim=None,
+                                        block_types=["recurrent", "attention"], num_key_value_heads=1,
+                                        tie_word_embeddings=False)}  # tied, the random model repeats one token
+    _serve_on_fallback("recurrent_gemma", tmp_path, tokenizer_folder, caplog,
+                       lambda model: "keeps recurrent state outside the cache", families)
+
+
 def test_fallback_outputs_equal_the_paged_engine(tmp_path, tokenizer_folder):
     """The fallback path gives what the paged engine gives for a model both can run: streamed text, stop
     strings, finish reasons, logprobs, prompt logprobs; and an aborted request leaves it."""
