@@ -136,8 +136,9 @@ class AsyncEngine:
             else:
                 if runner is not None:
                     log.info("serving path: paged (batched engine)")
+                # A model without attention layers (Mamba) takes the plain padding mask in its mixers.
                 pooling = PoolingQueue(PoolingModel(model.model, model.device, model.task,
-                                                    engine_attention=runner is not None),
+                                                    engine_attention=runner is not None and bool(runner.layer_shapes)),
                                        max_batch_tokens=self.config.max_num_batched_tokens)
                 engine = Engine(runner, model.tokenizer, max_num_seqs=self.config.max_num_seqs,
                                 max_num_batched_tokens=self.config.max_num_batched_tokens,

@@ -233,8 +233,17 @@ def test_hybrid_family_matches_transformers(model_type, tmp_path, tokenizer_fold
         assert "serving path: paged (batched engine)" in messages, messages
         assert any(m.startswith("recurrent state: 8 slots") for m in messages), messages
         assert engine.engine.runner.prefill_continues == (model_type not in ("mamba", "jamba"))
-        serve_and_compare(engine, model, prompts(zlib.crc32(model_type.encode())), prefix_cache=False)
+        rows = prompts(zlib.crc32(model_type.encode()))
+        serve_and_compare(engine, model, rows, prefix_cache=False)
         assert engine.engine.stats()["prefix_cache_hit_tokens"] == 0  # a state cannot be shared by a prefix
+        # Embeddings of the same model (rows of different lengths padded into one batch) are its last hidden
+        # states, as transformers computes them one by one.
+        from engine.pooling import PoolingInput, PoolingParams
+        pooled = asyncio.run(engine.pool("embed", [PoolingInput(ids) for ids in rows], PoolingParams())).data
+        with torch.inference_mode():
+            for ids, vector in zip(rows, pooled):
+                hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+                assert torch.allclose(vector, torch.nn.functional.normalize(hidden, dim=-1), atol=1e-5)
     finally:
         engine.close()
 
