@@ -391,7 +391,7 @@ class OpenAIServing:
             grammar = await self.grammars.compile(self.engine.tokenizer, constraint, gate)
         special = any(p is not None and p.needs_special_tokens for p in (reasoning_parser, tool_parser))
         return _ChatPlan(grammar, reasoning_parser, tool_parser, 1 if request.parallel_tool_calls is False else None,
-                         special)
+                         special, calls_finish=not isinstance(choice, NamedToolChoice))
 
     def _answer_gate(self, parser: reasoning.ReasoningParser) -> AnswerGate:
         tokenizer = self.engine.tokenizer
@@ -427,7 +427,8 @@ class OpenAIServing:
             result.append(ChatCompletionChoice(
                 index=index, message=message,
                 logprobs=self._chat_logprobs(c.logprobs, params.logprobs) if params.logprobs is not None else None,
-                finish_reason=_tool_finish(c.finish_reason, bool(parsed.tool_calls)), stop_reason=c.stop_reason))
+                finish_reason=_tool_finish(c.finish_reason, plan.calls_finish and bool(parsed.tool_calls)),
+                stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
         return ChatCompletionResponse(id=response_id, model=self.served_model_name, choices=result,
                                       usage=_usage(len(prompt.token_ids), completion_tokens))
@@ -477,7 +478,7 @@ class OpenAIServing:
                     fields["tool_calls"] = piece.tool_calls
                 choices.append(ChatCompletionStreamChoice(
                     index=delta.index, delta=DeltaMessage(**fields), logprobs=logprobs,
-                    finish_reason=_tool_finish(delta.finish_reason, parser.called_tools),
+                    finish_reason=_tool_finish(delta.finish_reason, plan.calls_finish and parser.called_tools),
                     stop_reason=delta.stop_reason))
             if choices:
                 yield chunk(choices, _usage(prompt_tokens, generated) if request.continuous_usage else None)
@@ -639,6 +640,9 @@ class _ChatPlan:
     tool_parser: tool_parsers.ToolParser | None
     max_calls: int | None
     with_special_tokens: bool
+    # A reply that ends in tool calls finishes with "tool_calls", except for a named tool_choice, where OpenAI
+    # (and vLLM) report "stop": the caller forced the call.
+    calls_finish: bool = True
 
     def parser(self) -> ChatOutputParser:
         """A parser for one choice (parsers keep the state of a stream)."""
