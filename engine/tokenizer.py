@@ -51,6 +51,12 @@ class Tokenizer:
         unk = getattr(self.hf, "unk_token_id", None)
         return ids[0] if ids and ids[0] is not None and ids[0] != unk else None
 
+    def special_token_id(self, token: str) -> int | None:
+        """The id of `token` when the tokenizer has it as one special token (grammars name those by id), or None."""
+        token_id = self.token_id(token)
+        added = getattr(self.hf, "added_tokens_decoder", {}).get(token_id) if token_id is not None else None
+        return token_id if added is not None and added.special else None
+
     def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool,
                     spaces_between_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.hf, prompt_ids, skip_special_tokens, spaces_between_special_tokens)

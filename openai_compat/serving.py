@@ -29,7 +29,7 @@ from .protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, CompletionStreamResponse,
     DeltaMessage, ModelCard, ModelList, NamedToolChoice, RequestLimits, SamplingFields, TopLogprob, UsageInfo, random_id,
 )
-from .structured import GrammarCache, forced_tool_constraint
+from .structured import GrammarCache, forced_tool_constraint, strict_tools_constraint
 
 log = logging.getLogger("openai_compat")
 
@@ -368,6 +368,7 @@ class OpenAIServing:
         reasoning_parser = reasoning.make_parser(reasoning_name, prompt.text or "") if reasoning_name else None
         choice = request.effective_tool_choice
         tool_parser: tool_parsers.ToolParser | None = None
+        name = None
         if isinstance(choice, NamedToolChoice):
             tool_parser = tool_parsers.NamedFunctionParser(choice.function.name)
         elif choice == "required":
@@ -384,7 +385,9 @@ class OpenAIServing:
                     + "; tool_choice \"required\" or a named function works on any model, and \"none\" "
                       "passes the tools to the template only", param="tool_choice")
             tool_parser = tool_parsers.PARSERS[name]()
-        constraint = forced_tool_constraint(request) or request.constraint()
+        constraint = (forced_tool_constraint(request)
+                      or strict_tools_constraint(request, tool_parser, name, self.engine.tokenizer)
+                      or request.constraint())
         grammar = None
         if constraint is not None:
             gate = self._answer_gate(reasoning_parser) if reasoning_parser is not None else None

@@ -12,6 +12,7 @@ from engine.structured import AnswerGate, GrammarCompiler, GrammarError, Grammar
 
 from .errors import OpenAIError
 from .protocol import ChatCompletionRequest, Constraint, NamedToolChoice
+from .tool_parsers import CallSchema, ToolParser
 
 
 def forced_tool_constraint(request: ChatCompletionRequest) -> Constraint | None:
@@ -39,6 +40,32 @@ def forced_tool_constraint(request: ChatCompletionRequest) -> Constraint | None:
     if request.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return Constraint("json_schema", json.dumps(schema), "tools")
+
+
+def strict_tools_constraint(request: ChatCompletionRequest, parser: ToolParser | None, parser_name: str | None,
+                            tokenizer) -> Constraint | None:
+    """tool_choice `auto` with tools marked `strict`: the model still chooses between answering and calling, but
+    a call it starts is generated under the tool's schema (a grammar in the model's own call format that leaves
+    the answer free, or under the request's JSON schema when it sets one). A format or an answer constraint that
+    cannot be combined this way is a 400, never an unenforced `strict`."""
+    tools = request.tools or []
+    if parser is None or request.effective_tool_choice != "auto" or not any(t.function.strict for t in tools):
+        return None
+    answer = request.constraint()
+    if answer is not None and answer.kind != "json_schema":
+        raise OpenAIError(f"{answer.param} cannot be combined with strict tools under tool_choice \"auto\" (a JSON "
+                          f"schema answer can)", param=answer.param)
+    calls = [CallSchema(t.function.name, _parameters(t.function.parameters) if t.function.strict
+                        else {"type": "object"}) for t in tools]
+    marker = parser.marker
+    grammar = parser.call_grammar(calls, f"%json {answer.text}" if answer is not None else None,
+                                  tokenizer.special_token_id(marker) if marker else None)
+    if grammar is None:
+        raise OpenAIError(f"strict tools under tool_choice \"auto\" cannot be enforced in this model's tool-call "
+                          f"format ({parser_name}{' with ' + answer.param if answer is not None else ''}): use "
+                          f"tool_choice \"required\" or a named function (enforced on any model), or strict: false",
+                          param="tools")
+    return Constraint("grammar", grammar, "tools")
 
 
 def _parameters(schema: dict[str, Any] | None) -> dict[str, Any]:

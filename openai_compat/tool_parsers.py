@@ -182,16 +182,67 @@ def scan_json_calls(text: str, i: int, final: bool, separators: str = ",;") -> t
 # ---------------------------------------------------------------- parsers
 
 
+@dataclass(frozen=True)
+class CallSchema:
+    """A tool a constrained reply may call: its name and the JSON schema its arguments must match."""
+    name: str
+    parameters: dict
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)  # a Lark string literal
+
+
+def _call_rules(calls: list[CallSchema], key: str, before: str = "", after: str = "") -> tuple[str, str]:
+    """Lark rules, one per tool, for `{"name": NAME, key: ARGUMENTS}` in this format's own words around it (the
+    arguments under the tool's schema); returns the rules and the alternative that names them."""
+    rules = []
+    for i, call in enumerate(calls):
+        head = json.dumps({"name": call.name})[:-1] + ", " + json.dumps(key) + ": "
+        rules.append(f"call_{i}: {_literal(before + head)} %json {json.dumps(call.parameters)} {_literal('}' + after)}")
+    return "\n".join(rules), "(" + " | ".join(f"call_{i}" for i in range(len(calls))) + ")"
+
+
+def _marker(text: str, special_id: int | None) -> str:
+    """A format's marker in Lark: its special token by id, or its text."""
+    return f"<[{special_id}]>" if special_id is not None else _literal(text)
+
+
+_FREE_TEXT = "TEXT: /(.|\\n)*/"
+
+
 class ToolParser:
     needs_special_tokens = False  # the format's markers are special tokens, so decode with them
+    marker: str | None = None  # the text that opens this format's calls, if any
 
     def scan(self, text: str, final: bool) -> Scan:
         raise NotImplementedError
+
+    def call_grammar(self, calls: list[CallSchema], answer: str | None, special_id: int | None) -> str | None:
+        """A Lark grammar (llguidance's) for a reply that is either an answer (free text, or `answer`: a Lark
+        expression such as `%json {...}`) or tool calls in this format, each calling one of `calls` with
+        arguments that match its schema. `special_id` is the marker's token id when the tokenizer has it as one
+        special token. None when the format cannot be put into such a grammar."""
+        return None
 
 
 class HermesParser(ToolParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, with text around them."""
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    marker = OPEN
+
+    def call_grammar(self, calls, answer, special_id):
+        rules, call = _call_rules(calls, "arguments", "\n", "\n" + self.CLOSE)
+        if answer is not None:
+            return (f"start: answer | calls\nanswer: {answer}\ncalls: (opener {call} /\\n?/)+\n"
+                    f"opener: {_marker(self.OPEN, special_id)}\n{rules}")
+        if special_id is not None:
+            opener = f"opener: TEXT <[{special_id}]>"
+        else:
+            # Lazy: the text before a call ends at the first marker, so every call the parser would find is
+            # generated under the grammar.
+            opener = f"opener[lazy]: TEXT {_literal(self.OPEN)}"
+        return f"%llguidance {{}}\nstart: (opener {call})* TEXT\n{opener}\n{_FREE_TEXT}\n{rules}"
 
     def scan(self, text: str, final: bool) -> Scan:
         content: list[str] = []
@@ -227,6 +278,15 @@ class Llama3JsonParser(ToolParser):
     """The whole reply is `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`), several
     separated by `;`; anything else is content."""
     TAG = "<|python_tag|>"
+    marker = TAG
+
+    def call_grammar(self, calls, answer, special_id):
+        if answer is not None:
+            return None  # a JSON answer and a JSON call start alike; llguidance cannot choose between them
+        rules, call = _call_rules(calls, "parameters")
+        tag = f"<[{special_id}]>? " if special_id is not None else ""
+        # Free text may not start with "{": the parser reads such a reply as calls.
+        return f"start: {tag}{call} (/; ?/ {call})* | TEXT\nTEXT: /(\\s*[^{{\\s](.|\\n)*)?/\n{rules}"
 
     def scan(self, text: str, final: bool) -> Scan:
         stripped = text.lstrip()
@@ -247,6 +307,17 @@ class MistralParser(ToolParser):
     """`[TOOL_CALLS]` followed by a JSON list of calls, or by `name[ARGS]{json}` (newer tokenizers)."""
     needs_special_tokens = True
     MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    marker = MARKER
+
+    def call_grammar(self, calls, answer, special_id):
+        rules, call = _call_rules(calls, "arguments")
+        array = f'"[" {call} (", " {call})* "]"'
+        if answer is not None:
+            return f"start: answer | {_marker(self.MARKER, special_id)} {array}\nanswer: {answer}\n{rules}"
+        if special_id is not None:
+            return f"start: TEXT (<[{special_id}]> {array})?\n{_FREE_TEXT}\n{rules}"
+        return (f"%llguidance {{}}\nstart: TEXT | opener {array}\nopener[lazy]: TEXT {_literal(self.MARKER)}\n"
+                f"{_FREE_TEXT}\n{rules}")
 
     def scan(self, text: str, final: bool) -> Scan:
         start = text.find(self.MARKER)

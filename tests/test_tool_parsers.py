@@ -193,3 +193,83 @@ def test_forced_tool_call_outputs_parse_whole_and_streamed(parser, text, expecte
     for piece in (1, 4):
         assert stream(ChatOutputParser(None, parser), text, piece)["calls"] == [
             (c.function.name, c.function.arguments) for c in whole.tool_calls]
+
+
+# ---------------------------------------------------------------- strict tools under tool_choice auto
+
+STRICT_WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "f"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+CALLS = [tool_parsers.CallSchema("get_weather", STRICT_WEATHER), tool_parsers.CallSchema("get_time", {"type": "object"})]
+GOOD = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+BAD = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "kelvin"}}'
+OTHER = '{"name": "get_time", "arguments": {"zone": "CET"}}'
+UNKNOWN = '{"name": "get_news", "arguments": {}}'
+
+
+def _hermes(call: str) -> str:
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def llg_tokenizer():
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from engine import EngineConfig
+    from engine.loader import model_folder
+    hf = AutoTokenizer.from_pretrained(model_folder(EngineConfig()))
+    return hf, llguidance.hf.from_tokenizer(hf, n_vocab=len(hf), eos_token=[hf.eos_token_id])
+
+
+@pytest.mark.parametrize("name,text,accepted", [
+    ("hermes", "Plain text, no call.", True),
+    ("hermes", _hermes(GOOD), True),
+    ("hermes", "Let me look. " + _hermes(GOOD) + "\n" + _hermes(OTHER), True),
+    ("hermes", _hermes(BAD), False),
+    ("hermes", "Let me look. " + _hermes(BAD), False),  # a call after text is still a call
+    ("hermes", _hermes(GOOD) + " and " + _hermes(BAD), False),  # so is a second one
+    ("hermes", _hermes(UNKNOWN), False),
+    ("llama3_json", "Plain text, no call.", True),
+    ("llama3_json", GOOD.replace("arguments", "parameters") + "; " + OTHER.replace("arguments", "parameters"), True),
+    ("llama3_json", BAD.replace("arguments", "parameters"), False),
+    ("llama3_json", "  " + BAD.replace("arguments", "parameters"), False),
+    ("mistral", "Plain text, no call.", True),
+    ("mistral", f"[TOOL_CALLS][{GOOD}, {OTHER}]", True),
+    ("mistral", f"Sure. [TOOL_CALLS][{BAD}]", False),
+])
+def test_strict_call_grammar_leaves_text_free_and_holds_calls_to_their_schemas(llg_tokenizer, name, text, accepted):
+    """The grammar tool_choice auto runs under when a tool is strict, in each format, on the embedded model's
+    tokenizer: a reply may be any text, but every call the format's parser would find names a given tool and
+    carries arguments that match its schema."""
+    import llguidance
+    hf, tokenizer = llg_tokenizer
+    grammar = llguidance.grammar_from("lark", tool_parsers.PARSERS[name]().call_grammar(CALLS, None, None))
+    assert not llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    ok = matcher.consume_tokens(hf.encode(text, add_special_tokens=False)) and not matcher.is_error()
+    assert (ok and matcher.is_accepting()) == accepted
+    # and what it accepts, the format's parser reads as the calls it holds
+    if accepted and "{" in text:
+        names = [c.function.name for c in tool_parsers.tool_calls_of(tool_parsers.PARSERS[name]().scan(text, True))]
+        assert names and set(names) <= {"get_weather", "get_time"}
+
+
+def test_strict_call_grammar_takes_a_json_answer_or_calls(llg_tokenizer):
+    """With a response_format JSON schema as well, the reply is an answer under that schema or calls."""
+    import llguidance
+    hf, tokenizer = llg_tokenizer
+    answer = '%json {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+    for name, call, bad_call in (("hermes", _hermes(GOOD), _hermes(BAD)),
+                                 ("mistral", f"[TOOL_CALLS][{GOOD}]", f"[TOOL_CALLS][{BAD}]")):
+        grammar = llguidance.grammar_from("lark", tool_parsers.PARSERS[name]().call_grammar(CALLS, answer, None))
+
+        def accepts(text: str) -> bool:
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            return (matcher.consume_tokens(hf.encode(text, add_special_tokens=False)) and not matcher.is_error()
+                    and matcher.is_accepting())
+
+        assert accepts(call) and accepts('{"n": 4}')
+        assert not accepts(bad_call) and not accepts('{"n": "four"}') and not accepts("free text")
+    # formats whose calls cannot be told from a JSON answer, or that are not JSON, cannot: the request is a 400
+    assert tool_parsers.PARSERS["llama3_json"]().call_grammar(CALLS, answer, None) is None
+    assert tool_parsers.PARSERS["pythonic"]().call_grammar(CALLS, None, None) is None
