@@ -48,7 +48,12 @@ def _sdpa(query, key, value, mask, scaling, softcap, is_causal=False, sinks=None
 
 def _paged(module, query, key, value, scaling, softcap, window, sinks):
     cache, layout = current_layout()
-    k_pool, v_pool = cache.pools(module.layer_idx)
+    layer = module.layer_idx
+    if layer not in cache.layers:
+        # An attention block shared by several layers (Zamba2) has no index of its own; the cache call just
+        # before this one named the layer it runs for.
+        layer = layout.written_layer
+    k_pool, v_pool = cache.pools(layer)
     layout = layout.on(k_pool.device)
     kv_heads, key_dim, value_dim = k_pool.shape[2], k_pool.shape[3], v_pool.shape[3]
     # MLA models (DeepSeek V2/V3) cache compressed latents and expand them to per-head keys and values after

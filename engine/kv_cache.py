@@ -151,6 +151,7 @@ class StepLayout:
     segments: list[PrefillSegment]
     slots: torch.Tensor  # [tokens] pool slot each new token's key and value go to
     _reads: dict = field(default_factory=dict)  # (kind, index, window) -> what a bucket or segment reads
+    written_layer: int | None = None  # the layer whose keys and values were written last (see attention.py)
     _copies: dict = field(default_factory=dict)
 
     def on(self, device: torch.device) -> "StepLayout":
@@ -253,6 +254,7 @@ class StepCache(ForwardCache):
         _current.step = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.layout.written_layer = layer_idx
         k_pool, v_pool = self.cache.pools(layer_idx)
         slots = self.layout.on(k_pool.device).slots
         # [1, kv_heads, tokens, dim] -> [tokens, kv_heads, dim] rows of the flattened pool (a stateful model's

@@ -89,7 +89,19 @@ HYBRID_FAMILIES: dict[str, dict] = {
     "lfm2": dict(layer_types=["conv", "full_attention"], block_ff_dim=96, head_dim=None),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8,
                              mamba_n_groups=1, num_local_experts=2, num_experts_per_tok=1, head_dim=None),
+    "mamba2": dict(num_heads=8, head_dim=16, state_size=8, n_groups=1, expand=2),
+    "falcon_mamba": dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8, head_dim=None),
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+                  head_dim=None),
+    "falcon_h1": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_d_ssm=128),
+    "nemotron_h": dict(hybrid_override_pattern="M*", mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8,
+                       n_groups=1, layers_block_type=None),
+    # one attention block shared by the hybrid layers
+    "zamba2": dict(mamba_d_state=8, mamba_headdim=16, mamba_ngroups=1, n_mamba_heads=8, num_hidden_layers=4,
+                   layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"],
+                   hybrid_layer_ids=[1, 3], num_mem_blocks=1, head_dim=None),
 }
+MAMBA1_FAMILIES = {"mamba", "falcon_mamba", "jamba"}  # their scan restarts from zero: prompts prefill whole
 
 # Families whose attention does not dispatch through transformers' AttentionInterface: the fallback path.
 FALLBACK_FAMILIES: dict[str, dict] = {
@@ -221,8 +233,8 @@ def test_comparison_fails_when_a_layer_is_perturbed(tmp_path, tokenizer_folder):
 def test_hybrid_family_matches_transformers(model_type, tmp_path, tokenizer_folder, caplog):
     """Recurrent and convolution layers run in the batched engine: rows of different lengths decode in one pass,
     each from its own state slot, and n = 2 forks the prompt's state. Layers that carry a state into a
-    multi-token pass prefill the 70-token prompt in chunks of 32; Mamba-1's scan (mamba, jamba) restarts from
-    zero, which the start-up probe finds, so those prompts go whole."""
+    multi-token pass prefill the 70-token prompt in chunks of 32; Mamba-1's scan (mamba, falcon_mamba, jamba)
+    restarts from zero, which the start-up probe finds, so those prompts go whole."""
     model = build_model(model_type, HYBRID_FAMILIES[model_type], tmp_path, tokenizer_folder)
     engine = _engine(tmp_path)
     try:
@@ -232,7 +244,7 @@ def test_hybrid_family_matches_transformers(model_type, tmp_path, tokenizer_fold
         messages = [r.getMessage() for r in caplog.records]
         assert "serving path: paged (batched engine)" in messages, messages
         assert any(m.startswith("recurrent state: 8 slots") for m in messages), messages
-        assert engine.engine.runner.prefill_continues == (model_type not in ("mamba", "jamba"))
+        assert engine.engine.runner.prefill_continues == (model_type not in MAMBA1_FAMILIES)
         rows = prompts(zlib.crc32(model_type.encode()))
         serve_and_compare(engine, model, rows, prefix_cache=False)
         assert engine.engine.stats()["prefix_cache_hit_tokens"] == 0  # a state cannot be shared by a prefix
