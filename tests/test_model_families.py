@@ -313,6 +313,8 @@ def test_hybrid_states_follow_their_sequences_through_preemption_beams_and_failu
             return tokens
 
         assert asyncio.run(failure_beside_a_decode()) == expected[2][:20]
+        states = engine.engine.states  # every slot back once everything has left
+        assert engine.engine.num_requests == 0 and states.num_free == states.num_slots
     finally:
         engine.close()
 
