@@ -260,6 +260,23 @@ def test_hybrid_family_matches_transformers(model_type, tmp_path, tokenizer_fold
         engine.close()
 
 
+def test_speculative_decoding_is_refused_for_a_hybrid_model(tmp_path, tokenizer_folder):
+    """Speculation takes rejected tokens back out of the cache; a recurrent state cannot give them back, so the
+    worker refuses SPECULATIVE_CONFIG at load with a line that says why, instead of serving wrong tokens."""
+    import dataclasses
+
+    from engine.speculative import SpeculativeConfig
+    build_model("lfm2", HYBRID_FAMILIES["lfm2"], tmp_path, tokenizer_folder)
+    config = _engine(tmp_path).config
+    engine = AsyncEngine(dataclasses.replace(config, speculative=SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 4}')))
+    try:
+        with pytest.raises(RuntimeError, match="not supported for models with recurrent layers"):
+            asyncio.run(engine.start())
+    finally:
+        engine.close()
+
+
 def _transformers_beams(model, ids: list[int], width: int, n: int) -> list[list[int]]:
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
