@@ -3,9 +3,10 @@
 The paged engine needs every layer's attention to go through the worker's attention function and every layer's
 state to live in its cache (keys and values, or recurrent state through transformers' cache API). Models whose
 attention does not dispatch through transformers' AttentionInterface (GPT-J, BLOOM, Falcon, MPT...) or that keep
-their state elsewhere (RWKV, RecurrentGemma, xLSTM) run here instead: each request keeps the cache transformers' model creates for it, its choices (`n`) decode
-together as the rows of one batch, and running requests take turns one token each, so all of them stream.
-Outputs are the paged engine's: the same sampler, stop handling, detokenising and deltas.
+their state elsewhere (RecurrentGemma) run here instead: each request keeps the cache transformers' model creates
+for it, its choices (`n`) decode together as the rows of one batch, and running requests take turns one token
+each, so all of them stream. Outputs are the paged engine's: the same sampler, stop handling, detokenising and
+deltas.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
 
-def paged_path_refusal(model_class, config) -> str | None:
+
+def paged_path_refusal(model_class) -> str | None:
     """Why the paged engine cannot serve this model class, or None when it can. Recurrent and convolution layers
     are no reason: the paged engine keeps their state per sequence when they use transformers' cache API (the
     start-up probe, runner.py, finds out and sends a model that keeps its state elsewhere here)."""

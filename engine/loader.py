@@ -239,7 +239,7 @@ def _fallback_reason(model_config) -> str | None:
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
     except KeyError:  # remote code or an unknown architecture: the paged path is tried, its probe decides
         return None
-    return fallback.paged_path_refusal(model_class, model_config)
+    return fallback.paged_path_refusal(model_class)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -1,5 +1,7 @@
 """Forward passes over the paged KV cache: one packed pass per engine step, decode rows and prefill chunks
-together, with no padding (a step costs the tokens it computes)."""
+together, with no padding (a step costs the tokens it computes). Models with recurrent layers, which take one
+sequence per batch row, run their decode rows as one batched pass and each prompt chunk as its own
+(state_cache.py keeps their state)."""
 from __future__ import annotations
 
 import inspect
@@ -150,7 +152,7 @@ class ModelRunner:
         blocks = list(range(min(self.kv.num_blocks, -(-len(ids) // BLOCK_SIZE))))
         if len(blocks) * BLOCK_SIZE < len(ids) and self.layer_shapes:
             return False
-        self.prefill_continues = True
+        self.prefill_continues = True  # lets the passes below start past position 0
         whole = self._execute_stateful([], [PrefillChunk(ids, 0, blocks, "last", state_slot=0)])
         self._execute_stateful([], [PrefillChunk(ids[:10], 0, blocks, "none", state_slot=0)])
         split = self._execute_stateful([], [PrefillChunk(ids[10:], 10, blocks, "last", state_slot=0)])
