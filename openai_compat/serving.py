@@ -368,15 +368,15 @@ class OpenAIServing:
         reasoning_parser = reasoning.make_parser(reasoning_name, prompt.text or "") if reasoning_name else None
         choice = request.effective_tool_choice
         tool_parser: tool_parsers.ToolParser | None = None
-        name = None
+        parser_name = None
         if isinstance(choice, NamedToolChoice):
             tool_parser = tool_parsers.NamedFunctionParser(choice.function.name)
         elif choice == "required":
             tool_parser = tool_parsers.RequiredParser()
         elif choice == "auto" and request.tools:
-            name = (tool_parsers.parser_name_for(self.config.tool_call_parser, template)
-                    if self.config.enable_auto_tool_choice else None)
-            if name is None:
+            parser_name = (tool_parsers.parser_name_for(self.config.tool_call_parser, template)
+                           if self.config.enable_auto_tool_choice else None)
+            if parser_name is None:
                 raise OpenAIError(
                     "tool_choice \"auto\" needs a tool-call parser, and "
                     + ("ENABLE_AUTO_TOOL_CHOICE is false" if not self.config.enable_auto_tool_choice else
@@ -384,9 +384,9 @@ class OpenAIServing:
                        "TOOL_CALL_PARSER)")
                     + "; tool_choice \"required\" or a named function works on any model, and \"none\" "
                       "passes the tools to the template only", param="tool_choice")
-            tool_parser = tool_parsers.PARSERS[name]()
+            tool_parser = tool_parsers.PARSERS[parser_name]()
         constraint = (forced_tool_constraint(request)
-                      or strict_tools_constraint(request, tool_parser, name, self.engine.tokenizer)
+                      or strict_tools_constraint(request, tool_parser, parser_name, self.engine.tokenizer)
                       or request.constraint())
         grammar = None
         if constraint is not None:
