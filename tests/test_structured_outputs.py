@@ -324,23 +324,27 @@ FEW_SHOT = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistan
 def test_strict_tools_under_auto_tool_choice_are_enforced(parsing_client):
     """tool_choice auto leaves the model free to answer or call, and a strict tool's calls match its schema.
     Measured without strict on these four seeds, the embedded model calls the tool every time and invents
-    units three times ("miles", "mercury", "metric"); with strict, every call validates."""
+    units three times ("miles", "mercury", "metric"); with strict, every call validates. (The model may answer
+    in text instead on another CPU's rounding; every call it makes must validate, and it must make some.)"""
+    calls = []
     for seed in range(4):
         reply = chat(parsing_client, FEW_SHOT, tools=[STRICT_WEATHER_TOOL], temperature=0.8, seed=seed,
                      max_tokens=60).choices[0]
-        assert reply.finish_reason == "tool_calls", reply
-        for call in reply.message.tool_calls:
-            assert call.function.name == "get_weather"
-            jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+        assert reply.finish_reason in ("tool_calls", "stop"), reply
+        calls += reply.message.tool_calls or []
+    assert len(calls) >= 2, calls
+    for call in calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
     # A JSON answer schema combines (an answer under it, or calls); another kind of constraint cannot: a 400.
     reply = chat(parsing_client, FEW_SHOT, tools=[STRICT_WEATHER_TOOL], max_tokens=60,
-                 response_format=json_schema_format({"type": "object", "properties": {"n": {"type": "integer"}},
-                                                     "required": ["n"]})).choices[0]
+                 response_format=json_schema_format({"type": "object", "properties": {"n": {"enum": [1, 2, 3]}},
+                                                     "required": ["n"], "additionalProperties": False})).choices[0]
     if reply.message.tool_calls:
         jsonschema.validate(json.loads(reply.message.tool_calls[0].function.arguments),
                             WEATHER_TOOL["function"]["parameters"])
     else:
-        assert isinstance(json.loads(reply.message.content)["n"], int)
+        assert json.loads(reply.message.content)["n"] in (1, 2, 3)
     message = bad_request(lambda: chat(parsing_client, FEW_SHOT, tools=[STRICT_WEATHER_TOOL], max_tokens=5,
                                        extra_body={"guided_regex": "a+"}), "guided_regex")
     assert "strict tools" in message
