@@ -208,6 +208,15 @@ def _marker(text: str, special_id: int | None) -> str:
     return f"<[{special_id}]>" if special_id is not None else _literal(text)
 
 
+def _opener(text: str, special_id: int | None) -> str:
+    """The rule `opener`: free text up to a format's marker. A special-token marker can never be part of text; a
+    text marker ends the text at its first occurrence (a lazy lexeme), so every call the parser would find is
+    generated under the grammar."""
+    if special_id is not None:
+        return f"opener: TEXT <[{special_id}]>"
+    return f"opener[lazy]: TEXT {_literal(text)}"
+
+
 _FREE_TEXT = "TEXT: /(.|\\n)*/"
 
 
@@ -236,13 +245,8 @@ class HermesParser(ToolParser):
         if answer is not None:
             return (f"start: answer | calls\nanswer: {answer}\ncalls: (opener {call} /\\n?/)+\n"
                     f"opener: {_marker(self.OPEN, special_id)}\n{rules}")
-        if special_id is not None:
-            opener = f"opener: TEXT <[{special_id}]>"
-        else:
-            # Lazy: the text before a call ends at the first marker, so every call the parser would find is
-            # generated under the grammar.
-            opener = f"opener[lazy]: TEXT {_literal(self.OPEN)}"
-        return f"%llguidance {{}}\nstart: (opener {call})* TEXT\n{opener}\n{_FREE_TEXT}\n{rules}"
+        return (f"%llguidance {{}}\nstart: (opener {call})* TEXT\n{_opener(self.OPEN, special_id)}\n{_FREE_TEXT}\n"
+                f"{rules}")
 
     def scan(self, text: str, final: bool) -> Scan:
         content: list[str] = []
@@ -314,9 +318,7 @@ class MistralParser(ToolParser):
         array = f'"[" {call} (", " {call})* "]"'
         if answer is not None:
             return f"start: answer | {_marker(self.MARKER, special_id)} {array}\nanswer: {answer}\n{rules}"
-        if special_id is not None:
-            return f"start: TEXT (<[{special_id}]> {array})?\n{_FREE_TEXT}\n{rules}"
-        return (f"%llguidance {{}}\nstart: TEXT | opener {array}\nopener[lazy]: TEXT {_literal(self.MARKER)}\n"
+        return (f"%llguidance {{}}\nstart: TEXT | opener {array}\n{_opener(self.MARKER, special_id)}\n"
                 f"{_FREE_TEXT}\n{rules}")
 
     def scan(self, text: str, final: bool) -> Scan:

@@ -273,3 +273,22 @@ def test_strict_call_grammar_takes_a_json_answer_or_calls(llg_tokenizer):
     # formats whose calls cannot be told from a JSON answer, or that are not JSON, cannot: the request is a 400
     assert tool_parsers.PARSERS["llama3_json"]().call_grammar(CALLS, answer, None) is None
     assert tool_parsers.PARSERS["pythonic"]().call_grammar(CALLS, None, None) is None
+
+
+@pytest.mark.parametrize("name,body", [("hermes", "\n{call}\n</tool_call>"), ("mistral", "[{call}]")])
+def test_strict_call_grammar_opens_calls_at_a_special_token_marker(llg_tokenizer, name, body):
+    """Where the tokenizer has the format's marker as one special token, the grammar names it by id (here the
+    embedded tokenizer's `<|im_start|>`, id 1, stands in for it): text before it is free, the call after it is
+    held to its schema."""
+    import llguidance
+    hf, tokenizer = llg_tokenizer
+    grammar = llguidance.grammar_from("lark", tool_parsers.PARSERS[name]().call_grammar(CALLS, None, 1))
+
+    def accepts(ids: list[int]) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return matcher.consume_tokens(ids) and not matcher.is_error() and matcher.is_accepting()
+
+    text = hf.encode("Sure.", add_special_tokens=False)
+    assert accepts(text)
+    assert accepts(text + [1] + hf.encode(body.format(call=GOOD), add_special_tokens=False))
+    assert not accepts(text + [1] + hf.encode(body.format(call=BAD), add_special_tokens=False))
