@@ -360,8 +360,8 @@ class Engine(GenerationLoop):
                 if group.started:  # resumed after preemption: its next token is already known
                     seq.status = Status.DECODING
                     continue
-                forked = [s for s in group.seqs[1:] if s.status == Status.FORK_PENDING]
-                for src, dst in self.scheduler.fork(group):
+                copies, forked = self.scheduler.fork(group)
+                for src, dst in copies:
                     self.runner.kv.copy_block(src, dst)
                 if self.states is not None:  # every choice starts from the prompt's state
                     self.states.copy([seq.state_slot] * len(forked), [s.state_slot for s in forked])

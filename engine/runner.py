@@ -12,7 +12,7 @@ import torch
 
 from .block_manager import BLOCK_SIZE
 from .kv_cache import DecodeBucket, ForwardCache, LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
-from .state_cache import RecurrentStates, StateKey, StateShape, StateStepCache
+from .state_cache import RecurrentStates, StateKey, StateShape, StateStepCache, with_left_context
 
 log = logging.getLogger("engine")
 
@@ -89,9 +89,7 @@ class _ShapeProbe(ForwardCache):
         width = conv_kernel_size or conv_states.shape[-1]
         self.states[("conv", layer_idx, state_idx)] = StateShape((*conv_states.shape[1:-1], width),
                                                                  conv_states.dtype, conv_states.device)
-        if conv_states.shape[-1] < width:
-            conv_states = torch.nn.functional.pad(conv_states, (width - conv_states.shape[-1], 0))
-        return conv_states
+        return with_left_context(conv_states, None, width)
 
     def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
         self.states[("recurrent", layer_idx, state_idx)] = StateShape(
@@ -196,13 +194,11 @@ class ModelRunner:
         segments = []
         for chunk in chunks:
             offset, n = len(ids), len(chunk.token_ids)
+            span, chunk_slots, segment = self._chunk_segment(chunk, offset)
             ids.extend(chunk.token_ids)
-            span = range(chunk.start, chunk.start + n)
             positions.extend(span)
-            slots.extend(_slot(chunk.blocks, p) for p in span)
-            needed = -(-(chunk.start + n) // BLOCK_SIZE)
-            segments.append(PrefillSegment(offset, n, chunk.start,
-                                           torch.tensor(chunk.blocks[:needed], device=self.device)))
+            slots.extend(chunk_slots)
+            segments.append(segment)
             if chunk.logits == "all":
                 keep.extend(range(offset, offset + n))
             elif chunk.logits == "last":
@@ -215,6 +211,14 @@ class ModelRunner:
         if not any(c.logits != "none" for c in chunks) and not decodes:
             return None
         return logits[0]
+
+    def _chunk_segment(self, chunk: PrefillChunk, offset: int) -> tuple[range, list[int], PrefillSegment]:
+        """A prompt chunk's positions, the pool slots its new keys and values go to, and its segment starting at
+        `offset` among a pass's tokens."""
+        end = chunk.start + len(chunk.token_ids)
+        span = range(chunk.start, end)
+        blocks = torch.tensor(chunk.blocks[:-(-end // BLOCK_SIZE)], device=self.device)
+        return span, [_slot(chunk.blocks, p) for p in span], PrefillSegment(offset, len(span), chunk.start, blocks)
 
     def _decode_rows(self, decodes: list[DecodeRow]):
         """The decode rows packed bucket by bucket: their tokens, positions and cache slots in packed order, the
@@ -267,12 +271,9 @@ class ModelRunner:
         for chunk in chunks:
             if chunk.start and not self.prefill_continues:
                 raise RuntimeError("this model's recurrent layers compute each prompt in one pass")
-            n, end = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
-            span = range(chunk.start, end)
-            segment = PrefillSegment(0, n, chunk.start,
-                                     torch.tensor(chunk.blocks[:-(-end // BLOCK_SIZE)], device=self.device))
-            layout = StepLayout([], [segment], torch.tensor([_slot(chunk.blocks, p) for p in span],
-                                                            device=self.device))
+            span, chunk_slots, segment = self._chunk_segment(chunk, 0)
+            layout = StepLayout([], [segment], torch.tensor(chunk_slots, device=self.device))
+            n = len(span)
             keep = list(range(n)) if chunk.logits == "all" else [n - 1]
             with StateStepCache(self.kv, layout, self.states, [chunk.state_slot],
                                 previous=chunk.start > 0) as cache:

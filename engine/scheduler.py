@@ -241,15 +241,15 @@ class Scheduler:
                 seq.state_slot = self.states.allocate()
         return True
 
-    def fork(self, group: SequenceGroup) -> list[tuple[int, int]]:
+    def fork(self, group: SequenceGroup) -> tuple[list[tuple[int, int]], list[Sequence]]:
         """The prompt is computed: the further choices share its full blocks and take their own copy of its
-        partly filled one. Returns the (source, destination) block copies the cache must make."""
+        partly filled one. Returns the (source, destination) block copies the cache must make, and the choices
+        that forked (each to take the prompt's recurrent state, for models that keep one)."""
         first = group.seqs[0]
         full = first.num_computed // BLOCK_SIZE
         copies = []
-        for seq in group.seqs[1:]:
-            if seq.status != Status.FORK_PENDING:
-                continue
+        forked = [seq for seq in group.seqs[1:] if seq.status == Status.FORK_PENDING]
+        for seq in forked:
             own = seq.blocks[0]
             for block in first.blocks[:full]:
                 self.blocks.hold(block)
@@ -259,7 +259,7 @@ class Scheduler:
             seq.status = Status.DECODING
             if first.num_computed % BLOCK_SIZE:
                 copies.append((first.blocks[full], own))
-        return copies
+        return copies, forked
 
     def computed(self, seq: Sequence, count: int) -> None:
         """`count` more of `seq`'s tokens are in the cache: full blocks become findable by their prefix."""

@@ -14,6 +14,7 @@ twice.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,14 +33,17 @@ class StateShape:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+def with_left_context(conv_states: torch.Tensor, previous: torch.Tensor | None, width: int) -> torch.Tensor:
+    """As transformers' linear-attention cache layer: a convolution's new inputs with the left context it needs,
+    the previous state, or zeros at a sequence's start (up to the kernel width)."""
+    if previous is not None:
+        return torch.cat([previous, conv_states.to(previous.dtype)], dim=-1)
+    if conv_states.shape[-1] < width:
+        return F.pad(conv_states, (width - conv_states.shape[-1], 0))
+    return conv_states
 
 
 class RecurrentStates:
@@ -89,8 +93,8 @@ class StateStepCache(StepCache):
     """One forward pass's view of the cache for a model with recurrent layers: the paged KV writes of its
     attention layers and, for its other layers, the states of the pass's rows (one sequence per batch row).
 
-    A pass either starts its sequences from nothing (a whole prompt: no previous state) or continues them by one
-    token each (decode rows). What the layers read is gathered from the slots; what they leave, including what
+    A pass either starts its sequences from nothing (a prompt's first chunk: no previous state) or continues them
+    (decode rows, one token each, or a prompt's later chunk). What the layers read is gathered from the slots; what they leave, including what
     they change in place, is written back by `commit` once the engine step has succeeded."""
 
     def __init__(self, cache: PagedKVCache, layout: StepLayout, states: RecurrentStates, slots: list[int],
@@ -133,18 +137,10 @@ class StateStepCache(StepCache):
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
                           ) -> torch.Tensor:
-        """As transformers' linear-attention layer: returns the new inputs with the left context the causal
-        convolution needs (the previous state, or zeros at a sequence's start) and keeps the last kernel-width
-        columns."""
+        """The new inputs with their left context (`with_left_context`); keeps the last kernel-width columns."""
         key = ("conv", layer_idx, state_idx)
         width = self.states.shapes[key].shape[-1]
-        previous = self._read(key)
-        if previous is not None:
-            full = torch.cat([previous, conv_states.to(previous.dtype)], dim=-1)
-        elif conv_states.shape[-1] < width:
-            full = F.pad(conv_states, (width - conv_states.shape[-1], 0))
-        else:
-            full = conv_states
+        full = with_left_context(conv_states, self._read(key), width)
         self._live[key] = full[..., -width:]
         return full
 
