@@ -10,9 +10,12 @@ this machine at load and used only where it wins, so other CPUs keep the default
   without BF16, one decoder layer's products: 8 rows 0.80 -> 0.48 ms, 16 rows 1.60 -> 0.93, 32 rows 1.80 -> 1.43,
   256 rows about equal.
 - oneDNN's linear over a weight reordered once into its blocked layout (the primitive torch.compile uses for
-  frozen CPU models). Measured on the 2-core AMD EPYC machine, per step: 1 row 43.8 -> 22.4 ms, 16 rows
-  65.9 -> 30.7 ms, 256 rows (prefill) 423 -> 331 ms. The packed copy doubles the linear weights' memory, so this
-  applies to models up to `_MAX_MODEL_BYTES`.
+  frozen CPU models), from the batch size where it starts to win: below it the product keeps the (row- or
+  column-major) original. Which sizes win is timed over a whole decode step's weights in order, since a step
+  streams them from memory rather than from cache: on the Intel machine above the packed product lost at 1 row
+  (0.83x) and won from 4 (1.1x to 1.4x up to 64 rows); on a 2-core AMD EPYC it won from 1 row (43.8 -> 22.4 ms
+  per step). The packed copy doubles the linear weights' memory, so it applies to models up to
+  `_MAX_MODEL_BYTES`.
 
 Results equal `F.linear` up to float summation order.
 """
@@ -22,6 +25,7 @@ import logging
 import math
 import time
 import types
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +46,9 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
-    return _packed_linear(x, self.weight_packed, self.bias)
+    if x.numel() >= self.packed_from * x.shape[-1]:
+        return _packed_linear(x, self.weight_packed, self.bias)
+    return F.linear(x, self.weight, self.bias)
 
 
 def best_time(fn, repeats: int = 5) -> float:
@@ -68,23 +74,6 @@ def speedup(baseline, candidate, repeats: int = 7) -> float:
             fn()
             kept.append(time.perf_counter() - start)
     return min(times[0]) / min(times[1])
-
-
-def _probe(weight: torch.Tensor) -> float:
-    """The packed product's worst speed-up over F.linear at 1 and 16 rows on this weight (0 if unavailable)."""
-    if not torch.backends.mkldnn.is_available():
-        return 0.0
-    try:
-        packed = _pack(weight)
-        gains = []
-        for rows in (1, 16):
-            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-            if not torch.allclose(_packed_linear(x, packed, None), F.linear(x, weight), rtol=1e-3, atol=1e-3):
-                return 0.0
-            gains.append(speedup(lambda: F.linear(x, weight), lambda: _packed_linear(x, packed, None)))
-        return min(gains)
-    except (RuntimeError, AttributeError, NotImplementedError):  # a torch build without these oneDNN ops
-        return 0.0
 
 
 def bfloat16_is_native() -> bool:
@@ -167,35 +156,124 @@ def use_column_major(model: torch.nn.Module) -> int:
     return moved
 
 
-def apply(model: torch.nn.Module) -> str:
-    """Switch the model's linear layers to the layout this CPU runs fastest ("column-major", "packed" or
-    "default"), by a probe on the model's own weights."""
-    with torch.inference_mode():
-        weights = _layer_weights(model)
-        column_gain = _column_major_gain(weights) if weights else 0.0
-        packed_gain = _packed_gain(model)
-        if max(column_gain, packed_gain) < _GAIN_NEEDED:
-            log.info("CPU linear layout: column-major weights %.2fx, packed oneDNN product %.2fx; keeping the "
-                     "default product", column_gain, packed_gain)
-            return "default"
-        if column_gain >= packed_gain:
-            moved = use_column_major(model)
-            log.info("CPU linear layout: column-major weights %.2fx faster at decode sizes; moved %d weights",
-                     column_gain, moved)
-            return "column-major"
-        for module in model.modules():
-            if type(module) is not torch.nn.Linear or getattr(module, "fused_into", False):
-                continue
-            module.weight_packed = _pack(module.weight.detach())
-            module.forward = types.MethodType(_forward, module)
-    log.info("CPU linear layout: packed oneDNN product %.2fx faster; enabled", packed_gain)
-    return "packed"
+class Layout(NamedTuple):
+    column_major: bool
+    packed_from: int | None  # the fewest rows that run oneDNN's packed product; None: never
 
 
-def _packed_gain(model: torch.nn.Module) -> float:
+_PACKED_ROWS = (1, 4, 16, 64)  # the decode batch sizes the packed product is timed at
+_PACKED_GAIN_NEEDED = 1.05
+_PROBE_BYTES = 512 * 2**20  # a step's weights beyond this are left out of the timing (it streams them alike)
+
+
+def _step_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights a decode step multiplies by, in its order (fused projections included, their parts not), up
+    to `_PROBE_BYTES`, and the output head."""
     head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear) or head.weight.dtype != torch.float32:
-        return 0.0
+    weights, total = [], 0
+    for module in model.modules():
+        if type(module) is not torch.nn.Linear or getattr(module, "fused_into", False) or module is head:
+            continue
+        weights.append(module.weight.detach())
+        total += module.weight.numel() * module.weight.element_size()
+        if total >= _PROBE_BYTES:
+            break
+    return weights + [head.weight.detach()]
+
+
+def _key(weight: torch.Tensor) -> tuple:
+    return weight.data_ptr(), tuple(weight.shape)
+
+
+def _packed_from(model: torch.nn.Module) -> tuple[int | None, dict[int, float], dict[tuple, torch.Tensor]]:
+    """The fewest rows from which oneDNN's packed product beats the current one (by `_PACKED_GAIN_NEEDED`) at
+    every probed decode size, timed over a step's weights in order; the speed-up at each size; and the packed
+    weights made for the timing. None where packing is unavailable, not allowed or not faster, or where it loses
+    more than 10% at prefill size."""
+    head = model.get_output_embeddings()
+    if not (torch.backends.mkldnn.is_available() and isinstance(head, torch.nn.Linear)
+            and head.weight.dtype == torch.float32):
+        return None, {}, {}
     if sum(p.numel() * p.element_size() for p in model.parameters()) > _MAX_MODEL_BYTES:
-        return 0.0  # the packed copy would double too much memory
-    return _probe(head.weight.detach()[:16384])
+        return None, {}, {}  # the packed copy would double too much memory
+    weights = _step_weights(model)
+    try:
+        packs = [_pack(w) for w in weights]
+        x = torch.randn(4, weights[0].shape[1], dtype=weights[0].dtype)
+        if not torch.allclose(_packed_linear(x, packs[0], None), F.linear(x, weights[0]), rtol=1e-3, atol=1e-3):
+            return None, {}, {}
+    except (RuntimeError, AttributeError, NotImplementedError):  # a torch build without these oneDNN ops
+        return None, {}, {}
+
+    def step(rows: int, count: int):
+        x_for = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights[:count]}
+        return (lambda: [F.linear(x_for[w.shape[1]], w) for w in weights[:count]],
+                lambda: [_packed_linear(x_for[w.shape[1]], p, None) for w, p in zip(weights[:count], packs)])
+
+    layer = len(_layer_weights(model)) or 1
+    if speedup(*step(_PREFILL_ROWS, layer), repeats=3) < 0.9:
+        return None, {}, {}
+    gains = {rows: speedup(*step(rows, len(weights)), repeats=3) for rows in _PACKED_ROWS}
+    start = None
+    for rows in reversed(_PACKED_ROWS):
+        if gains[rows] < _PACKED_GAIN_NEEDED:
+            break
+        start = rows
+    return start, gains, {_key(w): p for w, p in zip(weights, packs)}
+
+
+def use_packed(model: torch.nn.Module, from_rows: int, packed: dict[tuple, torch.Tensor] | None = None) -> int:
+    """Give every linear layer (the output head included, fused projections' parts not) a packed copy of its
+    weight, used for inputs of `from_rows` rows or more (`packed`: copies already made, by `_key`). Returns how
+    many layers got one."""
+    packed = packed or {}
+    count = 0
+    for module in model.modules():
+        if type(module) is not torch.nn.Linear or getattr(module, "fused_into", False):
+            continue
+        weight = module.weight.detach()
+        module.weight_packed = packed.get(_key(weight))
+        if module.weight_packed is None:
+            module.weight_packed = _pack(weight)
+        module.packed_from = from_rows
+        module.forward = types.MethodType(_forward, module)
+        count += 1
+    return count
+
+
+_probed: dict[tuple, tuple[Layout, str]] = {}  # the probes' answers in this process, by the weights' shapes
+
+
+def apply(model: torch.nn.Module) -> Layout:
+    """Switch the model's linear layers to the layouts this CPU runs fastest, by probes on the model's own
+    weights: column-major storage where it beats row-major at decode sizes, then oneDNN's packed product for
+    the batch sizes where it beats that. A model with the same weight shapes as one probed before in this
+    process (a reload) takes the same answer without timing again."""
+    with torch.inference_mode():
+        shapes = (torch.get_num_threads(), sum(p.numel() for p in model.parameters()),
+                  tuple((tuple(w.shape), w.dtype) for w in _step_weights(model)))
+        known = _probed.get(shapes)
+        if known is None:
+            weights = _layer_weights(model)
+            column_gain = _column_major_gain(weights) if weights else 0.0
+            column_major = column_gain >= _GAIN_NEEDED
+        else:
+            column_major = known[0].column_major
+        if column_major:
+            use_column_major(model)
+        packed: dict[tuple, torch.Tensor] = {}
+        if known is None:
+            packed_from, gains, packed = _packed_from(model)  # timed against the layout now in use
+            timed = ", ".join(f"{g:.2f}x at {rows}" for rows, g in gains.items()) or "unavailable"
+            known = _probed[shapes] = (Layout(column_major, packed_from),
+                                       f"column-major {column_gain:.2f}x at decode sizes; packed {timed} rows "
+                                       f"over a step's weights")
+        else:
+            log.debug("CPU linear layout: these weight shapes were probed before in this process")
+        layout, measured = known
+        if layout.packed_from is not None:
+            use_packed(model, layout.packed_from, packed)
+        log.info("CPU linear layout: %s weights, %s (%s)", "column-major" if column_major else "row-major",
+                 f"packed product from {layout.packed_from} rows" if layout.packed_from else "no packed product",
+                 measured)
+    return layout

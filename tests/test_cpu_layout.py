@@ -1,4 +1,4 @@
-"""The CPU weight layouts (engine/cpu_layout.py): the same model, the same outputs, no memory added."""
+"""The CPU weight layouts (engine/cpu_layout.py): the same model, the same outputs; column-major adds no memory."""
 from __future__ import annotations
 
 import torch
@@ -39,14 +39,42 @@ def test_column_major_weights_keep_outputs_and_memory(tmp_path):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_the_probe_names_the_layout_it_chose(tmp_path):
+def test_packed_products_keep_outputs_and_run_from_their_batch_size(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_small_model(tmp_path), dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    short, long = torch.tensor([[1, 5, 9]]), torch.tensor([[1, 5, 9, 30, 7, 64, 3, 11]])
+    with torch.inference_mode():
+        expected = model(short).logits, model(long).logits
+        fusion.apply(model)
+        cpu_layout.use_column_major(model)
+        layers = cpu_layout.use_packed(model, 4)
+        packed_rows = []
+        real = cpu_layout._packed_linear
+        monkeypatch.setattr(cpu_layout, "_packed_linear",
+                            lambda x, packed, bias: packed_rows.append(x.numel() // x.shape[-1]) or real(x, packed, bias))
+        got_short = model(short).logits
+        assert packed_rows == [], "3 rows ran the packed product, which starts at 4"
+        got_long = model(long).logits
+
+    # the fused products (2 per layer), o_proj and down_proj, and the output head
+    assert layers == 4 * len(model.model.layers) + 1
+    assert packed_rows == [8] * layers
+    torch.testing.assert_close(got_short, expected[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_long, expected[1], rtol=1e-4, atol=1e-4)
+
+
+def test_the_probe_names_the_layouts_it_chose(tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(build_small_model(tmp_path), dtype=torch.float32).eval()
     model.requires_grad_(False)
     with torch.inference_mode():
         fusion.apply(model)
-    choice = cpu_layout.apply(model)
-    assert choice in ("default", "column-major", "packed")
+    layout = cpu_layout.apply(model)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and not getattr(m, "fused_into", False)]
     strides = {m.weight.stride() for m in model.model.layers[0].modules() if type(m) is torch.nn.Linear}
-    assert (choice == "column-major") == all(s[0] == 1 for s in strides)
+    assert layout.column_major == all(s[0] == 1 for s in strides)
+    assert layout.packed_from in (None, *cpu_layout._PACKED_ROWS)
+    assert all(getattr(m, "packed_from", None) == layout.packed_from for m in linears)
