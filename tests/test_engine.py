@@ -303,3 +303,21 @@ def test_model_loads_once_for_many_first_jobs_and_failures_reach_every_waiter(wo
     assert calls.count(missing) == 1  # the four waited on one attempt
     asyncio.run(four_jobs())
     assert calls.count(missing) == 2  # a later job tries again: the source may have become reachable
+
+
+@pytest.mark.parametrize("vocab", [49152, 49153, 3000, 700])
+def test_the_chunked_argmax_picks_what_torch_picks(vocab):
+    """The sampler's CPU argmax (each chunk's maximum, then the winning chunk) against torch's, ties included:
+    the first of equal maxima, in the last chunk and the shorter tail alike, and rows of NaN or -inf."""
+    from engine.sampling import argmax
+
+    generator = torch.Generator().manual_seed(vocab)
+    x = torch.randn(8, vocab + 5, generator=generator)[:, :vocab]  # a view with padded rows, as the sampler gets
+    x[1, 3] = x[1, vocab - 1] = 50.0
+    x[2, vocab - 1] = x[2, vocab - 2] = 60.0
+    x[3, vocab // 2] = x[3, vocab // 2 + 1] = x[3, vocab - 3] = 70.0
+    x[4] = float("-inf")
+    x[5, vocab - 7] = float("nan")
+    x[6, vocab - 1] = 80.0  # alone in the tail
+    x[7, min(1023, vocab - 1)] = x[7, min(1024, vocab - 1)] = 90.0
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
