@@ -362,6 +362,17 @@ def start_resolving(uri: str, cache: Path, go: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _bytes_in(folder: Path) -> int:
+    """Bytes of the files in a folder that a download is writing into (a part file may be renamed as we look)."""
+    total = 0
+    for path in folder.rglob("*"):
+        try:
+            total += path.stat().st_size if path.is_file() else 0
+        except FileNotFoundError:
+            pass
+    return total
+
+
 def test_crash_mid_download_leaves_no_complete_looking_folder(served_s3, small_model, tmp_path):
     served_s3.bytes_per_s = 2 * 2**20
     go = tmp_path / "go"
@@ -371,7 +382,7 @@ def test_crash_mid_download_leaves_no_complete_looking_folder(served_s3, small_m
         deadline = time.monotonic() + 120
         while True:
             scratch = list((tmp_path / "models" / "s3").glob(".*.tmp-*")) if (tmp_path / "models").exists() else []
-            if scratch and sum(p.stat().st_size for p in scratch[0].rglob("*") if p.is_file()) > 2**20:
+            if scratch and _bytes_in(scratch[0]) > 2**20:
                 break
             assert process.poll() is None, process.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "the download never started"
