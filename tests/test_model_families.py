@@ -100,8 +100,11 @@ HYBRID_FAMILIES: dict[str, dict] = {
     "zamba2": dict(mamba_d_state=8, mamba_headdim=16, mamba_ngroups=1, n_mamba_heads=8, num_hidden_layers=4,
                    layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"],
                    hybrid_layer_ids=[1, 3], num_mem_blocks=1, head_dim=None),
+    # Zamba 1: its shared block is tied from layer 2, the first hybrid layer it expects
+    "zamba": dict(mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2, n_mamba_heads=2, num_hidden_layers=6,
+                  attn_layer_period=3, attn_layer_offset=2, head_dim=None),
 }
-MAMBA1_FAMILIES = {"mamba", "falcon_mamba", "jamba"}  # their scan restarts from zero: prompts prefill whole
+MAMBA1_FAMILIES = {"mamba", "falcon_mamba", "jamba", "zamba"}  # their scan restarts from zero: prompts prefill whole
 
 # Families whose attention does not dispatch through transformers' AttentionInterface: the fallback path.
 FALLBACK_FAMILIES: dict[str, dict] = {
@@ -234,7 +237,7 @@ def test_hybrid_family_matches_transformers(model_type, tmp_path, tokenizer_fold
     """Recurrent and convolution layers run in the batched engine: rows of different lengths decode in one pass,
     each from its own state slot, and n = 2 forks the prompt's state. Layers that carry a state into a
     multi-token pass prefill the 70-token prompt in chunks of 32; Mamba-1's scan (mamba, falcon_mamba, jamba)
-    restarts from zero, which the start-up probe finds, so those prompts go whole."""
+    restarts from zero, which the start-up probe finds, so those prompts go whole (Zamba's too)."""
     model = build_model(model_type, HYBRID_FAMILIES[model_type], tmp_path, tokenizer_folder)
     engine = _engine(tmp_path)
     try:
