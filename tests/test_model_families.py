@@ -366,6 +366,31 @@ def test_fallback_family_matches_transformers(model_type, tmp_path, tokenizer_fo
     _serve_on_fallback(model_type, tmp_path, tokenizer_folder, caplog, lambda model: type(model).__name__)
 
 
+def test_beam_search_on_the_fallback_path_is_a_400_over_the_api(tmp_path, tokenizer_folder):
+    """Over HTTP with the official client: beam search on a fallback-path model is a 400 naming the parameter
+    and why (never sampled instead), and the worker goes on serving the next request."""
+    import openai
+
+    from conftest import start_gateway
+
+    build_model("gptj", FALLBACK_FAMILIES["gptj"], tmp_path, tokenizer_folder)
+    process, url = start_gateway({"MODEL_NAME": str(tmp_path), "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "tiny-gptj",
+                                  "KV_CACHE_MEMORY": str(8 * 2**20)})
+    try:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="tiny-gptj", prompt="one two three", max_tokens=4, n=2, best_of=2,
+                                      extra_body={"use_beam_search": True})
+        error = refused.value.body
+        assert error["param"] == "use_beam_search" and "fallback path" in error["message"], error
+        served = client.completions.create(model="tiny-gptj", prompt="one two three", max_tokens=4,
+                                           extra_body={"ignore_eos": True})
+        assert served.usage.completion_tokens == 4
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 @pytest.mark.parametrize("model_type", ["lfm2", "mamba"])
 def test_a_model_the_start_up_probe_rejects_is_served_on_the_fallback(model_type, tmp_path, tokenizer_folder,
                                                                        monkeypatch, caplog):
