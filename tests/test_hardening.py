@@ -326,18 +326,25 @@ def test_s3_credentials_never_reach_any_output(tmp_path):
 
 
 def _open_streams(base: str, count: int, max_tokens: int) -> tuple[list, threading.Event]:
-    """`count` streaming completions read on threads; each result is (chunks, ended with [DONE])."""
+    """`count` streaming completions read on threads; each result is (tokens, ended with [DONE]). Tokens are the
+    final usage chunk's count (a chunk may carry two tokens when the first ends mid-character), or the content
+    chunks received when the stream was cut before it."""
     results: list = [None] * count
     started = threading.Barrier(count + 1)
 
     def read(i: int) -> None:
-        body = {"prompt": f"Story {i}:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-        chunks, done, signalled = 0, False, False
+        body = {"prompt": f"Story {i}:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        chunks, usage, done, signalled = 0, None, False, False
         try:
             with httpx.stream("POST", base + "/openai/v1/completions", json=body, timeout=120) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
-                        chunks += 1
+                        chunk = json.loads(line.removeprefix("data: "))
+                        if chunk.get("usage"):
+                            usage = chunk["usage"]["completion_tokens"]
+                        elif chunk.get("choices"):
+                            chunks += 1
                         if not signalled:
                             signalled = True
                             started.wait()
@@ -346,7 +353,7 @@ def _open_streams(base: str, count: int, max_tokens: int) -> tuple[list, threadi
             pass
         if not signalled:
             started.wait()
-        results[i] = (chunks, done)
+        results[i] = (usage if usage is not None else chunks, done)
 
     threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(count)]
     for thread in threads:
