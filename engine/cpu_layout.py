@@ -168,7 +168,7 @@ _PROBE_BYTES = 512 * 2**20  # a step's weights beyond this are left out of the t
 
 def _step_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     """The weights a decode step multiplies by, in its order (fused projections included, their parts not), up
-    to `_PROBE_BYTES`, and the output head."""
+    to `_PROBE_BYTES`, and the output head where it is a linear layer."""
     head = model.get_output_embeddings()
     weights, total = [], 0
     for module in model.modules():
@@ -178,7 +178,7 @@ def _step_weights(model: torch.nn.Module) -> list[torch.Tensor]:
         total += module.weight.numel() * module.weight.element_size()
         if total >= _PROBE_BYTES:
             break
-    return weights + [head.weight.detach()]
+    return weights + ([head.weight.detach()] if isinstance(head, torch.nn.Linear) else [])
 
 
 def _key(weight: torch.Tensor) -> tuple:
@@ -244,6 +244,21 @@ def use_packed(model: torch.nn.Module, from_rows: int, packed: dict[tuple, torch
 _probed: dict[tuple, tuple[Layout, str]] = {}  # the probes' answers in this process, by the weights' shapes
 
 
+def _probe(model: torch.nn.Module) -> tuple[Layout, str, dict[tuple, torch.Tensor]]:
+    """Time the layouts on the model's own weights, moving it to column-major storage first where that wins (the
+    packed product is then timed against the layout in use): the layout, what was measured, and the packed copies
+    the timing made."""
+    weights = _layer_weights(model)
+    column_gain = _column_major_gain(weights) if weights else 0.0
+    column_major = column_gain >= _GAIN_NEEDED
+    if column_major:
+        use_column_major(model)
+    packed_from, gains, packed = _packed_from(model)
+    timed = ", ".join(f"{g:.2f}x at {rows}" for rows, g in gains.items()) or "unavailable"
+    measured = f"column-major {column_gain:.2f}x at decode sizes; packed {timed} rows over a step's weights"
+    return Layout(column_major, packed_from), measured, packed
+
+
 def apply(model: torch.nn.Module) -> Layout:
     """Switch the model's linear layers to the layouts this CPU runs fastest, by probes on the model's own
     weights: column-major storage where it beats row-major at decode sizes, then oneDNN's packed product for
@@ -252,28 +267,18 @@ def apply(model: torch.nn.Module) -> Layout:
     with torch.inference_mode():
         shapes = (torch.get_num_threads(), sum(p.numel() for p in model.parameters()),
                   tuple((tuple(w.shape), w.dtype) for w in _step_weights(model)))
-        known = _probed.get(shapes)
-        if known is None:
-            weights = _layer_weights(model)
-            column_gain = _column_major_gain(weights) if weights else 0.0
-            column_major = column_gain >= _GAIN_NEEDED
-        else:
-            column_major = known[0].column_major
-        if column_major:
-            use_column_major(model)
         packed: dict[tuple, torch.Tensor] = {}
-        if known is None:
-            packed_from, gains, packed = _packed_from(model)  # timed against the layout now in use
-            timed = ", ".join(f"{g:.2f}x at {rows}" for rows, g in gains.items()) or "unavailable"
-            known = _probed[shapes] = (Layout(column_major, packed_from),
-                                       f"column-major {column_gain:.2f}x at decode sizes; packed {timed} rows "
-                                       f"over a step's weights")
-        else:
+        if shapes in _probed:
             log.debug("CPU linear layout: these weight shapes were probed before in this process")
-        layout, measured = known
+            layout, measured = _probed[shapes]
+            if layout.column_major:
+                use_column_major(model)
+        else:
+            layout, measured, packed = _probe(model)
+            _probed[shapes] = layout, measured
         if layout.packed_from is not None:
             use_packed(model, layout.packed_from, packed)
-        log.info("CPU linear layout: %s weights, %s (%s)", "column-major" if column_major else "row-major",
+        log.info("CPU linear layout: %s weights, %s (%s)", "column-major" if layout.column_major else "row-major",
                  f"packed product from {layout.packed_from} rows" if layout.packed_from else "no packed product",
                  measured)
     return layout

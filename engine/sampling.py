@@ -17,7 +17,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` of a [rows, vocab] tensor, the same indices (first of equal maxima) 5x faster on CPU,
     whose argmax runs unvectorised (1.3 ms for 32 rows of a 49k vocabulary): each chunk's maximum (a vectorised
     reduction), the first chunk holding the row's maximum, then argmax within that chunk only."""
-    rows, vocab = x.shape
+    vocab = x.shape[-1]
     chunks = vocab // _ARGMAX_CHUNK
     if x.device.type != "cpu" or chunks < 2:
         return x.argmax(dim=-1)

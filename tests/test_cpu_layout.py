@@ -78,3 +78,16 @@ def test_the_probe_names_the_layouts_it_chose(tmp_path):
     assert layout.column_major == all(s[0] == 1 for s in strides)
     assert layout.packed_from in (None, *cpu_layout._PACKED_ROWS)
     assert all(getattr(m, "packed_from", None) == layout.packed_from for m in linears)
+
+
+def test_a_model_without_a_linear_output_head_keeps_its_products_unpacked(tmp_path):
+    """The packed product needs the output head's weight; a model whose head is not a linear layer still loads,
+    with no packed copies."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_small_model(tmp_path), dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    model.get_output_embeddings = lambda: None
+    layout = cpu_layout.apply(model)
+    assert layout.packed_from is None
+    assert not any(hasattr(m, "weight_packed") for m in model.modules())
