@@ -46,7 +46,10 @@ def _sdpa(query, key, value, mask, scaling, softcap, is_causal=False, sinks=None
                                           enable_gqa=query.shape[1] != key.shape[1])
 
 
-def _paged(module, query, key, value, scaling, softcap, window, sinks):
+def paged_attention(module, query, key, value, scaling, softcap=None, window=None, sinks=None):
+    """Attention of one step's packed tokens over the paged cache, inside a StepCache: query [1, heads, tokens,
+    dim]; key and value [1, kv_heads, tokens, dim], the step's own (already written to the cache). Returns
+    [1, tokens, heads, value_dim]."""
     cache, layout = current_layout()
     layer = module.layer_idx
     if layer not in cache.layers:
@@ -103,10 +106,10 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         if rows > 1:
             # A stateful model's decode pass (runner.py): one sequence per batch row, one token each, which is
             # the packed layout's decode rows laid along the batch.
-            out = _paged(module, query.transpose(0, 2), key.transpose(0, 2), value.transpose(0, 2), scaling,
+            out = paged_attention(module, query.transpose(0, 2), key.transpose(0, 2), value.transpose(0, 2), scaling,
                          softcap, window, s_aux)
             return out.view(rows, 1, *out.shape[2:]), None
-        return _paged(module, query, key, value, scaling, softcap, window, s_aux), None
+        return paged_attention(module, query, key, value, scaling, softcap, window, s_aux), None
     out = _sdpa(query, key, value, attention_mask, scaling, softcap, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 

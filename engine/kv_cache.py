@@ -254,14 +254,18 @@ class StepCache(ForwardCache):
         _current.step = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # [1, kv_heads, tokens, dim] -> [tokens, kv_heads, dim] rows of the flattened pool (a stateful model's
+        # decode pass has one row per sequence instead: [rows, kv_heads, 1, dim])
+        self.write(layer_idx, _token_rows(key_states), _token_rows(value_states))
+        return key_states, value_states
+
+    def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store the step's keys and values, [tokens, kv_heads, dim] in packed order, in their slots."""
         self.layout.written_layer = layer_idx
         k_pool, v_pool = self.cache.pools(layer_idx)
         slots = self.layout.on(k_pool.device).slots
-        # [1, kv_heads, tokens, dim] -> [tokens, kv_heads, dim] rows of the flattened pool (a stateful model's
-        # decode pass has one row per sequence instead: [rows, kv_heads, 1, dim])
-        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, _token_rows(key_states).to(k_pool.dtype))
-        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, _token_rows(value_states).to(v_pool.dtype))
-        return key_states, value_states
+        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, keys.to(k_pool.dtype))
+        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, values.to(v_pool.dtype))
 
 
 def _token_rows(states: torch.Tensor) -> torch.Tensor:

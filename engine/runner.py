@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_manager import BLOCK_SIZE
+from .compact_decoder import CompactDecoder
 from .kv_cache import DecodeBucket, ForwardCache, LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
 from .state_cache import RecurrentStates, StateKey, StateShape, StateStepCache, with_left_context
 
@@ -113,6 +114,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self._cache_argument = cache_argument(model)
+        self.compact: CompactDecoder | None = None  # set once checked, below
+        self.compact_reason = "the model has recurrent layers"
         self.layer_shapes, state_shapes = self._probe_layers()
         # A model with recurrent or convolution layers keeps one state slot per running sequence (state_cache.py);
         # their memory comes out of the budget first.
@@ -128,6 +131,8 @@ class ModelRunner:
         # Whether a prompt may be computed in chunks: always for attention, for recurrent layers when they continue
         # a multi-token pass from the state an earlier one left (found out by trying).
         self.prefill_continues = self.states is None or self._probe_continuation()
+        if self.states is None and self.layer_shapes:
+            self.compact, self.compact_reason = self._compact_decoder()
 
     @torch.inference_mode()
     def _probe_layers(self) -> tuple[dict[int, LayerShape], dict[StateKey, StateShape]]:
@@ -156,6 +161,39 @@ class ModelRunner:
         split = self._execute_stateful([], [PrefillChunk(ids[10:], 10, blocks, "last", state_slot=0)])
         scale = whole.float().abs().max().item()
         return bool(torch.allclose(split.float(), whole.float(), rtol=0.0, atol=0.02 * scale))
+
+    @torch.inference_mode()
+    def _compact_decoder(self) -> tuple[CompactDecoder | None, str]:
+        """The compact forward (compact_decoder.py) where the model has its structure and computes the same logits
+        through the paged cache: two steps covering each attention path (prompts from position 0, a decode row,
+        a chunk continuing its sequence) run with the model's own forward, then again with the compact one."""
+        decoder, why = CompactDecoder.build(self.model)
+        if decoder is None:
+            return None, why
+        if len({s.device for s in self.layer_shapes.values()}) > 1:
+            return None, "its layers are spread over several devices"
+        vocab = min(97, self.model.config.get_text_config().vocab_size - 1)
+        first = [1 + (i * 37) % vocab for i in range(21)]
+        second = [1 + (i * 53) % vocab for i in range(30)]
+        blocks_first, blocks_second = [0, 1], [2, 3]
+        if self.kv.num_blocks < 4:
+            return None, "the KV cache is too small to check it"
+        steps = [([], [PrefillChunk(first[:20], 0, blocks_first, "all"), PrefillChunk(second[:12], 0, blocks_second,
+                                                                                          "last")]),
+                 ([DecodeRow(first[20], 20, blocks_first)], [PrefillChunk(second[12:], 12, blocks_second, "all")])]
+        own = [self.execute(*step) for step in steps]
+        self.compact = decoder
+        try:
+            compact = [self.execute(*step) for step in steps]
+        finally:
+            self.compact = None
+        tolerance = 1e-4 if self.dtype == torch.float32 else 2e-2
+        for expected, got in zip(own, compact):
+            scale = expected.float().abs().max().item()
+            if got.shape != expected.shape or not torch.allclose(got.float(), expected.float(), rtol=0.0,
+                                                                 atol=tolerance * scale):
+                return None, "its logits differ from the model's own forward"
+        return decoder, ""
 
     @torch.inference_mode()
     def _cuda_blocks(self, utilization: float, profile_tokens: int) -> int:
@@ -247,6 +285,9 @@ class ModelRunner:
         return ids, positions, slots, buckets, packed_at
 
     def _forward(self, ids: list[list[int]], positions: list[list[int]], cache, keep: list[int]) -> torch.Tensor:
+        if self.compact is not None:
+            return self.compact(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                                cache, torch.tensor(keep, device=self.device))
         out = self.model(input_ids=torch.tensor(ids, device=self.device),
                          position_ids=torch.tensor(positions, device=self.device), use_cache=True,
                          logits_to_keep=torch.tensor(keep, device=self.device), **{self._cache_argument: cache})

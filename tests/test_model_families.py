@@ -196,6 +196,10 @@ def _engine(folder) -> AsyncEngine:
                                     kv_cache_memory=8 * 2**20, max_num_seqs=8))
 
 
+# Families the engine runs with its compact forward (engine/compact_decoder.py) rather than the model's own.
+COMPACT_FAMILIES = {"llama", "mistral", "qwen2"}
+
+
 @pytest.mark.parametrize("model_type", sorted(FAST_FAMILIES))
 def test_family_matches_transformers(model_type, tmp_path, tokenizer_folder):
     model = build_model(model_type, FAST_FAMILIES[model_type], tmp_path, tokenizer_folder)
@@ -206,6 +210,8 @@ def test_family_matches_transformers(model_type, tmp_path, tokenizer_folder):
         assert max(map(len, rows)) > 2 * BATCHED_TOKENS and max(map(len, rows)) > WINDOW
         serve_and_compare(engine, model, rows)
         assert isinstance(engine.engine, Engine)  # the paged, batched path
+        runner = engine.engine.runner
+        assert (runner.compact is not None) == (model_type in COMPACT_FAMILIES), runner.compact_reason
         # Served at the model's own context, not capped at a sliding window.
         assert engine.max_model_len == model.config.max_position_embeddings
     finally:
@@ -219,15 +225,36 @@ def test_comparison_fails_when_a_layer_is_perturbed(tmp_path, tokenizer_folder):
     try:
         asyncio.run(engine.start())
         served = engine.engine.runner.model
-        layer = served.model.layers[-1]
-        hook = layer.register_forward_hook(lambda module, args, output: (
-            (output[0] + 0.05, *output[1:]) if isinstance(output, tuple) else output + 0.05))
+        # A weight both forward paths read (the model's own and engine/compact_decoder.py's) as it stands.
+        norm = served.model.layers[-1].post_attention_layernorm.weight
+        original = norm.detach().clone()
+        norm.data.add_(0.05)
         try:
             with pytest.raises(AssertionError, match="!="):
                 serve_and_compare(engine, model, prompts(1))
         finally:
-            hook.remove()
+            norm.data.copy_(original)
         serve_and_compare(engine, model, prompts(1))  # and without the change it passes
+    finally:
+        engine.close()
+
+
+def test_a_compact_forward_that_differs_is_not_used(tmp_path, tokenizer_folder, monkeypatch, caplog):
+    """The start-up check compares the compact forward's logits with the model's own through the paged cache;
+    one layer computing slightly differently keeps the model's own forward, which serves exactly."""
+    from engine import compact_decoder
+
+    model = build_model("llama", FAST_FAMILIES["llama"], tmp_path, tokenizer_folder)
+    layer_call = compact_decoder._Layer.__call__
+    monkeypatch.setattr(compact_decoder._Layer, "__call__",
+                        lambda self, x, *args: layer_call(self, x, *args) + (0.05 if self.index == 1 else 0.0))
+    engine = _engine(tmp_path)
+    try:
+        with caplog.at_level("INFO", logger="engine"):
+            asyncio.run(engine.start())
+        assert engine.engine.runner.compact is None
+        assert "forward pass: the model's own (its logits differ from the model's own forward)" in caplog.text
+        serve_and_compare(engine, model, prompts(2))
     finally:
         engine.close()
 
