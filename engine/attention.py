@@ -63,7 +63,9 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
     # reading the cache: gathered latents go through the module's own expansion.
     expand = getattr(module, "expand_kv", None)
     tokens = query.shape[2]
-    out = query.new_empty((1, tokens, query.shape[1], value.shape[-1]))
+    # A step of one bucket or one segment (one stream decoding, one prompt) returns its attention output as is.
+    single = len(layout.buckets) + len(layout.segments) == 1
+    out = None if single else query.new_empty((1, tokens, query.shape[1], value.shape[-1]))
     for index, bucket in enumerate(layout.buckets):
         rows, span = bucket.rows, slice(bucket.offset, bucket.offset + bucket.rows)
         q = query[0, :, span].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
@@ -75,6 +77,8 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
         if expand is not None:
             k, v = expand(k, v)
         o = _sdpa(q, k, v, mask, scaling, softcap, sinks=sinks)
+        if single:
+            return o[:, :, 0].unsqueeze(0)
         out[0, span] = o[:, :, 0]
     for index, seg in enumerate(layout.segments):
         span = slice(seg.offset, seg.offset + seg.length)
@@ -90,6 +94,8 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
             if expand is not None:
                 k, v = expand(k, v)
             o = _sdpa(q, k, v, mask, scaling, softcap, sinks=sinks)
+        if single:
+            return o.transpose(1, 2)
         out[0, span] = o[0].transpose(0, 1)
     return out
 
@@ -108,7 +114,7 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             # the packed layout's decode rows laid along the batch.
             out = paged_attention(module, query.transpose(0, 2), key.transpose(0, 2), value.transpose(0, 2), scaling,
                          softcap, window, s_aux)
-            return out.view(rows, 1, *out.shape[2:]), None
+            return out.reshape(rows, 1, *out.shape[2:]), None
         return paged_attention(module, query, key, value, scaling, softcap, window, s_aux), None
     out = _sdpa(query, key, value, attention_mask, scaling, softcap, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None

@@ -4,7 +4,7 @@ A decode step of a small model on CPU spends a third of its time outside the mat
 layer code goes through decorators, keyword plumbing, config lookups, the attention registry and a cache object
 per layer, about 25 Python calls per layer on top of the tensor operations. For the families whose layer is
 exactly norm -> q/k/v -> rotary -> attention -> o_proj -> residual -> norm -> MLP -> residual (Llama, Mistral,
-Qwen2 and the many checkpoints built on them) this runs the same tensor operations on the same modules
+Qwen2, Qwen3 and the many checkpoints built on them) this runs the same tensor operations on the same modules
 directly, with the rotary embedding applied to queries and keys in one operation. The runner checks it against
 the model's own forward through the paged cache at start-up and keeps the model's own forward where the two
 differ, so it can only be used where it computes what transformers computes.
@@ -17,22 +17,18 @@ from torch.nn.modules import module as nn_module
 from .attention import WINDOW_ATTRIBUTE, paged_attention
 from .kv_cache import StepCache
 
-# The model classes whose decoder layers have the structure above; each maps to where its attention layers
-# keep their sliding window (None: full attention unless engine/windows.py marked the module).
-_FAMILIES = {
-    "LlamaForCausalLM": None,
-    "MistralForCausalLM": "config",  # module.config.sliding_window, as MistralAttention passes it
-    "Qwen2ForCausalLM": "module",  # module.sliding_window, set per layer type
-}
+# The model classes whose decoder layers have the structure above (Qwen3 adds a norm over each query and key head
+# before the rotary embedding; SmolLM3 leaves the rotary embedding out of some layers). Most pass their attention
+# module's `sliding_window` to the attention function; Mistral passes its config's.
+_FAMILIES = {"LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM", "Qwen2ForCausalLM",
+             "Qwen3ForCausalLM", "SmolLM3ForCausalLM"}
 
 
-def _window(attention: torch.nn.Module, source: str | None) -> int | None:
-    if source == "config":
+def _window(attention: torch.nn.Module) -> int | None:
+    if type(attention).__name__ == "MistralAttention":
         window = getattr(attention.config, "sliding_window", None)
-    elif source == "module":
-        window = getattr(attention, "sliding_window", None)
     else:
-        window = None
+        window = getattr(attention, "sliding_window", None)
     return window or getattr(attention, WINDOW_ATTRIBUTE, None)
 
 
@@ -44,16 +40,19 @@ def _has_hooks(model: torch.nn.Module) -> bool:
 
 
 class _Layer:
-    __slots__ = ("index", "attention", "input_norm", "qkv", "o_proj", "post_norm", "mlp", "heads", "kv_heads",
-                 "head_dim", "scaling", "window")
+    __slots__ = ("index", "attention", "input_norm", "qkv", "q_norm", "k_norm", "rotary", "o_proj", "post_norm",
+                 "mlp", "heads", "kv_heads", "head_dim", "scaling", "window")
 
-    def __init__(self, layer: torch.nn.Module, window_source: str | None):
+    def __init__(self, layer: torch.nn.Module):
         attention = layer.self_attn
         self.index = attention.layer_idx
         self.attention = attention
         # Bound forwards, not the modules: the layout and fusion rewrites replaced them per instance.
         self.input_norm = layer.input_layernorm.forward
         self.qkv = attention.qkv_proj.forward
+        self.q_norm = attention.q_norm.forward if hasattr(attention, "q_norm") else None
+        self.k_norm = attention.k_norm.forward if hasattr(attention, "k_norm") else None
+        self.rotary = getattr(attention, "use_rope", True)
         self.o_proj = attention.o_proj.forward
         self.post_norm = layer.post_attention_layernorm.forward
         self.mlp = layer.mlp.forward
@@ -61,23 +60,26 @@ class _Layer:
         self.heads = attention.q_proj.out_features // self.head_dim
         self.kv_heads = attention.k_proj.out_features // self.head_dim
         self.scaling = attention.scaling
-        self.window = _window(attention, window_source)
+        self.window = _window(attention)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StepCache) -> torch.Tensor:
         tokens = x.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv(self.input_norm(x)).view(tokens, heads + 2 * kv_heads, dim)
-        # Rotary embedding of queries and keys together, as transformers' apply_rotary_pos_emb computes it:
-        # x * cos + rotate_half(x) * sin.
         qk = qkv[:, :heads + kv_heads]
-        half = dim // 2
-        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qkv[:, :heads]), self.k_norm(qkv[:, heads:heads + kv_heads])), dim=1)
+        if self.rotary:
+            # Queries and keys together, as transformers' apply_rotary_pos_emb computes each:
+            # x * cos + rotate_half(x) * sin.
+            half = dim // 2
+            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
         keys, values = qk[:, heads:], qkv[:, heads + kv_heads:]
         cache.write(self.index, keys, values)
         out = paged_attention(self.attention, qk[:, :heads].transpose(0, 1).unsqueeze(0),
                               keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), self.scaling,
                               window=self.window)
-        x = x + self.o_proj(out.view(tokens, -1))
+        x = x + self.o_proj(out.reshape(tokens, -1))
         return x + self.mlp(self.post_norm(x))
 
 
@@ -85,11 +87,11 @@ class CompactDecoder:
     """The model's forward on the paged path: `decoder(ids, positions, cache, keep)` returns the logits of the
     packed positions `keep`, [1, len(keep), vocab], as `model(..., logits_to_keep=keep)` does."""
 
-    def __init__(self, model: torch.nn.Module, window_source: str | None):
+    def __init__(self, model: torch.nn.Module):
         inner = model.model
         self.embed = inner.embed_tokens.forward
         self.rotary = inner.rotary_emb
-        self.layers = [_Layer(layer, window_source) for layer in inner.layers]
+        self.layers = [_Layer(layer) for layer in inner.layers]
         self.norm = inner.norm.forward
         self.head = model.lm_head.forward
 
@@ -98,7 +100,7 @@ class CompactDecoder:
         """The compact forward for this model, or None and why not."""
         name = type(model).__name__
         if name not in _FAMILIES:
-            return None, f"{name} is not one of {', '.join(_FAMILIES)}"
+            return None, f"no compact forward for {name}"
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
         if layers is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm")):
@@ -106,15 +108,18 @@ class CompactDecoder:
         if _has_hooks(model):
             return None, "the model has forward hooks"
         for layer in layers:
-            attention = getattr(layer, "self_attn", None)
-            if not (hasattr(attention, "qkv_proj") and all(hasattr(layer, a) for a in
-                                                           ("input_layernorm", "post_attention_layernorm", "mlp"))):
+            if not all(hasattr(layer, a) for a in ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")):
+                return None, "a decoder layer lacks the usual attention, norms and MLP"
+            attention = layer.self_attn
+            if not hasattr(attention, "qkv_proj"):
                 return None, "a layer's query, key and value projections are not fused (engine/fusion.py)"
+            if hasattr(attention, "q_norm") != hasattr(attention, "k_norm"):
+                return None, "a layer normalises queries or keys but not both"
             head_dim = attention.head_dim
             if (attention.q_proj.out_features % head_dim or attention.k_proj.out_features % head_dim
                     or attention.v_proj.out_features != attention.k_proj.out_features or head_dim % 2):
                 return None, "a layer's projections do not split into whole heads"
-        return cls(model, _FAMILIES[name]), ""
+        return cls(model), ""
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: StepCache,
                  keep: torch.Tensor) -> torch.Tensor:

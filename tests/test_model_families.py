@@ -197,7 +197,7 @@ def _engine(folder) -> AsyncEngine:
 
 
 # Families the engine runs with its compact forward (engine/compact_decoder.py) rather than the model's own.
-COMPACT_FAMILIES = {"llama", "mistral", "qwen2"}
+COMPACT_FAMILIES = {"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3"}
 
 
 @pytest.mark.parametrize("model_type", sorted(FAST_FAMILIES))
