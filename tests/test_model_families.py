@@ -239,21 +239,32 @@ def test_comparison_fails_when_a_layer_is_perturbed(tmp_path, tokenizer_folder):
         engine.close()
 
 
-def test_a_compact_forward_that_differs_is_not_used(tmp_path, tokenizer_folder, monkeypatch, caplog):
+def _differs(layer_call):
+    return lambda self, x, *args: layer_call(self, x, *args) + (0.05 if self.index == 1 else 0.0)
+
+
+def _raises(layer_call):
+    def call(self, x, *args):
+        raise RuntimeError("shapes do not broadcast")
+    return call
+
+
+@pytest.mark.parametrize("change, reason", [
+    (_differs, "its logits differ from the model's own forward"),
+    (_raises, "it failed on this model (RuntimeError: shapes do not broadcast)")])
+def test_a_compact_forward_that_differs_is_not_used(change, reason, tmp_path, tokenizer_folder, monkeypatch, caplog):
     """The start-up check compares the compact forward's logits with the model's own through the paged cache;
-    one layer computing slightly differently keeps the model's own forward, which serves exactly."""
+    one layer computing slightly differently, or failing, keeps the model's own forward, which serves exactly."""
     from engine import compact_decoder
 
     model = build_model("llama", FAST_FAMILIES["llama"], tmp_path, tokenizer_folder)
-    layer_call = compact_decoder._Layer.__call__
-    monkeypatch.setattr(compact_decoder._Layer, "__call__",
-                        lambda self, x, *args: layer_call(self, x, *args) + (0.05 if self.index == 1 else 0.0))
+    monkeypatch.setattr(compact_decoder._Layer, "__call__", change(compact_decoder._Layer.__call__))
     engine = _engine(tmp_path)
     try:
         with caplog.at_level("INFO", logger="engine"):
             asyncio.run(engine.start())
         assert engine.engine.runner.compact is None
-        assert "forward pass: the model's own (its logits differ from the model's own forward)" in caplog.text
+        assert f"forward pass: the model's own ({reason})" in caplog.text
         serve_and_compare(engine, model, prompts(2))
     finally:
         engine.close()
