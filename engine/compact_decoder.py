@@ -18,14 +18,17 @@ from .attention import WINDOW_ATTRIBUTE, paged_attention
 from .kv_cache import StepCache
 
 # The model classes whose decoder layers have the structure above (Qwen3 adds a norm over each query and key head
-# before the rotary embedding; SmolLM3 leaves the rotary embedding out of some layers). Most pass their attention
-# module's `sliding_window` to the attention function; Mistral passes its config's.
-_FAMILIES = {"LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM", "Qwen2ForCausalLM",
-             "Qwen3ForCausalLM", "SmolLM3ForCausalLM"}
+# before the rotary embedding; SmolLM3 leaves the rotary embedding out of some layers; the MLP may be a mixture of
+# experts). Most pass their attention module's `sliding_window` to the attention function; Mistral and Mixtral
+# pass their config's.
+_FAMILIES = {"LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM", "MixtralForCausalLM",
+             "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+             "SmolLM3ForCausalLM"}
+_WINDOW_FROM_CONFIG = {"MistralAttention", "MixtralAttention"}
 
 
 def _window(attention: torch.nn.Module) -> int | None:
-    if type(attention).__name__ == "MistralAttention":
+    if type(attention).__name__ in _WINDOW_FROM_CONFIG:
         window = getattr(attention.config, "sliding_window", None)
     else:
         window = getattr(attention, "sliding_window", None)
@@ -63,7 +66,7 @@ class _Layer:
         self.window = _window(attention)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StepCache) -> torch.Tensor:
-        tokens = x.shape[0]
+        tokens = x.shape[1]  # x: [1, tokens, hidden], the shape the model's own modules take (MoE blocks need it)
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv(self.input_norm(x)).view(tokens, heads + 2 * kv_heads, dim)
         qk = qkv[:, :heads + kv_heads]
@@ -79,7 +82,7 @@ class _Layer:
         out = paged_attention(self.attention, qk[:, :heads].transpose(0, 1).unsqueeze(0),
                               keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), self.scaling,
                               window=self.window)
-        x = x + self.o_proj(out.reshape(tokens, -1))
+        x = x + self.o_proj(out.reshape(1, tokens, -1))
         return x + self.mlp(self.post_norm(x))
 
 
@@ -126,7 +129,7 @@ class CompactDecoder:
         hidden = self.embed(ids)  # [1, tokens, hidden]
         cos, sin = self.rotary(hidden, positions)  # [1, tokens, head_dim]
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # broadcast over heads
-        x = hidden[0]
+        x = hidden
         for layer in self.layers:
             x = layer(x, cos, sin, cache)
-        return self.head(self.norm(x.index_select(0, keep))).unsqueeze(0)
+        return self.head(self.norm(x.index_select(1, keep)))

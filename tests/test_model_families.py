@@ -197,7 +197,8 @@ def _engine(folder) -> AsyncEngine:
 
 
 # Families the engine runs with its compact forward (engine/compact_decoder.py) rather than the model's own.
-COMPACT_FAMILIES = {"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3"}
+COMPACT_FAMILIES = {"llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+                    "smollm3"}
 
 
 @pytest.mark.parametrize("model_type", sorted(FAST_FAMILIES))
