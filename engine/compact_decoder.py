@@ -12,9 +12,11 @@ differ, so it can only be used where it computes what transformers computes.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.nn.modules import module as nn_module
 
 from .attention import WINDOW_ATTRIBUTE, paged_attention
+from .fusion import gated_mlp_forward
 from .kv_cache import StepCache
 
 # The model classes whose decoder layers have the structure above (Qwen3 adds a norm over each query and key head
@@ -44,7 +46,7 @@ def _has_hooks(model: torch.nn.Module) -> bool:
 
 class _Layer:
     __slots__ = ("index", "attention", "input_norm", "qkv", "q_norm", "k_norm", "rotary", "o_proj", "post_norm",
-                 "mlp", "heads", "kv_heads", "head_dim", "scaling", "window")
+                 "mlp", "gate_up", "down", "intermediate", "heads", "kv_heads", "head_dim", "scaling", "window")
 
     def __init__(self, layer: torch.nn.Module):
         attention = layer.self_attn
@@ -59,6 +61,14 @@ class _Layer:
         self.o_proj = attention.o_proj.forward
         self.post_norm = layer.post_attention_layernorm.forward
         self.mlp = layer.mlp.forward
+        # A SiLU-gated MLP that fusion.py merged runs inline (its module calls and attribute lookups cost 4% of a
+        # one-row step); any other MLP (mixtures of experts...) through its own forward.
+        mlp = layer.mlp
+        inline = (getattr(mlp.forward, "__func__", None) is gated_mlp_forward
+                  and type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation"))
+        self.gate_up = mlp.gate_up_proj.forward if inline else None
+        self.down = mlp.down_proj.forward if inline else None
+        self.intermediate = (mlp.gate_proj.out_features, mlp.up_proj.out_features) if inline else None
         self.head_dim = attention.head_dim
         self.heads = attention.q_proj.out_features // self.head_dim
         self.kv_heads = attention.k_proj.out_features // self.head_dim
@@ -83,7 +93,10 @@ class _Layer:
                               keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), self.scaling,
                               window=self.window)
         x = x + self.o_proj(out.reshape(1, tokens, -1))
-        return x + self.mlp(self.post_norm(x))
+        if self.gate_up is None:
+            return x + self.mlp(self.post_norm(x))
+        gate, up = self.gate_up(self.post_norm(x)).split_with_sizes(self.intermediate, -1)
+        return x + self.down(F.silu(gate) * up)
 
 
 class CompactDecoder:

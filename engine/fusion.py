@@ -38,7 +38,7 @@ def _share(fused: torch.Tensor, parts: list[torch.nn.Linear]) -> None:
         start += rows
 
 
-def _gated_mlp_forward(self, x):
+def gated_mlp_forward(self, x):
     gate, up = self.gate_up_proj(x).split(self.gate_proj.out_features, dim=-1)
     return self.down_proj(self.act_fn(gate) * up)
 
@@ -54,11 +54,11 @@ def _fuse_mlp(module: torch.nn.Module) -> bool:
                             device=weight.device, dtype=weight.dtype)
     fused.weight = torch.nn.Parameter(torch.cat([gate.weight, up.weight]).detach(), requires_grad=False)
     module.gate_up_proj = fused
-    if not _matches(module, _gated_mlp_forward, gate.in_features, weight.dtype, weight.device):
+    if not _matches(module, gated_mlp_forward, gate.in_features, weight.dtype, weight.device):
         del module.gate_up_proj
         return False
     _share(fused.weight, [gate, up])
-    module.forward = types.MethodType(_gated_mlp_forward, module)
+    module.forward = types.MethodType(gated_mlp_forward, module)
     return True
 
 
