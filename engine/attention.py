@@ -100,13 +100,17 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
     return out
 
 
+def layer_window(module, sliding_window: int | None) -> int | None:
+    """The window an attention layer attends over: the one its model passes, else the one engine/windows.py
+    marked at load (models that build a sliding-window mask without passing the window here)."""
+    return sliding_window or getattr(module, WINDOW_ATTRIBUTE, None)
+
+
 def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                softcap: float | None = None, sliding_window: int | None = None, s_aux: torch.Tensor | None = None,
                **kwargs):
-    # Models that build a sliding-window mask without passing the window here get it from their config
-    # (engine/windows.py marks their attention modules at load).
-    window = sliding_window or getattr(module, WINDOW_ATTRIBUTE, None)
+    window = layer_window(module, sliding_window)
     if current_layout() is not None:
         rows = query.shape[0]
         if rows > 1:

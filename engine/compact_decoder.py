@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as nn_module
 
-from .attention import WINDOW_ATTRIBUTE, paged_attention
+from .attention import layer_window, paged_attention
 from .fusion import gated_mlp_forward
 from .kv_cache import StepCache
 
@@ -30,11 +30,9 @@ _WINDOW_FROM_CONFIG = {"MistralAttention", "MixtralAttention"}
 
 
 def _window(attention: torch.nn.Module) -> int | None:
-    if type(attention).__name__ in _WINDOW_FROM_CONFIG:
-        window = getattr(attention.config, "sliding_window", None)
-    else:
-        window = getattr(attention, "sliding_window", None)
-    return window or getattr(attention, WINDOW_ATTRIBUTE, None)
+    """The window the model's own attention forward passes, resolved as the engine's attention resolves it."""
+    source = attention.config if type(attention).__name__ in _WINDOW_FROM_CONFIG else attention
+    return layer_window(attention, getattr(source, "sliding_window", None))
 
 
 def _has_hooks(model: torch.nn.Module) -> bool:

@@ -58,6 +58,13 @@ def _length_buckets(decodes: list[DecodeRow]) -> list[list[int]]:
     return buckets
 
 
+def _logits_match(expected: torch.Tensor, got: torch.Tensor, tolerance: float) -> bool:
+    """Same shape, and every logit within `tolerance` of the largest expected one (the start-up probes' test)."""
+    scale = expected.float().abs().max().item()
+    return got.shape == expected.shape and torch.allclose(got.float(), expected.float(), rtol=0.0,
+                                                          atol=tolerance * scale)
+
+
 class PagedPathUnsupported(RuntimeError):
     """The model's forward pass does not keep its state in the paged cache (the fallback path serves it)."""
 
@@ -159,8 +166,7 @@ class ModelRunner:
         whole = self._execute_stateful([], [PrefillChunk(ids, 0, blocks, "last", state_slot=0)])
         self._execute_stateful([], [PrefillChunk(ids[:10], 0, blocks, "none", state_slot=0)])
         split = self._execute_stateful([], [PrefillChunk(ids[10:], 10, blocks, "last", state_slot=0)])
-        scale = whole.float().abs().max().item()
-        return bool(torch.allclose(split.float(), whole.float(), rtol=0.0, atol=0.02 * scale))
+        return _logits_match(whole, split, 0.02)
 
     @torch.inference_mode()
     def _compact_decoder(self) -> tuple[CompactDecoder | None, str]:
@@ -190,11 +196,8 @@ class ModelRunner:
         finally:
             self.compact = None
         tolerance = 1e-4 if self.dtype == torch.float32 else 2e-2
-        for expected, got in zip(own, compact):
-            scale = expected.float().abs().max().item()
-            if got.shape != expected.shape or not torch.allclose(got.float(), expected.float(), rtol=0.0,
-                                                                 atol=tolerance * scale):
-                return None, "its logits differ from the model's own forward"
+        if not all(_logits_match(expected, got, tolerance) for expected, got in zip(own, compact)):
+            return None, "its logits differ from the model's own forward"
         return decoder, ""
 
     @torch.inference_mode()
