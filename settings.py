@@ -59,6 +59,7 @@ class WorkerSettings(BaseSettings):
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     torch_num_threads: int | None = Field(default=None, ge=1)
+    native_kernels: Literal["auto", "off"] = "auto"
     speculative_config: str | None = None  # JSON, vLLM's --speculative-config terms
 
     # Embeddings (unset: the model's sentence-transformers config, else the architecture's usual choice)
@@ -184,6 +185,7 @@ class WorkerSettings(BaseSettings):
             gpu_memory_utilization=self.gpu_memory_utilization,
             tensor_parallel_size=self.tensor_parallel_size,
             num_threads=self.torch_num_threads,
+            native_kernels=self.native_kernels,
             max_logprobs=self.max_logprobs,
             pooling_type=self.pooling_type,
             embedding_normalize=self.embedding_normalize,

@@ -1,6 +1,8 @@
-"""The compact forward (engine/compact_decoder.py) against the model's own, in one process and taking turns, so
-that machine drift falls on both alike: the median time of one decode step at fixed batch sizes, then streaming
-throughput at several concurrency levels.
+"""The compact forward (engine/compact_decoder.py), with and without the native CPU kernels
+(engine/native_kernels.py), against the model's own forward, in one process and taking turns, so that machine
+drift falls on all alike: the median time of one decode step at fixed batch sizes, then streaming throughput at
+several concurrency levels. Sides: the model's own forward without the kernels, the compact forward without
+them, and the compact forward through them (where they built here).
 
     .venv/bin/python bench/compact_forward.py [--levels 1,8,16,32] [--rounds 3] [--tokens 96] [--rows 1,8,32]
 
@@ -19,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import handler  # noqa: E402
-from engine import SamplingParams  # noqa: E402
+from engine import SamplingParams, native_kernels  # noqa: E402
+from engine.compact_decoder import CompactDecoder  # noqa: E402
 from engine.runner import DecodeRow, PrefillChunk  # noqa: E402
 
 
@@ -80,36 +83,51 @@ def main() -> None:
     compact = runner.compact
     if compact is None:
         raise SystemExit(f"this model runs its own forward ({runner.compact_reason}): nothing to compare")
-    sides = {"own": None, "compact": compact}
+    sides = {"model's own": (None, "off"), "compact": (CompactDecoder(runner.model), "off")}
+    if compact.kernels is not None:
+        sides["compact + kernels"] = (compact, "auto")
+    else:
+        print(f"native kernels not in use ({native_kernels.reason() or 'the model does not suit them'})")
     tokenizer = worker.engine.tokenizer
     prompts = [tokenizer.encode(f"Write story number {i} about a robot who learns to paint.") for i in range(64)]
 
+    def use(side: str) -> None:
+        decoder, kernels = sides[side]
+        runner.compact = decoder
+        native_kernels.load(kernels, runner.dtype)
+
+    def header(first: str) -> None:
+        print(f"| {first} | " + " | ".join(sides) + " | ratios to the first |")
+        print("|---|" + "---:|" * (len(sides) + 1))
+
+    def row(label: str, values: list[float], unit: str, faster) -> None:
+        ratios = ", ".join(f"{faster(values[0], v):.2f}x" for v in values[1:])
+        print(f"| {label} | " + " | ".join(f"{v:.1f} {unit}" for v in values) + f" | {ratios} |", flush=True)
+
     async def throughput() -> None:
         await _throughput(worker.engine, prompts, 8, 8)  # warm-up
-        print("| load | model's own forward | compact forward | ratio |\n|---|---:|---:|---:|")
+        header("load")
         for streams in (int(n) for n in args.levels.split(",") if n):
             best = {name: 0.0 for name in sides}
             for _ in range(args.rounds):
-                for name, decoder in sides.items():
-                    runner.compact = decoder
+                for name in sides:
+                    use(name)
                     best[name] = max(best[name], await _throughput(worker.engine, prompts, streams, args.tokens))
-            print(f"| {streams} streams | {best['own']:.1f} tok/s | {best['compact']:.1f} tok/s | "
-                  f"{best['compact'] / best['own']:.2f}x |", flush=True)
+            row(f"{streams} streams", list(best.values()), "tok/s", lambda base, v: v / base)
 
     try:
-        print("| decode step | model's own forward | compact forward | ratio |\n|---|---:|---:|---:|")
+        header("decode step")
         for rows in (int(n) for n in args.rows.split(",") if n):
             times = {name: [] for name in sides}
             for _ in range(6):
-                for name, decoder in sides.items():
-                    runner.compact = decoder
+                for name in sides:
+                    use(name)
                     times[name] += _in_own_thread(_step_times, runner, rows, 25)
-            own, fast = (statistics.median(times[name]) * 1e3 for name in sides)
-            print(f"| {rows} rows | {own:.1f} ms | {fast:.1f} ms | {own / fast:.2f}x |", flush=True)
+            row(f"{rows} rows", [statistics.median(t) * 1e3 for t in times.values()], "ms", lambda base, v: base / v)
         print()
         asyncio.run(throughput())
     finally:
-        runner.compact = compact
+        use(list(sides)[-1])
         worker.engine.close()
 
 

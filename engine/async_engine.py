@@ -77,7 +77,8 @@ def _generation_runner(model: LoadedModel, config: EngineConfig) -> ModelRunner:
                  runner.states.nbytes / runner.states.num_slots / 1024, len({k[1] for k in runner.states.shapes}),
                  "prompts prefill in chunks" if runner.prefill_continues else
                  "each prompt prefills in one pass (its recurrent layers restart a multi-token pass from zero)")
-    log.info("forward pass: %s", "compact (engine/compact_decoder.py, checked against the model's own)"
+    log.info("forward pass: %s", "compact (engine/compact_decoder.py%s, checked against the model's own)" % (
+             ", through the native CPU kernels" if runner.compact.kernels is not None else "")
              if runner.compact is not None else f"the model's own ({runner.compact_reason})")
     if not runner.layer_shapes:
         log.info("KV cache: none (the model has no attention layer)")

@@ -7,7 +7,9 @@ Inside an engine step the model sees one packed sequence of tokens (no padding):
 then each prefill chunk. This function splits it again: all decode rows attend in one batched product over their
 own blocks (in buckets of similar lengths, each gathered to its longest row and masked to each row's length), and
 each prefill chunk attends causally over its sequence's keys. A sliding-window layer gathers only the blocks its
-window reaches. Outside a step (pooling forwards) it is plain SDPA with the mask it is given.
+window reaches. On CPU, where engine/native_kernels.py built its kernels, decode rows instead attend straight from
+their blocks, each over its own length. Outside a step (pooling forwards) it is plain SDPA with the mask it is
+given.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from . import native_kernels
 from .kv_cache import current_layout
 
 ATTENTION_IMPLEMENTATION = "worker_paged"
@@ -66,8 +69,23 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
     # A step of one bucket or one segment (one stream decoding, one prompt) returns its attention output as is.
     single = len(layout.buckets) + len(layout.segments) == 1
     out = None if single else query.new_empty((1, tokens, query.shape[1], value.shape[-1]))
+    kernels = native_kernels.active() if layout.buckets else None
+    if kernels is not None and (expand is not None or softcap is not None or sinks is not None
+                                or query.device.type != "cpu" or query.stride(-1) != 1
+                                or not (query.dtype == k_pool.dtype == v_pool.dtype)):
+        kernels = None  # what the kernel does not cover keeps the gather below
     for index, bucket in enumerate(layout.buckets):
         rows, span = bucket.rows, slice(bucket.offset, bucket.offset + bucket.rows)
+        if kernels is not None:
+            # Straight from the cache's blocks (engine/native_kernels.py): no gathered copy, no padding to the
+            # bucket's longest row.
+            o = query.new_empty((rows, query.shape[1], value_dim)) if single else out[0, span]
+            kernels.paged_decode_attention(query[0, :, span].transpose(0, 1), k_pool, v_pool, bucket.blocks,
+                                           bucket.lengths, window or 0,
+                                           scaling if scaling is not None else query.shape[-1] ** -0.5, o)
+            if single:
+                return o.unsqueeze(0)
+            continue
         q = query[0, :, span].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
         # index_select copies whole blocks (several times faster than advanced indexing on CPU)
         blocks, keys, mask = layout.bucket_keys(index, window)

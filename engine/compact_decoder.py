@@ -35,6 +35,15 @@ def _window(attention: torch.nn.Module) -> int | None:
     return layer_window(attention, getattr(source, "sliding_window", None))
 
 
+def _rms_weights(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
+    """(weight, epsilon) of a plain RMS norm (weight times the normalised value), else None."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if (type(norm).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and weight.dim() == 1
+            and isinstance(eps, float)):
+        return weight.detach(), eps
+    return None
+
+
 def _has_hooks(model: torch.nn.Module) -> bool:
     """Hooks (accelerate's device placement, adapters) run only through Module.__call__, which this skips."""
     if any(getattr(nn_module, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")):
@@ -44,7 +53,8 @@ def _has_hooks(model: torch.nn.Module) -> bool:
 
 class _Layer:
     __slots__ = ("index", "attention", "input_norm", "qkv", "q_norm", "k_norm", "rotary", "o_proj", "post_norm",
-                 "mlp", "gate_up", "down", "intermediate", "heads", "kv_heads", "head_dim", "scaling", "window")
+                 "mlp", "gate_up", "down", "intermediate", "heads", "kv_heads", "head_dim", "scaling", "window",
+                 "input_rms", "post_rms")
 
     def __init__(self, layer: torch.nn.Module):
         attention = layer.self_attn
@@ -72,6 +82,8 @@ class _Layer:
         self.kv_heads = attention.k_proj.out_features // self.head_dim
         self.scaling = attention.scaling
         self.window = _window(attention)
+        self.input_rms = _rms_weights(layer.input_layernorm)
+        self.post_rms = _rms_weights(layer.post_attention_layernorm)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StepCache) -> torch.Tensor:
         tokens = x.shape[1]  # x: [1, tokens, hidden], the shape the model's own modules take (MoE blocks need it)
@@ -96,22 +108,57 @@ class _Layer:
         gate, up = self.gate_up(self.post_norm(x)).split_with_sizes(self.intermediate, -1)
         return x + self.down(F.silu(gate) * up)
 
+    def fused(self, x: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+              cache: StepCache, kernels, next_rms: tuple[torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer through the native kernels (engine/native_kernels.py): x is the residual stream and `normed`
+        its input norm; returns the new residual stream and its norm by `next_rms` (the next layer's input norm,
+        or the final one), so each residual add runs in one pass with the norm after it."""
+        tokens = x.shape[1]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv(normed).view(tokens, heads + 2 * kv_heads, dim)
+        if self.q_norm is not None:
+            qkv[:, :heads] = self.q_norm(qkv[:, :heads])
+            qkv[:, heads:heads + kv_heads] = self.k_norm(qkv[:, heads:heads + kv_heads])
+        k_pool, v_pool, slots = cache.write_target(self.index)
+        kernels.rope_and_cache_(qkv, cos if self.rotary else None, sin if self.rotary else None, heads, kv_heads,
+                                k_pool, v_pool, slots)
+        out = paged_attention(self.attention, qkv[:, :heads].transpose(0, 1).unsqueeze(0),
+                              qkv[:, heads:heads + kv_heads].transpose(0, 1).unsqueeze(0),
+                              qkv[:, heads + kv_heads:].transpose(0, 1).unsqueeze(0), self.scaling, window=self.window)
+        y = self.o_proj(out.reshape(1, tokens, -1))
+        normed = kernels.add_rms_norm_(y, x, *self.post_rms)
+        x = y
+        y = self.mlp(normed) if self.gate_up is None else self.down(kernels.silu_mul(self.gate_up(normed),
+                                                                                       self.intermediate[0]))
+        return y, kernels.add_rms_norm_(y, x, *next_rms)
+
 
 class CompactDecoder:
     """The model's forward on the paged path: `decoder(ids, positions, cache, keep)` returns the logits of the
     packed positions `keep`, [1, len(keep), vocab], as `model(..., logits_to_keep=keep)` does."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, kernels=None):
         inner = model.model
         self.embed = inner.embed_tokens.forward
         self.rotary = inner.rotary_emb
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.norm = inner.norm.forward
         self.head = model.lm_head.forward
+        final_rms = _rms_weights(inner.norm)
+        # The native kernels where every norm is a plain RMS norm and the MLP's gate and up halves are equal.
+        if kernels is not None and final_rms is not None and all(
+                layer.input_rms and layer.post_rms and (layer.intermediate is None
+                                                        or layer.intermediate[0] == layer.intermediate[1])
+                for layer in self.layers):
+            self.kernels = kernels
+            self.next_rms = [layer.input_rms for layer in self.layers[1:]] + [final_rms]
+        else:
+            self.kernels, self.next_rms = None, []
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> tuple["CompactDecoder | None", str]:
-        """The compact forward for this model, or None and why not."""
+    def build(cls, model: torch.nn.Module, kernels=None) -> tuple["CompactDecoder | None", str]:
+        """The compact forward for this model (through `kernels`, engine/native_kernels.py's, where given and the
+        model's norms and MLP suit them), or None and why not."""
         name = type(model).__name__
         if name not in _FAMILIES:
             return None, f"no compact forward for {name}"
@@ -133,12 +180,18 @@ class CompactDecoder:
             if (attention.q_proj.out_features % head_dim or attention.k_proj.out_features % head_dim
                     or attention.v_proj.out_features != attention.k_proj.out_features or head_dim % 2):
                 return None, "a layer's projections do not split into whole heads"
-        return cls(model), ""
+        return cls(model, kernels), ""
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: StepCache,
                  keep: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(ids)  # [1, tokens, hidden]
         cos, sin = self.rotary(hidden, positions)  # [1, tokens, head_dim]
+        if self.kernels is not None:
+            cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [tokens, head_dim]
+            x, normed = hidden, self.kernels.rms_norm(hidden, *self.layers[0].input_rms)
+            for layer, next_rms in zip(self.layers, self.next_rms):
+                x, normed = layer.fused(x, normed, cos, sin, cache, self.kernels, next_rms)
+            return self.head(normed.index_select(1, keep))
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # broadcast over heads
         x = hidden
         for layer in self.layers:

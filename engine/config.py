@@ -33,6 +33,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # GPUs the model's layers are split over
     gpu_memory_utilization: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    native_kernels: str = "auto"  # CPU decode kernels (native_kernels.py): auto (where they build and check) | off
     max_logprobs: int = 20
     # Embeddings: None takes the model's sentence-transformers config, else last token (decoders) or first
     # token (encoders), normalised.

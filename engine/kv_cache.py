@@ -261,11 +261,16 @@ class StepCache(ForwardCache):
 
     def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the step's keys and values, [tokens, kv_heads, dim] in packed order, in their slots."""
-        self.layout.written_layer = layer_idx
-        k_pool, v_pool = self.cache.pools(layer_idx)
-        slots = self.layout.on(k_pool.device).slots
+        k_pool, v_pool, slots = self.write_target(layer_idx)
         k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, keys.to(k_pool.dtype))
         v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, values.to(v_pool.dtype))
+
+    def write_target(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pools a layer's new keys and values go to and the step's slots in them ([tokens]), for a caller
+        that stores them itself (a native kernel)."""
+        self.layout.written_layer = layer_idx
+        k_pool, v_pool = self.cache.pools(layer_idx)
+        return k_pool, v_pool, self.layout.on(k_pool.device).slots
 
 
 def _token_rows(states: torch.Tensor) -> torch.Tensor:

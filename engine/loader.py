@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import attention, cpu_layout, fallback, fusion, model_store, windows
+from . import attention, cpu_layout, fallback, fusion, model_store, native_kernels, windows
 from .config import EngineConfig
 from .pooling import PoolingConfig, Task, pooling_config
 from .tokenizer import Tokenizer
@@ -216,6 +216,7 @@ def load(config: EngineConfig) -> LoadedModel:
         fusion.apply(model)
         if device.type == "cpu":
             cpu_layout.apply(model)
+            native_kernels.load(config.native_kernels, dtype)
     pooling = pooling_config(folder, model.config, task, config.pooling_type, config.embedding_normalize)
 
     limit = _model_max_len(model.config)

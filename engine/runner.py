@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_manager import BLOCK_SIZE
+from . import native_kernels
 from .compact_decoder import CompactDecoder
 from .kv_cache import DecodeBucket, ForwardCache, LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
 from .state_cache import RecurrentStates, StateKey, StateShape, StateStepCache, with_left_context
@@ -172,33 +173,44 @@ class ModelRunner:
     def _compact_decoder(self) -> tuple[CompactDecoder | None, str]:
         """The compact forward (compact_decoder.py) where the model has its structure and computes the same logits
         through the paged cache: two steps covering each attention path (prompts from position 0, a decode row,
-        a chunk continuing its sequence) run with the model's own forward, then again with the compact one."""
-        decoder, why = CompactDecoder.build(self.model)
+        a chunk continuing its sequence) run with the model's own forward, then again with the compact one. On
+        CPU it first tries the compact forward through the native kernels (native_kernels.py), then without."""
+        kernels = native_kernels.active() if self.device.type == "cpu" else None
+        decoder, why = CompactDecoder.build(self.model, kernels)
         if decoder is None:
             return None, why
         if len({s.device for s in self.layer_shapes.values()}) > 1:
             return None, "its layers are spread over several devices"
+        if self.kv.num_blocks < 4:
+            return None, "the KV cache is too small to check it"
         vocab = min(97, self.model.config.get_text_config().vocab_size - 1)
         first = [1 + (i * 37) % vocab for i in range(21)]
         second = [1 + (i * 53) % vocab for i in range(30)]
         blocks_first, blocks_second = [0, 1], [2, 3]
-        if self.kv.num_blocks < 4:
-            return None, "the KV cache is too small to check it"
         steps = [([], [PrefillChunk(first[:20], 0, blocks_first, "all"), PrefillChunk(second[:12], 0, blocks_second,
                                                                                           "last")]),
                  ([DecodeRow(first[20], 20, blocks_first)], [PrefillChunk(second[12:], 12, blocks_second, "all")])]
         own = [self.execute(*step) for step in steps]
+        why = self._differs(decoder, steps, own)
+        if why and decoder.kernels is not None:
+            log.warning("compact forward through the native kernels: %s; trying it without them", why)
+            decoder = CompactDecoder(self.model)
+            why = self._differs(decoder, steps, own)
+        return (None, why) if why else (decoder, "")
+
+    def _differs(self, decoder: CompactDecoder, steps, own: list) -> str:
+        """Why `decoder` does not compute the model's own logits `own` on `steps` ('' where it does)."""
         self.compact = decoder
         try:
             compact = [self.execute(*step) for step in steps]
         except Exception as exc:  # a shape it does not expect (a partial rotary embedding...): the model's own
-            return None, f"it failed on this model ({type(exc).__name__}: {exc})"
+            return f"it failed on this model ({type(exc).__name__}: {exc})"
         finally:
             self.compact = None
         tolerance = 1e-4 if self.dtype == torch.float32 else 2e-2
         if not all(_logits_match(expected, got, tolerance) for expected, got in zip(own, compact)):
-            return None, "its logits differ from the model's own forward"
-        return decoder, ""
+            return "its logits differ from the model's own forward"
+        return ""
 
     @torch.inference_mode()
     def _cuda_blocks(self, utilization: float, profile_tokens: int) -> int:

@@ -213,6 +213,8 @@ def test_family_matches_transformers(model_type, tmp_path, tokenizer_folder):
         assert isinstance(engine.engine, Engine)  # the paged, batched path
         runner = engine.engine.runner
         assert (runner.compact is not None) == (model_type in COMPACT_FAMILIES), runner.compact_reason
+        if runner.compact is not None:  # through the CPU kernels (tests/test_native_kernels.py: they build here)
+            assert runner.compact.kernels is not None
         # Served at the model's own context, not capped at a sliding window.
         assert engine.max_model_len == model.config.max_position_embeddings
     finally:
@@ -241,7 +243,13 @@ def test_comparison_fails_when_a_layer_is_perturbed(tmp_path, tokenizer_folder):
 
 
 def _differs(layer_call):
-    return lambda self, x, *args: layer_call(self, x, *args) + (0.05 if self.index == 1 else 0.0)
+    def call(self, x, *args):
+        out = layer_call(self, x, *args)
+        if self.index != 1:
+            return out
+        # __call__ returns the residual stream; fused (the native-kernel path) also returns its norm
+        return out + 0.05 if isinstance(out, torch.Tensor) else (out[0] + 0.05, out[1] + 0.05)
+    return call
 
 
 def _raises(layer_call):
@@ -255,11 +263,13 @@ def _raises(layer_call):
     (_raises, "it failed on this model (RuntimeError: shapes do not broadcast)")])
 def test_a_compact_forward_that_differs_is_not_used(change, reason, tmp_path, tokenizer_folder, monkeypatch, caplog):
     """The start-up check compares the compact forward's logits with the model's own through the paged cache;
-    one layer computing slightly differently, or failing, keeps the model's own forward, which serves exactly."""
+    one layer computing slightly differently, or failing, keeps the model's own forward, which serves exactly.
+    Through the native kernels first, then without them: both layer paths are changed here."""
     from engine import compact_decoder
 
     model = build_model("llama", FAST_FAMILIES["llama"], tmp_path, tokenizer_folder)
     monkeypatch.setattr(compact_decoder._Layer, "__call__", change(compact_decoder._Layer.__call__))
+    monkeypatch.setattr(compact_decoder._Layer, "fused", change(compact_decoder._Layer.fused))
     engine = _engine(tmp_path)
     try:
         with caplog.at_level("INFO", logger="engine"):
@@ -267,6 +277,29 @@ def test_a_compact_forward_that_differs_is_not_used(change, reason, tmp_path, to
         assert engine.engine.runner.compact is None
         assert f"forward pass: the model's own ({reason})" in caplog.text
         serve_and_compare(engine, model, prompts(2))
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("change", [_differs, _raises])
+def test_a_native_kernel_path_that_differs_falls_back_to_the_compact_forward_without_it(
+        change, tmp_path, tokenizer_folder, monkeypatch, caplog):
+    """Where only the native-kernel layer path (compact_decoder._Layer.fused) differs or fails, the check keeps
+    the compact forward without the kernels, and says so."""
+    from engine import compact_decoder, native_kernels
+
+    model = build_model("llama", FAST_FAMILIES["llama"], tmp_path, tokenizer_folder)
+    monkeypatch.setattr(compact_decoder._Layer, "fused", change(compact_decoder._Layer.fused))
+    engine = _engine(tmp_path)
+    try:
+        with caplog.at_level("INFO", logger="engine"):
+            asyncio.run(engine.start())
+        assert native_kernels.active() is not None, native_kernels.reason()
+        compact = engine.engine.runner.compact
+        assert compact is not None and compact.kernels is None
+        assert "compact forward through the native kernels: it" in caplog.text
+        assert "trying it without them" in caplog.text
+        serve_and_compare(engine, model, prompts(3))
     finally:
         engine.close()
 

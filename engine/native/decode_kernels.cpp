@@ -1,0 +1,263 @@
+// CPU kernels for a decode step (engine/native_kernels.py builds and checks them; engine/attention.py and
+// engine/compact_decoder.py call them).
+//
+// Why: at a few rows per step each of a decoder layer's ~25 small tensor operations costs 5 to 10 us, and the
+// attention copies every row's keys and values out of the paged cache before attending. These kernels do the
+// same arithmetic in fewer passes: an RMS norm (with the residual add before it), the SiLU-gated product, the
+// rotary embedding together with the cache write, and decode attention read straight from the cache's blocks.
+// Reductions accumulate in float32; values are rounded to the tensor's type where PyTorch's own operations
+// round them, so results equal the PyTorch path up to summation order.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRowGrain = 16;  // rows per thread below which a row-wise kernel stays on one thread
+
+template <typename T>
+inline float f32(T v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T round_to(float v) { return static_cast<T>(v); }
+
+// out = w * (x / sqrt(mean(x^2) + eps)), the normalised value rounded to T before the weight (as transformers'
+// RMS norms do).
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < h; ++i) {
+    float v = f32(x[i]);
+    ss += v * v;
+  }
+  float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) out[i] = round_to<T>(f32(w[i]) * f32(round_to<T>(f32(x[i]) * inv)));
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "rms norm: x must be a contiguous CPU tensor");
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(-1) && w.scalar_type() == x.scalar_type(),
+              "rms norm: weight must be [hidden] of x's type");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w);
+  auto out = at::empty_like(x);
+  int64_t h = x.size(-1), n = x.numel() / h;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) norm_row(xp + r * h, wp, op + r * h, h, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// delta += residual, in place (delta becomes the new residual stream); returns rms_norm(delta).
+at::Tensor add_rms_norm_(at::Tensor& delta, const at::Tensor& residual, const at::Tensor& w, double eps) {
+  check_rows(delta, w);
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == delta.sizes() &&
+                  residual.scalar_type() == delta.scalar_type(),
+              "add_rms_norm_: residual must match delta");
+  auto out = at::empty_like(delta);
+  int64_t h = delta.size(-1), n = delta.numel() / h;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, delta.scalar_type(), "add_rms_norm_", [&] {
+    scalar_t* dp = delta.data_ptr<scalar_t>();
+    const scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* d = dp + r * h;
+        const scalar_t* res = rp + r * h;
+        for (int64_t i = 0; i < h; ++i) d[i] = round_to<scalar_t>(f32(res[i]) + f32(d[i]));
+        norm_row(d, wp, op + r * h, h, static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+// gate_up [..., 2 * inter] (gate first) -> silu(gate) * up [..., inter]
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t inter) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.is_contiguous() && gate_up.size(-1) == 2 * inter,
+              "silu_mul: gate_up must be a contiguous CPU tensor [..., 2 * inter]");
+  int64_t n = gate_up.numel() / (2 * inter);
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = inter;
+  auto out = at::empty(sizes, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, std::max<int64_t>(1, 8192 / inter), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* g = gp + r * 2 * inter;
+        const scalar_t* u = g + inter;
+        scalar_t* o = op + r * inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          float a = f32(g[i]);
+          o[i] = round_to<scalar_t>(f32(round_to<scalar_t>(a / (1.f + std::exp(-a)))) * f32(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// qkv [tokens, heads + 2 * kv_heads, dim], contiguous: rotates the query and key heads in place by the rotary
+// embedding (x * cos + rotate_half(x) * sin, as transformers' apply_rotary_pos_emb) when cos and sin ([tokens,
+// dim]) are given, then copies each token's keys and values to its slot of the pools ([slots, kv_heads, dim]).
+void rope_and_cache_(at::Tensor& qkv, const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+                     int64_t heads, int64_t kv_heads, at::Tensor& k_pool, at::Tensor& v_pool,
+                     const at::Tensor& slots) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 3 && qkv.is_contiguous() &&
+                  qkv.size(1) == heads + 2 * kv_heads && qkv.size(2) % 2 == 0,
+              "rope_and_cache_: qkv must be a contiguous CPU tensor [tokens, heads + 2 * kv_heads, even dim]");
+  int64_t tokens = qkv.size(0), dim = qkv.size(2), half = dim / 2, width = heads + 2 * kv_heads;
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == qkv.scalar_type() &&
+                  v_pool.scalar_type() == qkv.scalar_type() && k_pool.numel() == v_pool.numel() &&
+                  k_pool.numel() % (kv_heads * dim) == 0,
+              "rope_and_cache_: pools must be contiguous, of qkv's type, with kv_heads * dim per slot");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == tokens,
+              "rope_and_cache_: slots must be int64 [tokens]");
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "rope_and_cache_: cos and sin go together");
+  const bool rotate = cos.has_value();
+  if (rotate) {
+    TORCH_CHECK(cos->is_contiguous() && sin->is_contiguous() && cos->numel() == tokens * dim &&
+                    sin->numel() == tokens * dim && cos->scalar_type() == qkv.scalar_type() &&
+                    sin->scalar_type() == qkv.scalar_type(),
+                "rope_and_cache_: cos and sin must be contiguous [tokens, dim] of qkv's type");
+  }
+  const int64_t pool_slots = k_pool.numel() / (kv_heads * dim);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tokens; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < pool_slots, "rope_and_cache_: slot out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_and_cache_", [&] {
+    using T = scalar_t;
+    T* qp = qkv.data_ptr<T>();
+    const T* cp = rotate ? cos->data_ptr<T>() : nullptr;
+    const T* snp = rotate ? sin->data_ptr<T>() : nullptr;
+    T* kp = k_pool.data_ptr<T>();
+    T* vp = v_pool.data_ptr<T>();
+    at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        T* row = qp + t * width * dim;
+        if (rotate) {
+          const T* c = cp + t * dim;
+          const T* s = snp + t * dim;
+          for (int64_t h = 0; h < heads + kv_heads; ++h) {
+            T* x = row + h * dim;
+            for (int64_t j = 0; j < half; ++j) {
+              float a = f32(x[j]), b = f32(x[j + half]);
+              float lo = f32(round_to<T>(a * f32(c[j]))) + f32(round_to<T>(f32(round_to<T>(-b)) * f32(s[j])));
+              float hi = f32(round_to<T>(b * f32(c[j + half]))) + f32(round_to<T>(a * f32(s[j + half])));
+              x[j] = round_to<T>(lo);
+              x[j + half] = round_to<T>(hi);
+            }
+          }
+        }
+        std::copy(row + heads * dim, row + (heads + kv_heads) * dim, kp + sp[t] * kv_heads * dim);
+        std::copy(row + (heads + kv_heads) * dim, row + width * dim, vp + sp[t] * kv_heads * dim);
+      }
+    });
+  });
+}
+
+// Decode attention read straight from the paged cache: each row's one query over its keys [start, length),
+// start = length - window for a sliding window (0 without). query [rows, heads, dim] and out [rows, heads,
+// value_dim] may have any row and head strides (views of a step's packed tensors); pools [blocks, block_size,
+// kv_heads, dim]; blocks [rows * width] each row's block ids; lengths [rows]. Query head h reads key head
+// h / (heads / kv_heads), as repeat_kv and SDPA's enable_gqa pair them.
+void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& blocks, const at::Tensor& lengths, int64_t window, double scale,
+                            at::Tensor& out) {
+  TORCH_CHECK(query.device().is_cpu() && query.dim() == 3 && query.stride(2) == 1 && out.dim() == 3 &&
+                  out.stride(2) == 1, "paged_decode_attention: query and out must be CPU [rows, heads, dim] "
+                  "with a contiguous last dimension");
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  k_pool.size(0) == v_pool.size(0) && k_pool.size(1) == v_pool.size(1) &&
+                  k_pool.size(2) == v_pool.size(2) && k_pool.size(3) == query.size(2),
+              "paged_decode_attention: pools must be contiguous [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(k_pool.scalar_type() == query.scalar_type() && v_pool.scalar_type() == query.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(), "paged_decode_attention: one dtype throughout");
+  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = k_pool.size(1), kv_heads = k_pool.size(2), value_dim = v_pool.size(3);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && out.size(0) == rows && out.size(1) == heads &&
+                  out.size(2) == value_dim, "paged_decode_attention: shapes disagree");
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && blocks.is_contiguous() &&
+                  lengths.is_contiguous() && lengths.numel() == rows && rows > 0 && blocks.numel() % rows == 0,
+              "paged_decode_attention: blocks and lengths must be int64 [rows * width] and [rows]");
+  const int64_t width = blocks.numel() / rows, group = heads / kv_heads, pool_blocks = k_pool.size(0);
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(lp[r] > 0 && lp[r] <= width * block_size, "paged_decode_attention: a row's length exceeds its blocks");
+  for (int64_t i = 0; i < blocks.numel(); ++i) TORCH_CHECK(bp[i] >= 0 && bp[i] < pool_blocks, "paged_decode_attention: block id out of range");
+  const int64_t q_row = query.stride(0), q_head = query.stride(1), o_row = out.stride(0), o_head = out.stride(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+    using T = scalar_t;
+    const T* qp = query.data_ptr<T>();
+    const T* kp = k_pool.data_ptr<T>();
+    const T* vp = v_pool.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    // One task per (row, key head): its query heads share every key and value read.
+    at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> q(group * dim), acc(group * value_dim), scores;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t r = task / kv_heads, kh = task % kv_heads, length = lp[r];
+        const int64_t start = window > 0 ? std::max<int64_t>(0, length - window) : 0, n = length - start;
+        const int64_t* row_blocks = bp + r * width;
+        for (int64_t g = 0; g < group; ++g) {
+          const T* src = qp + r * q_row + (kh * group + g) * q_head;
+          for (int64_t j = 0; j < dim; ++j) q[g * dim + j] = f32(src[j]) * static_cast<float>(scale);
+        }
+        scores.resize(group * n);
+        for (int64_t p = start; p < length; ++p) {
+          const T* k = kp + ((row_blocks[p / block_size] * block_size + p % block_size) * kv_heads + kh) * dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = q.data() + g * dim;
+            float s = 0.f;
+            _Pragma("omp simd reduction(+ : s)")  // _Pragma: a #pragma cannot sit inside the dispatch macro
+            for (int64_t j = 0; j < dim; ++j) s += qg[j] * f32(k[j]);
+            scores[g * n + (p - start)] = s;
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * n;
+          float top = -INFINITY, total = 0.f;
+          for (int64_t i = 0; i < n; ++i) top = std::max(top, sg[i]);
+          for (int64_t i = 0; i < n; ++i) total += (sg[i] = std::exp(sg[i] - top));
+          for (int64_t i = 0; i < n; ++i) sg[i] /= total;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = start; p < length; ++p) {
+          const T* v = vp + ((row_blocks[p / block_size] * block_size + p % block_size) * kv_heads + kh) * value_dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const float weight = scores[g * n + (p - start)];
+            float* a = acc.data() + g * value_dim;
+            _Pragma("omp simd")
+            for (int64_t j = 0; j < value_dim; ++j) a[j] += weight * f32(v[j]);
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          T* dst = op + r * o_row + (kh * group + g) * o_head;
+          for (int64_t j = 0; j < value_dim; ++j) dst[j] = round_to<T>(acc[g * value_dim + j]);
+        }
+      }
+    });
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMS norm of the last dimension");
+  m.def("add_rms_norm_", &add_rms_norm_, "delta += residual in place; the RMS norm of the sum");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate-and-up product");
+  m.def("rope_and_cache_", &rope_and_cache_, "rotary embedding in place, then the keys and values to the cache");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache's blocks");
+}

@@ -1,0 +1,218 @@
+"""The CPU decode kernels (engine/native/decode_kernels.cpp): they build on this machine, each equals the PyTorch
+operations it replaces over shapes, dtypes, strides and windows, bad arguments are errors (not crashes), and the
+engine serves the same tokens with them as without; a failed build or a differing kernel leaves the PyTorch path
+serving."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import AsyncEngine, EngineConfig, SamplingParams, native_kernels
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    assert native_kernels.load("auto"), native_kernels.reason()
+    return native_kernels.active()
+
+
+@pytest.fixture(autouse=True)
+def _restore_kernels():
+    """Tests here switch the process-wide kernels; leave them as the engine's loads set them."""
+    active, reason = native_kernels._active, native_kernels._reason
+    yield
+    native_kernels._active, native_kernels._reason = active, reason
+
+
+def _close(expected, got, dtype):
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def test_the_kernels_build_and_pass_their_check_on_this_machine(kernels):
+    assert native_kernels.reason() == ""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert native_kernels.self_check(kernels, dtype) == ""
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_and_gated_product_equal_pytorch(kernels, dtype):
+    gen = torch.Generator().manual_seed(1)
+    for rows, hidden in ((1, 576), (33, 64), (70, 100)):  # one thread and several, odd widths
+        x = torch.randn(1, rows, hidden, generator=gen).to(dtype)
+        delta = torch.randn(1, rows, hidden, generator=gen).to(dtype)
+        w = torch.randn(hidden, generator=gen).to(dtype)
+        norm = lambda v: F.rms_norm(v.float(), (hidden,), None, 1e-5).to(dtype) * w  # transformers' RMS norm
+        _close(norm(x), kernels.rms_norm(x, w, 1e-5), dtype)
+        summed = x + delta
+        got = kernels.add_rms_norm_(delta, x, w, 1e-5)
+        _close(summed, delta, dtype)  # delta became the residual stream
+        _close(norm(summed), got, dtype)
+        gate_up = torch.randn(1, rows, 2 * hidden, generator=gen).to(dtype)
+        _close(F.silu(gate_up[..., :hidden]) * gate_up[..., hidden:], kernels.silu_mul(gate_up, hidden), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotate", [True, False])
+def test_rotary_and_cache_write_equal_pytorch(kernels, dtype, rotate):
+    gen = torch.Generator().manual_seed(2)
+    tokens, heads, kv_heads, dim, blocks, block = 40, 6, 2, 16, 8, 16
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen).to(dtype)
+    cos, sin = torch.randn(tokens, dim, generator=gen).to(dtype), torch.randn(tokens, dim, generator=gen).to(dtype)
+    slots = torch.randperm(blocks * block, generator=gen)[:tokens]
+    k_pool = torch.zeros(blocks, block, kv_heads, dim, dtype=dtype)
+    v_pool = torch.zeros(blocks, block, kv_heads, dim, dtype=dtype)
+    qk, values = qkv[:, :heads + kv_heads].clone(), qkv[:, heads + kv_heads:].clone()
+    if rotate:  # transformers' apply_rotary_pos_emb
+        half = dim // 2
+        qk = qk * cos[:, None] + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin[:, None]
+    kernels.rope_and_cache_(qkv, cos if rotate else None, sin if rotate else None, heads, kv_heads, k_pool, v_pool,
+                            slots)
+    _close(qk, qkv[:, :heads + kv_heads], dtype)
+    _close(qk[:, heads:], k_pool.view(-1, kv_heads, dim)[slots], dtype)
+    _close(values, v_pool.view(-1, kv_heads, dim)[slots], dtype)
+    untouched = torch.ones(blocks * block, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_pool.view(-1, kv_heads, dim)[untouched].any() and not v_pool.view(-1, kv_heads, dim)[untouched].any()
+
+
+def _reference_attention(query, k_pool, v_pool, blocks, lengths, window, scale):
+    rows, width = lengths.numel(), blocks.numel() // lengths.numel()
+    outs = []
+    for row in range(rows):
+        length = int(lengths[row])
+        start = max(0, length - window) if window else 0
+        table = blocks.view(rows, width)[row]
+        keys = k_pool[table].reshape(-1, *k_pool.shape[2:])[start:length].transpose(0, 1).float()
+        values = v_pool[table].reshape(-1, *v_pool.shape[2:])[start:length].transpose(0, 1).float()
+        outs.append(F.scaled_dot_product_attention(query[row][:, None].float(), keys, values, scale=scale,
+                                                   enable_gqa=True)[:, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("window", [0, 5, 40])
+def test_decode_attention_over_the_blocks_equals_sdpa(kernels, dtype, heads, kv_heads, window):
+    """Rows of different lengths (within a block, across blocks, a padded table), strided query and output views
+    of a step's packed tensors, grouped-query heads, with and without a sliding window."""
+    gen = torch.Generator().manual_seed(heads * 10 + window)
+    dim, block, pool_blocks, width = 16, 16, 20, 4
+    k_pool = torch.randn(pool_blocks, block, kv_heads, dim, generator=gen).to(dtype)
+    v_pool = torch.randn(pool_blocks, block, kv_heads, dim, generator=gen).to(dtype)
+    lengths = torch.tensor([1, 16, 17, 64, 33])
+    rows = lengths.numel()
+    blocks = torch.randperm(pool_blocks, generator=gen)[:rows * width]
+    blocks.view(rows, width)[0, 1:] = blocks[0]  # padding repeats a valid block, as the runner's tables do
+    packed = torch.randn(rows + 3, heads + 2 * kv_heads, dim, generator=gen).to(dtype)  # a step's qkv rows
+    query = packed[2:2 + rows, :heads]  # a strided view, as the attention function passes it
+    out_buffer = torch.zeros(1, rows + 3, heads, dim, dtype=dtype)
+    out = out_buffer[0, 1:1 + rows]
+    kernels.paged_decode_attention(query, k_pool, v_pool, blocks, lengths, window, 0.25, out)
+    _close(_reference_attention(query, k_pool, v_pool, blocks, lengths, window, 0.25), out, dtype)
+    assert not out_buffer[0, 0].any() and not out_buffer[0, rows + 1:].any()  # nothing written outside the view
+
+
+def test_bad_arguments_are_errors_not_crashes(kernels):
+    k_pool, v_pool = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
+    query, out = torch.zeros(2, 4, 8), torch.zeros(2, 4, 8)
+    blocks, lengths = torch.tensor([0, 1, 2, 3]), torch.tensor([5, 20])
+    with pytest.raises(RuntimeError, match="length exceeds its blocks"):
+        kernels.paged_decode_attention(query, k_pool, v_pool, blocks, torch.tensor([5, 33]), 0, 1.0, out)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernels.paged_decode_attention(query, k_pool, v_pool, torch.tensor([0, 1, 2, 9]), lengths, 0, 1.0, out)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernels.paged_decode_attention(query.double(), k_pool, v_pool, blocks, lengths, 0, 1.0, out)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.rope_and_cache_(torch.zeros(2, 4 + 4, 8), None, None, 4, 2, k_pool, v_pool, torch.tensor([0, 64]))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernels.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-5)
+
+
+class _Wrong:
+    """The kernels with one of them computing something else."""
+
+    def __init__(self, kernels, name):
+        self.kernels, self.name = kernels, name
+
+    def __getattr__(self, name):
+        real = getattr(self.kernels, name)
+        if name != self.name:
+            return real
+
+        def off_by_a_little(*args):
+            out = real(*args)
+            if out is not None:
+                return out + 0.01
+            args[0].add_(0.01)  # the in-place kernels
+        return off_by_a_little
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "add_rms_norm_", "silu_mul", "rope_and_cache_"])
+def test_the_check_catches_a_kernel_that_differs(kernels, name):
+    assert native_kernels.self_check(_Wrong(kernels, name)) == name
+
+
+def test_a_kernel_that_differs_is_not_used(kernels, monkeypatch, caplog):
+    monkeypatch.setattr(native_kernels, "build", lambda: _Wrong(kernels, "silu_mul"))
+    with caplog.at_level("WARNING", logger="engine.native_kernels"):
+        assert not native_kernels.load("auto")
+    assert native_kernels.active() is None
+    assert native_kernels.reason() == "silu_mul differs from PyTorch on this machine"
+    assert "using PyTorch operations" in caplog.text
+
+
+def test_a_failed_build_keeps_pytorch_and_says_why(tmp_path, monkeypatch, caplog):
+    broken = tmp_path / "decode_kernels.cpp"
+    broken.write_text("#include <torch/extension.h>\nint broken( {\n")
+    monkeypatch.setattr(native_kernels, "SOURCE", broken)
+    monkeypatch.setattr(native_kernels, "_cpu_fingerprint", lambda: "broken")  # its own build name
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
+    with caplog.at_level("WARNING", logger="engine.native_kernels"):
+        assert not native_kernels.load("auto")
+    assert native_kernels.active() is None
+    assert native_kernels.reason().startswith("not built:") and "error" in native_kernels.reason()
+    assert "using PyTorch operations" in caplog.text
+
+
+def _greedy_tokens(engine: AsyncEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def one(i, ids):
+        tokens = []
+        async for output in engine.generate(f"k{i}", ids, params):
+            for delta in output.deltas:
+                tokens.extend(delta.token_ids)
+        return tokens
+
+    async def run():
+        await engine.start()
+        return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+    return asyncio.run(run())
+
+
+def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(caplog):
+    """Batched decode rows of different lengths (several attention buckets) and a prompt chunked into a decode
+    step: greedy tokens through the kernels equal those through PyTorch's operations (NATIVE_KERNELS=off)."""
+    prompts = [[(7 * i + 3 * j) % 5000 + 100 for j in range(n)] for i, n in enumerate((3, 40, 90, 300))]
+    results, logs = {}, {}
+    for mode in ("off", "auto"):
+        engine = AsyncEngine(EngineConfig(dtype="float32", native_kernels=mode, max_num_batched_tokens=64,
+                                          kv_cache_memory=64 * 2**20, max_model_len=1024,
+                                          max_num_seqs=8))
+        try:
+            caplog.clear()
+            with caplog.at_level("INFO"):
+                results[mode] = _greedy_tokens(engine, prompts)
+            logs[mode] = caplog.text
+        finally:
+            engine.close()
+    assert "through the native CPU kernels" in logs["auto"]
+    assert "through the native CPU kernels" not in logs["off"]
+    assert results["auto"] == results["off"]
