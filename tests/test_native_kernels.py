@@ -58,6 +58,16 @@ def test_norms_and_gated_product_equal_pytorch(kernels, dtype):
         _close(F.silu(gate_up[..., :hidden]) * gate_up[..., hidden:], kernels.silu_mul(gate_up, hidden), dtype)
 
 
+def test_the_gated_product_holds_over_the_whole_float_range(kernels):
+    """silu uses the kernels' own vectorised exp: no overflow, NaN or lost precision at extreme gates."""
+    gate = torch.cat([torch.linspace(-200, 200, 40001), torch.tensor([-1e30, -88.5, -87.5, 87.5, 88.5, 1e30])])
+    gate_up = torch.cat([gate, torch.full_like(gate, 3.0)])[None]
+    expected = F.silu(gate.double()) * 3.0
+    got = kernels.silu_mul(gate_up, gate.numel())[0].double()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rotate", [True, False])
 def test_rotary_and_cache_write_equal_pytorch(kernels, dtype, rotate):
