@@ -48,13 +48,14 @@ def reason() -> str:
 
 
 def _cpu_fingerprint() -> str:
-    """What a -march=native build depends on: the CPU's model and feature flags, and the compiler."""
+    """What a -march=native build depends on: the CPU's model and feature flags, the compiler, and torch."""
     try:
         info = Path("/proc/cpuinfo").read_text()
         fields = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
     except OSError:
         fields = [platform.processor()]
-    return hashlib.sha256("\n".join(fields + [platform.machine(), shutil.which("g++") or ""]).encode()).hexdigest()[:12]
+    parts = fields + [platform.machine(), shutil.which("g++") or "", torch.__version__]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
 
 def _ninja_on_path() -> None:
