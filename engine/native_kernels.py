@@ -4,7 +4,8 @@ A decode step of a small model on CPU spends a large share of its time outside t
 layer's ~25 small tensor operations costs 5 to 10 us, and attention first copies every row's keys and values
 out of the paged cache. The kernels fuse those passes (RMS norm with the residual add, the SiLU-gated product,
 rotary embedding with the cache write) and attend straight from the cache's blocks. Measured on the embedded
-model (2-core Xeon, float32): decode steps 1.3x faster at 1 row, 1.2x at 8 and 32 rows.
+model (2-core Xeon, float32; bench/compact_forward.py): decode steps 1.24x faster at 1 row, 1.22x at 8 and 1.19x
+at 32 rows than the same forward through PyTorch's operations.
 
 Built with torch's extension builder (g++ and ninja) into torch's extension cache, for this machine's CPU (the
 build's name carries a fingerprint of the CPU's features, so a cache shared by different machines never runs
@@ -31,7 +32,6 @@ import torch.nn.functional as F
 log = logging.getLogger("engine.native_kernels")
 
 SOURCE = Path(__file__).with_name("native") / "decode_kernels.cpp"
-MODES = ("auto", "off")
 
 _active = None
 _reason = "not loaded"
