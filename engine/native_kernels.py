@@ -102,11 +102,15 @@ def self_check(kernels, dtype: torch.dtype = torch.float32) -> str:
 
     with torch.inference_mode():
         x, delta, w = rand(3, 40), rand(3, 40), rand(40)
-        if not _close(F.rms_norm(x.float(), (40,), None, 1e-6).to(dtype) * w, kernels.rms_norm(x, w, 1e-6)):
+
+        def norm(v):  # transformers' RMS norm: normalised in float32, rounded to the type, then the weight
+            return F.rms_norm(v.float(), (40,), None, 1e-6).to(dtype) * w
+
+        if not _close(norm(x), kernels.rms_norm(x, w, 1e-6)):
             return "rms_norm"
         summed = x + delta
         got = kernels.add_rms_norm_(delta, x, w, 1e-6)
-        if not (_close(summed, delta) and _close(F.rms_norm(summed.float(), (40,), None, 1e-6).to(dtype) * w, got)):
+        if not (_close(summed, delta) and _close(norm(summed), got)):
             return "add_rms_norm_"
         gate_up = rand(3, 2 * 24)
         if not _close(F.silu(gate_up[:, :24]) * gate_up[:, 24:], kernels.silu_mul(gate_up, 24)):

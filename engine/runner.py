@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_manager import BLOCK_SIZE
 from . import native_kernels
+from .block_manager import BLOCK_SIZE
 from .compact_decoder import CompactDecoder
 from .kv_cache import DecodeBucket, ForwardCache, LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
 from .state_cache import RecurrentStates, StateKey, StateShape, StateStepCache, with_left_context

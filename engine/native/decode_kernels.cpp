@@ -177,7 +177,7 @@ void rope_and_cache_(at::Tensor& qkv, const c10::optional<at::Tensor>& cos, cons
             _Pragma("omp simd")
             for (int64_t j = 0; j < half; ++j) {
               float a = f32(x[j]), b = f32(x[j + half]);
-              float lo = f32(round_to<T>(a * f32(c[j]))) + f32(round_to<T>(f32(round_to<T>(-b)) * f32(s[j])));
+              float lo = f32(round_to<T>(a * f32(c[j]))) + f32(round_to<T>(-b * f32(s[j])));
               float hi = f32(round_to<T>(b * f32(c[j + half]))) + f32(round_to<T>(a * f32(s[j + half])));
               x[j] = round_to<T>(lo);
               x[j + half] = round_to<T>(hi);
