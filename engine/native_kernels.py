@@ -127,21 +127,25 @@ def self_check(kernels, dtype: torch.dtype = torch.float32) -> str:
         if not (_close(rotated, qkv[:, :heads + kv_heads]) and _close(rotated[:, heads:], k_pool.view(-1, kv_heads, dim)[slots])
                 and _close(values, v_pool.view(-1, kv_heads, dim)[slots])):
             return "rope_and_cache_"
-        k_pool, v_pool = rand(6, block, kv_heads, dim), rand(6, block, kv_heads, dim)
-        query = rand(2, heads, dim)
-        blocks, lengths = torch.tensor([3, 1, 0, 5, 2, 2]), torch.tensor([10, 5])
-        out = torch.empty(2, heads, dim, dtype=dtype)
-        for window in (0, 3):
-            kernels.paged_decode_attention(query, k_pool, v_pool, blocks, lengths, window, 0.3, out)
-            for row in range(2):
-                length = int(lengths[row])
-                start = max(0, length - window) if window else 0
-                keys = k_pool[blocks.view(2, 3)[row]].reshape(-1, kv_heads, dim)[start:length].transpose(0, 1)
-                vals = v_pool[blocks.view(2, 3)[row]].reshape(-1, kv_heads, dim)[start:length].transpose(0, 1)
-                expected = F.scaled_dot_product_attention(query[row][:, None].float(), keys.float(), vals.float(),
-                                                          scale=0.3, enable_gqa=True)[:, 0]
-                if not _close(expected.to(dtype), out[row]):
-                    return "paged_decode_attention"
+        # Two rows over a few blocks (the plain loops, head size 8), then one row of 600 keys (head size 64: the
+        # vector path, its keys split across threads and merged).
+        for dim, block, table, lengths in ((8, 4, [3, 1, 0, 5, 2, 2], [10, 5]), (64, 16, list(range(38)), [600])):
+            k_pool, v_pool = rand(max(table) + 1, block, kv_heads, dim), rand(max(table) + 1, block, kv_heads, dim)
+            rows = len(lengths)
+            query, blocks, lengths = rand(rows, heads, dim), torch.tensor(table), torch.tensor(lengths)
+            out = torch.empty(rows, heads, dim, dtype=dtype)
+            for window in (0, 3, 300):
+                kernels.paged_decode_attention(query, k_pool, v_pool, blocks, lengths, window, 0.3, out)
+                for row in range(rows):
+                    length = int(lengths[row])
+                    start = max(0, length - window) if window else 0
+                    row_blocks = blocks.view(rows, -1)[row]
+                    keys = k_pool[row_blocks].reshape(-1, kv_heads, dim)[start:length].transpose(0, 1)
+                    vals = v_pool[row_blocks].reshape(-1, kv_heads, dim)[start:length].transpose(0, 1)
+                    expected = F.scaled_dot_product_attention(query[row][:, None].float(), keys.float(),
+                                                              vals.float(), scale=0.3, enable_gqa=True)[:, 0]
+                    if not _close(expected.to(dtype), out[row]):
+                        return "paged_decode_attention"
     return ""
 
 

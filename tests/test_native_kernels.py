@@ -109,11 +109,12 @@ def _reference_attention(query, k_pool, v_pool, blocks, lengths, window, scale):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("window", [0, 5, 40])
-def test_decode_attention_over_the_blocks_equals_sdpa(kernels, dtype, heads, kv_heads, window):
+@pytest.mark.parametrize("dim", [16, 64, 128])  # 64 and 128 take the kernel's vector paths, 16 its plain loops
+def test_decode_attention_over_the_blocks_equals_sdpa(kernels, dtype, heads, kv_heads, window, dim):
     """Rows of different lengths (within a block, across blocks, a padded table), strided query and output views
     of a step's packed tensors, grouped-query heads, with and without a sliding window."""
-    gen = torch.Generator().manual_seed(heads * 10 + window)
-    dim, block, pool_blocks, width = 16, 16, 20, 4
+    gen = torch.Generator().manual_seed(heads * 10 + window + dim)
+    block, pool_blocks, width = 16, 20, 4
     k_pool = torch.randn(pool_blocks, block, kv_heads, dim, generator=gen).to(dtype)
     v_pool = torch.randn(pool_blocks, block, kv_heads, dim, generator=gen).to(dtype)
     lengths = torch.tensor([1, 16, 17, 64, 33])
@@ -127,6 +128,24 @@ def test_decode_attention_over_the_blocks_equals_sdpa(kernels, dtype, heads, kv_
     kernels.paged_decode_attention(query, k_pool, v_pool, blocks, lengths, window, 0.25, out)
     _close(_reference_attention(query, k_pool, v_pool, blocks, lengths, window, 0.25), out, dtype)
     assert not out_buffer[0, 0].any() and not out_buffer[0, rows + 1:].any()  # nothing written outside the view
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, window", [(1, 0), (2, 0), (1, 700), (2, 300), (3, 1500)])
+def test_long_rows_split_across_threads_equal_sdpa(kernels, dtype, rows, window):
+    """Few rows over long contexts split each row's keys into parts whose softmax terms merge afterwards; the
+    merge must give the one softmax over all keys, windows included, whatever the split points."""
+    gen = torch.Generator().manual_seed(rows * 7 + window)
+    heads, kv_heads, dim, block, width = 6, 2, 64, 16, 130
+    k_pool = torch.randn(rows * width + 5, block, kv_heads, dim, generator=gen).to(dtype)
+    v_pool = torch.randn(rows * width + 5, block, kv_heads, dim, generator=gen).to(dtype)
+    k_pool[3, 5, 0] = 4.0  # a key far ahead of the rest, so the parts' largest scores differ
+    lengths = torch.tensor([2077, 1025, 513][:rows])
+    blocks = torch.randperm(rows * width + 5, generator=gen)[:rows * width]
+    query = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    out = torch.empty(rows, heads, dim, dtype=dtype)
+    kernels.paged_decode_attention(query, k_pool, v_pool, blocks, lengths, window, 0.125, out)
+    _close(_reference_attention(query, k_pool, v_pool, blocks, lengths, window, 0.125), out, dtype)
 
 
 def test_bad_arguments_are_errors_not_crashes(kernels):

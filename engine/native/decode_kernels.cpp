@@ -14,7 +14,12 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -191,6 +196,109 @@ void rope_and_cache_(at::Tensor& qkv, const c10::optional<at::Tensor>& cos, cons
   });
 }
 
+#if defined(__AVX512F__)
+// 16 values of T widened to float32 lanes (float, bfloat16 and half; double keeps the plain loops).
+template <typename T>
+constexpr bool kWidens = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+#endif
+
+// q . k over dim. GCC ends an `omp simd` reduction by adding its lanes one after another (16 dependent adds),
+// which made decode attention's dot products several times slower than their multiplies; with AVX-512 and the
+// head size fixed (D, a multiple of 16) the sum stays in one register and ends in a shuffle tree.
+template <typename T, int D>
+inline float dot(const float* q, const T* k, int64_t dim) {
+#if defined(__AVX512F__)
+  if constexpr (kWidens<T> && D > 0 && D % 16 == 0) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), load16(k));
+    for (int j = 16; j < D; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), load16(k + j), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < dim; ++j) s += q[j] * f32(k[j]);
+  return s;
+}
+
+// acc[0:value_dim] += sum over i < count of w[i] * v_i, where v_i = v + i * stride; with AVX-512 and a fixed head
+// size the sums stay in registers for all count values.
+template <typename T, int D>
+inline void add_weighted(float* acc, const float* w, const T* v, int64_t count, int64_t stride, int64_t value_dim) {
+#if defined(__AVX512F__)
+  if constexpr (kWidens<T> && D > 0 && D % 16 == 0) {
+    __m512 sums[D / 16];
+    for (int c = 0; c < D / 16; ++c) sums[c] = _mm512_loadu_ps(acc + 16 * c);
+    for (int64_t i = 0; i < count; ++i, v += stride) {
+      const __m512 weight = _mm512_set1_ps(w[i]);
+      for (int c = 0; c < D / 16; ++c) sums[c] = _mm512_fmadd_ps(weight, load16(v + 16 * c), sums[c]);
+    }
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + 16 * c, sums[c]);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i, v += stride) {
+    const float weight = w[i];
+#pragma omp simd
+    for (int64_t j = 0; j < value_dim; ++j) acc[j] += weight * f32(v[j]);
+  }
+}
+
+// One (row, key head) share of decode attention over keys [p0, p1) of a row: the group's query heads (scaled,
+// float32, [group, dim]) against each key, then the softmax's running terms: top[g] the largest score, total[g]
+// the sum of exp(score - top), acc[g] the sum of exp(score - top) * value. The walk goes a block at a time: a
+// key's address costs no division, and each query head's dot products and sums run over a block's keys while
+// they sit in L1. D > 0 fixes the head size at compile time (the common 64 and 128), so the compiler keeps a
+// head's sums in registers; D = 0 takes it from dim. An empty range leaves top = -inf, total = 0 and acc = 0.
+template <typename T, int D>
+void attend_range(const float* q, const T* kp, const T* vp, const int64_t* row_blocks, int64_t p0, int64_t p1,
+                  int64_t block_size, int64_t kv_heads, int64_t kh, int64_t group, int64_t dim_, int64_t value_dim_,
+                  std::vector<float>& scores, float* top, float* total, float* acc) {
+  const int64_t dim = D > 0 ? D : dim_, value_dim = D > 0 ? D : value_dim_;
+  const int64_t n = p1 - p0, key_stride = kv_heads * dim, value_stride = kv_heads * value_dim;
+  std::fill(acc, acc + group * value_dim, 0.f);
+  for (int64_t g = 0; g < group; ++g) top[g] = -INFINITY, total[g] = 0.f;
+  if (n <= 0) return;
+  scores.resize(group * n);
+  for (int64_t p = p0; p < p1;) {
+    const int64_t o = p % block_size, take = std::min(block_size - o, p1 - p);
+    const T* kb = kp + ((row_blocks[p / block_size] * block_size + o) * kv_heads + kh) * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * dim;
+      float* sg = scores.data() + g * n + (p - p0);
+      for (int64_t i = 0; i < take; ++i) sg[i] = dot<T, D>(qg, kb + i * key_stride, dim);
+    }
+    p += take;
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores.data() + g * n;
+    float t = -INFINITY, sum = 0.f;
+    _Pragma("omp simd reduction(max : t)")
+    for (int64_t i = 0; i < n; ++i) t = std::max(t, sg[i]);
+    _Pragma("omp simd reduction(+ : sum)")
+    for (int64_t i = 0; i < n; ++i) sum += (sg[i] = fast_exp(sg[i] - t));
+    top[g] = t, total[g] = sum;
+  }
+  for (int64_t p = p0; p < p1;) {
+    const int64_t o = p % block_size, take = std::min(block_size - o, p1 - p);
+    const T* vb = vp + ((row_blocks[p / block_size] * block_size + o) * kv_heads + kh) * value_dim;
+    for (int64_t g = 0; g < group; ++g)
+      add_weighted<T, D>(acc + g * value_dim, scores.data() + g * n + (p - p0), vb, take, value_stride, value_dim);
+    p += take;
+  }
+}
+
 // Decode attention read straight from the paged cache: each row's one query over its keys [start, length),
 // start = length - window for a sliding window (0 without). query [rows, heads, dim] and out [rows, heads,
 // value_dim] may have any row and head strides (views of a step's packed tensors); pools [blocks, block_size,
@@ -218,58 +326,74 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
   const int64_t width = blocks.numel() / rows, group = heads / kv_heads, pool_blocks = k_pool.size(0);
   const int64_t* bp = blocks.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(lp[r] > 0 && lp[r] <= width * block_size, "paged_decode_attention: a row's length exceeds its blocks");
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(lp[r] > 0 && lp[r] <= width * block_size, "paged_decode_attention: a row's length exceeds its blocks");
+    longest = std::max(longest, window > 0 ? std::min(lp[r], window) : lp[r]);
+  }
   for (int64_t i = 0; i < blocks.numel(); ++i) TORCH_CHECK(bp[i] >= 0 && bp[i] < pool_blocks, "paged_decode_attention: block id out of range");
+  // Few rows over long contexts leave threads idle with one task per (row, key head): split each row's keys into
+  // parts whose softmax terms are merged afterwards (as flash-decoding does), at least kMinSplitKeys keys a part.
+  constexpr int64_t kMinSplitKeys = 256;
+  const int64_t wanted = 4 * at::get_num_threads(), pairs = rows * kv_heads;
+  const int64_t parts = pairs >= wanted ? 1 : std::max<int64_t>(1, std::min((wanted + pairs - 1) / pairs,
+                                                                            longest / kMinSplitKeys));
   const int64_t q_row = query.stride(0), q_head = query.stride(1), o_row = out.stride(0), o_head = out.stride(1);
+  // Each part's terms: top and total [pairs * parts, group], acc [pairs * parts, group, value_dim].
+  std::vector<float> tops(pairs * parts * group), totals(pairs * parts * group), accs(pairs * parts * group * value_dim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     using T = scalar_t;
     const T* qp = query.data_ptr<T>();
     const T* kp = k_pool.data_ptr<T>();
     const T* vp = v_pool.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    // One task per (row, key head): its query heads share every key and value read.
-    at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q(group * dim), acc(group * value_dim), scores;
+    // One task per (row, key head, part): the query heads of a key head share every key and value read.
+    at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> q(group * dim), scores;
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t r = task / kv_heads, kh = task % kv_heads, length = lp[r];
-        const int64_t start = window > 0 ? std::max<int64_t>(0, length - window) : 0, n = length - start;
-        const int64_t* row_blocks = bp + r * width;
+        const int64_t pair = task / parts, part = task % parts, r = pair / kv_heads, kh = pair % kv_heads;
+        const int64_t length = lp[r], start = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+        const int64_t n = length - start, p0 = start + n * part / parts, p1 = start + n * (part + 1) / parts;
         for (int64_t g = 0; g < group; ++g) {
           const T* src = qp + r * q_row + (kh * group + g) * q_head;
           for (int64_t j = 0; j < dim; ++j) q[g * dim + j] = f32(src[j]) * static_cast<float>(scale);
         }
-        scores.resize(group * n);
-        for (int64_t p = start; p < length; ++p) {
-          const T* k = kp + ((row_blocks[p / block_size] * block_size + p % block_size) * kv_heads + kh) * dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q.data() + g * dim;
-            float s = 0.f;
-            _Pragma("omp simd reduction(+ : s)")
-            for (int64_t j = 0; j < dim; ++j) s += qg[j] * f32(k[j]);
-            scores[g * n + (p - start)] = s;
-          }
-        }
+        float* top = tops.data() + task * group;
+        float* total = totals.data() + task * group;
+        float* acc = accs.data() + task * group * value_dim;
+        const int64_t* row_blocks = bp + r * width;
+        if (dim == 64 && value_dim == 64)
+          attend_range<T, 64>(q.data(), kp, vp, row_blocks, p0, p1, block_size, kv_heads, kh, group, dim,
+                              value_dim, scores, top, total, acc);
+        else if (dim == 128 && value_dim == 128)
+          attend_range<T, 128>(q.data(), kp, vp, row_blocks, p0, p1, block_size, kv_heads, kh, group, dim,
+                               value_dim, scores, top, total, acc);
+        else
+          attend_range<T, 0>(q.data(), kp, vp, row_blocks, p0, p1, block_size, kv_heads, kh, group, dim,
+                             value_dim, scores, top, total, acc);
+      }
+    });
+    // Merge each (row, key head)'s parts: rescale every part's terms to the largest top, then normalise.
+    at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> merged(value_dim);
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t r = pair / kv_heads, kh = pair % kv_heads;
         for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * n;
           float top = -INFINITY, total = 0.f;
-          for (int64_t i = 0; i < n; ++i) top = std::max(top, sg[i]);
-          _Pragma("omp simd reduction(+ : total)")
-          for (int64_t i = 0; i < n; ++i) total += (sg[i] = fast_exp(sg[i] - top));
-          for (int64_t i = 0; i < n; ++i) sg[i] /= total;
-        }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t p = start; p < length; ++p) {
-          const T* v = vp + ((row_blocks[p / block_size] * block_size + p % block_size) * kv_heads + kh) * value_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float weight = scores[g * n + (p - start)];
-            float* a = acc.data() + g * value_dim;
+          for (int64_t part = 0; part < parts; ++part) top = std::max(top, tops[(pair * parts + part) * group + g]);
+          std::fill(merged.begin(), merged.end(), 0.f);
+          for (int64_t part = 0; part < parts; ++part) {
+            const int64_t at = (pair * parts + part) * group + g;
+            if (totals[at] == 0.f) continue;  // an empty part
+            const float factor = parts == 1 ? 1.f : fast_exp(tops[at] - top);
+            total += totals[at] * factor;
+            const float* a = accs.data() + at * value_dim;
             _Pragma("omp simd")
-            for (int64_t j = 0; j < value_dim; ++j) a[j] += weight * f32(v[j]);
+            for (int64_t j = 0; j < value_dim; ++j) merged[j] += a[j] * factor;
           }
-        }
-        for (int64_t g = 0; g < group; ++g) {
+          const float inv = 1.f / total;
           T* dst = op + r * o_row + (kh * group + g) * o_head;
-          for (int64_t j = 0; j < value_dim; ++j) dst[j] = round_to<T>(acc[g * value_dim + j]);
+          for (int64_t j = 0; j < value_dim; ++j) dst[j] = round_to<T>(merged[j] * inv);
         }
       }
     });
