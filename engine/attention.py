@@ -105,7 +105,7 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
             # A chunk that starts its sequence attends only to its own keys: no gather, plain causal attention.
             o = _sdpa(q, key[:, :, span], value[:, :, span], None, scaling, softcap, is_causal=True, sinks=sinks)
         else:
-            blocks, first, mask = layout.segment_keys(index, window)
+            blocks, first, mask = layout.segment_keys(index, window, query.dtype)
             keys = seg.start + seg.length - first
             k = k_pool.index_select(0, blocks).view(-1, kv_heads, key_dim)[:keys].transpose(0, 1).unsqueeze(0)
             v = v_pool.index_select(0, blocks).view(-1, kv_heads, value_dim)[:keys].transpose(0, 1).unsqueeze(0)

@@ -193,11 +193,13 @@ class StepLayout:
             found = self._reads[key] = (blocks, keys, mask.view(rows, 1, 1, -1))
         return found
 
-    def segment_keys(self, index: int, window: int | None) -> tuple[torch.Tensor, int, torch.Tensor]:
+    def segment_keys(self, index: int, window: int | None,
+                     dtype: torch.dtype = torch.bool) -> tuple[torch.Tensor, int, torch.Tensor]:
         """What a prefill segment with earlier keys (or longer than its window) reads for a layer with this
         sliding window: the block ids to gather, the position of the first key they hold, and the [1, 1, new,
-        keys] causal (and windowed) mask."""
-        key = ("segment", index, window)
+        keys] causal (and windowed) mask: boolean, or additive (0 and -inf) in a float `dtype`, which SDPA takes
+        as it is instead of converting a boolean mask in every layer."""
+        key = ("segment", index, window, dtype)
         found = self._reads.get(key)
         if found is None:
             seg = self.segments[index]
@@ -209,6 +211,8 @@ class StepLayout:
             mask = key_pos <= query_pos
             if window:
                 mask &= key_pos > query_pos - window
+            if dtype != torch.bool:
+                mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
             found = self._reads[key] = (seg.blocks[first:], first * BLOCK_SIZE, mask.view(1, 1, seg.length, -1))
         return found
 
