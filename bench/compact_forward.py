@@ -1,8 +1,10 @@
 """The compact forward (engine/compact_decoder.py), with and without the native CPU kernels
-(engine/native_kernels.py), against the model's own forward, in one process and taking turns, so that machine
-drift falls on all alike: the median time of one decode step at fixed batch sizes, then streaming throughput at
-several concurrency levels. Sides: the model's own forward without the kernels, the compact forward without
-them, and the compact forward through them (where they built here).
+(engine/native_kernels.py) and the block product of GGUF weights (engine/quantized_weights.py), against the
+model's own forward, in one process and taking turns, so that machine drift falls on all alike: the median time
+of one decode step at fixed batch sizes, then streaming throughput at several concurrency levels. Sides: the
+model's own forward without the kernels, the compact forward without them, the compact forward through them
+(where they built here), and that with the linear layers multiplying from their GGUF blocks (where the model's
+weights are exact blocks and the product won its probe at load).
 
     .venv/bin/python bench/compact_forward.py [--levels 1,8,16,32] [--rounds 3] [--tokens 96] [--rows 1,8,32]
 
@@ -83,17 +85,25 @@ def main() -> None:
     compact = runner.compact
     if compact is None:
         raise SystemExit(f"this model runs its own forward ({runner.compact_reason}): nothing to compare")
-    sides = {"model's own": (None, "off"), "compact": (CompactDecoder(runner.model), "off")}
+    # Layers with a block product use it up to `blocks_until` rows: 0 turns it off for a side.
+    blocks = {m: m.blocks_until for m in runner.model.modules() if hasattr(m, "weight_blocks")}
+    sides = {"model's own": (None, "off", False), "compact": (CompactDecoder(runner.model), "off", False)}
     if compact.kernels is not None:
-        sides["compact + kernels"] = (compact, "auto")
+        sides["compact + kernels"] = (compact, "auto", False)
+        if blocks:
+            sides["compact + kernels + GGUF blocks"] = (compact, "auto", True)
+        else:
+            print("no block product in use (the weights are not exact GGUF blocks, or it lost its probe)")
     else:
         print(f"native kernels not in use ({native_kernels.reason() or 'the model does not suit them'})")
     tokenizer = worker.engine.tokenizer
     prompts = [tokenizer.encode(f"Write story number {i} about a robot who learns to paint.") for i in range(64)]
 
     def use(side: str) -> None:
-        decoder, kernels = sides[side]
+        decoder, kernels, with_blocks = sides[side]
         runner.compact = decoder
+        for module, until in blocks.items():
+            module.blocks_until = until if with_blocks else 0
         # The kernels' load-time check runs parallel operations: on a thread that ends, as the timing below.
         _in_own_thread(native_kernels.load, kernels, runner.dtype)
 

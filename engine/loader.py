@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import attention, cpu_layout, fallback, fusion, model_store, native_kernels, windows
+from . import attention, cpu_layout, fallback, fusion, model_store, native_kernels, quantized_weights, windows
 from .config import EngineConfig
 from .pooling import PoolingConfig, Task, pooling_config
 from .tokenizer import Tokenizer
@@ -217,6 +217,7 @@ def load(config: EngineConfig) -> LoadedModel:
         if device.type == "cpu":
             cpu_layout.apply(model)
             native_kernels.load(config.native_kernels, dtype)
+            quantized_weights.apply(model, native_kernels.active())
     pooling = pooling_config(folder, model.config, task, config.pooling_type, config.embedding_normalize)
 
     limit = _model_max_len(model.config)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 log = logging.getLogger("engine.native_kernels")
 
 SOURCE = Path(__file__).with_name("native") / "decode_kernels.cpp"
+QUANTIZED_SOURCE = SOURCE.with_name("quantized_linear.cpp")  # built into the same module
 
 _active = None
 _reason = "not loaded"
@@ -69,20 +70,20 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
 
 
-_built: dict[tuple[str, str], object] = {}  # built modules in this process, by source and build name
+_built: dict[tuple[str, str, str], object] = {}  # built modules in this process, by sources and build name
 
 
 def build():
     """Compile (or take from torch's extension cache) the kernels for this machine; raises where it cannot."""
     from torch.utils import cpp_extension
 
-    key = (str(SOURCE), f"llm_worker_decode_{_cpu_fingerprint()}")
+    key = (str(SOURCE), str(QUANTIZED_SOURCE), f"llm_worker_decode_{_cpu_fingerprint()}")
     if key not in _built:
         _ninja_on_path()
         flags = ["-O3", "-march=native", "-fopenmp"]
         # -fopenmp links libgomp.so.1 by name: the loader reuses the copy torch already loaded, so the kernels
         # share torch's OpenMP threads instead of starting a second team (which halves decode speed; README).
-        _built[key] = cpp_extension.load(key[1], [key[0]], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        _built[key] = cpp_extension.load(key[2], [key[0], key[1]], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                          verbose=False)
     return _built[key]
 

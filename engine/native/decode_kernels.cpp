@@ -400,10 +400,18 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
   });
 }
 
+// engine/native/quantized_linear.cpp
+bool blocks_supported();
+std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight);
+at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMS norm of the last dimension");
   m.def("add_rms_norm_", &add_rms_norm_, "delta += residual in place; the RMS norm of the sum");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate-and-up product");
   m.def("rope_and_cache_", &rope_and_cache_, "rotary embedding in place, then the keys and values to the cache");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache's blocks");
+  m.def("blocks_supported", &blocks_supported, "whether this build has the block product");
+  m.def("pack_blocks", &pack_blocks, "(format, blocks): a float32 weight's exact Q4_1 or Q8_0 blocks, or (0, empty)");
+  m.def("blocks_linear", &blocks_linear, "x times a weight packed by pack_blocks");
 }

@@ -1,0 +1,118 @@
+"""Linear layers whose float32 weights are exactly GGUF Q4_1 or Q8_0 blocks multiply from those blocks on CPU.
+
+A GGUF model (the embedded default: Q4_1 layers, a Q8_0 output head) reaches the engine as the float32 weights
+transformers expanded from its blocks, so a decode step streams four to five times the bytes the file holds.
+The native kernel (engine/native/quantized_linear.cpp) recovers each weight's blocks and keeps them only where
+they give back every float32 weight bit for bit, then multiplies from them: the same weights, 6 (Q4_1) or 9
+(Q8_0) bits each instead of 32. Results equal the float32 product up to summation order. It is used up to the batch size where a probe over a
+step's weights, in order, finds it faster than the layout in use (engine/cpu_layout.py); larger products
+(prefill chunks) keep that layout. Weights of any other origin find no exact blocks and are left as they are.
+"""
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+
+from . import cpu_layout
+
+log = logging.getLogger("engine.quantized_weights")
+
+_PROBE_ROWS = (1, 16, 32, 64)  # batch sizes timed; the blocks serve up to the largest that wins with all below it
+_GAIN_NEEDED = 1.05
+_PROBE_BYTES = 512 * 2**20
+
+
+def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if rows > self.blocks_until or x.dtype != torch.float32:
+        return self.dense_forward(x)
+    out = self.block_kernels.blocks_linear(x.reshape(rows, x.shape[-1]).contiguous(), self.weight_blocks,
+                                           self.block_format, self.out_features)
+    if self.bias is not None:
+        out += self.bias
+    return out.view(*x.shape[:-1], self.out_features)
+
+
+def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """Linear layers in step order (fused projections' parts, which run only when the fused product cannot, left
+    out) with float32 CPU weights."""
+    return [m for m in model.modules()
+            if type(m) is torch.nn.Linear and not getattr(m, "fused_into", False)
+            and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+
+
+_FORMATS = {1: "Q4_1", 2: "Q8_0"}
+
+
+def _agrees(module: torch.nn.Linear, kernels, blocks: tuple[int, torch.Tensor]) -> bool:
+    """The block product against the layer's own on random rows, through both of the kernel's paths."""
+    for rows in (1, 17):
+        x = torch.randn(rows, module.in_features)
+        expected = torch.nn.functional.linear(x, module.weight)
+        got = kernels.blocks_linear(x, blocks[1], blocks[0], module.out_features)
+        scale = float(expected.abs().max()) + 1.0
+        if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * scale):
+            return False
+    return True
+
+
+def _gains(modules: list[torch.nn.Linear], blocks: list[tuple[int, torch.Tensor]], kernels) -> dict[int, float]:
+    """The speed-up of the block product over the layers' current forwards at each probed batch size, timed in
+    turns over a step's weights in order (a step streams them from memory, not from cache)."""
+    chosen, total = [], 0
+    for module, packed in zip(modules, blocks):
+        chosen.append((module, packed))
+        total += module.weight.numel() * 4
+        if total >= _PROBE_BYTES:
+            break
+    gains = {}
+    for rows in _PROBE_ROWS:
+        x_for = {m.in_features: torch.randn(rows, m.in_features) for m, _ in chosen}
+        gains[rows] = cpu_layout.speedup(
+            lambda: [m.forward(x_for[m.in_features]) for m, _ in chosen],
+            lambda: [kernels.blocks_linear(x_for[m.in_features], p[1], p[0], m.out_features) for m, p in chosen],
+            repeats=3)
+    return gains
+
+
+def apply(model: torch.nn.Module, kernels) -> int:
+    """Give every linear layer whose weight is exact Q4_1 or Q8_0 blocks a block product for batches up to the
+    size where it wins (`kernels`: engine/native_kernels.active(), or None). Returns how many layers got one."""
+    if kernels is None or not kernels.blocks_supported():
+        return 0
+    with torch.inference_mode():
+        found = [(m, kernels.pack_blocks(m.weight.detach())) for m in _candidates(model)]
+        found = [(m, b) for m, b in found if b[0]]
+        if not found:
+            return 0
+        modules, blocks = [m for m, _ in found], [b for _, b in found]
+        if not all(_agrees(m, kernels, b) for m, b in {b[0]: (m, b) for m, b in found}.values()):
+            log.warning("the block product differs from the float32 one on this machine; not used")
+            return 0
+        gains = _gains(modules, blocks, kernels)
+    until = 0
+    for rows in _PROBE_ROWS:
+        if gains[rows] < _GAIN_NEEDED:
+            break
+        until = rows
+    formats = ", ".join(f"{sum(b[0] == f for b in blocks)} {name}" for f, name in _FORMATS.items()
+                        if any(b[0] == f for b in blocks))
+    timed = ", ".join(f"{g:.2f}x at {rows}" for rows, g in gains.items())
+    if not until:
+        log.info("linear weights: %d layers hold exact GGUF blocks (%s), but their product is not faster here (%s "
+                 "rows over a step's weights); float32 kept", len(modules), formats, timed)
+        return 0
+    for module, (block_format, packed) in found:
+        module.weight_blocks = packed
+        module.block_format = block_format
+        module.blocks_until = until
+        module.block_kernels = kernels
+        module.dense_forward = module.forward
+        module.forward = types.MethodType(_forward, module)
+    log.info("linear weights: %d layers multiply from their exact GGUF blocks (%s; engine/native/quantized_linear.cpp"
+             ", %.0f MB for %.0f MB of float32) up to %d rows: %s rows over a step's weights", len(modules), formats,
+             sum(b[1].numel() for b in blocks) / 2**20, sum(m.weight.numel() * 4 for m in modules) / 2**20, until,
+             timed)
+    return len(modules)

@@ -1,0 +1,157 @@
+"""The block product of GGUF weights (engine/native/quantized_linear.cpp, engine/quantized_weights.py): it finds
+exactly the weights that are Q4_1 or Q8_0 block values and no others, multiplies by exactly those weights
+through both of its paths, refuses what it cannot do, and serves the embedded model (Q4_1 layers, a Q8_0 head)
+with the same tokens as float32."""
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+import torch
+import transformers
+
+from engine import AsyncEngine, EngineConfig, SamplingParams, native_kernels, quantized_weights
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    assert native_kernels.load("auto"), native_kernels.reason()
+    kernels = native_kernels.active()
+    if not kernels.blocks_supported():
+        pytest.skip("the block product needs AVX-512")
+    return kernels
+
+
+def q4_1_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """Float32 weights as transformers expands Q4_1 blocks: fl(fl(q * d) + m), d and m half-precision."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = in_features // 32
+    q = torch.randint(0, 16, (out_features, blocks, 32), generator=gen).float()
+    d = (torch.rand(out_features, blocks, 1, generator=gen) * 0.02).half().float()
+    m = (-torch.rand(out_features, blocks, 1, generator=gen) * 0.1).half().float()
+    q[:, :, 0], q[:, :, 1] = 0, 15  # Q4_1 maps each block's minimum to 0 and its maximum to 15
+    return (q * d + m).view(out_features, in_features)
+
+
+def q8_0_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """Float32 weights as transformers expands Q8_0 blocks: fl(q * d), d half-precision."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = in_features // 32
+    q = torch.randint(-127, 128, (out_features, blocks, 32), generator=gen).float()
+    q[:, :, 0] = 127  # Q8_0 maps each block's largest magnitude to 127 steps
+    d = (torch.rand(out_features, blocks, 1, generator=gen) * 0.01).half().float()
+    return (q * d).view(out_features, in_features)
+
+
+@pytest.mark.parametrize("make, expected", [(q4_1_weight, 1), (q8_0_weight, 2)])
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (96, 1536)])  # 48: an odd number of panels
+def test_the_product_multiplies_by_exactly_the_blocks_weights(kernels, make, expected, out_features, in_features):
+    weight = make(out_features, in_features)
+    block_format, packed = kernels.pack_blocks(weight)
+    assert block_format == expected
+    # Unit rows give back the weights themselves, bit for bit: 16 rows expand them in registers as they stream,
+    # more rows into a buffer first.
+    for rows in (16, 64):
+        units = torch.eye(in_features)[:rows]
+        assert torch.equal(kernels.blocks_linear(units, packed, block_format, out_features), weight[:, :rows].t())
+    for rows in (1, 5, 16, 17, 40):
+        x = torch.randn(rows, in_features)
+        exact = (x.double() @ weight.double().t())
+        got = kernels.blocks_linear(x, packed, block_format, out_features).double()
+        assert (got - exact).abs().max() <= 1e-5 * exact.abs().max()  # float32 sums, in the kernel's order
+
+
+def test_the_layout_holds_any_strides(kernels):
+    weight = q4_1_weight(64, 128)
+    column_major = weight.t().contiguous().t()  # engine/cpu_layout.py may store weights transposed
+    assert torch.equal(kernels.pack_blocks(column_major)[1], kernels.pack_blocks(weight)[1])
+
+
+def test_weights_that_are_not_exact_blocks_are_refused(kernels):
+    weight = q4_1_weight(32, 64)
+    one_off = weight.clone()
+    one_off[3, 7] = torch.nextafter(one_off[3, 7], torch.tensor(1.0))  # one weight one ulp away
+    assert kernels.pack_blocks(one_off)[0] == 0
+    assert kernels.pack_blocks(torch.randn(32, 64))[0] == 0
+    assert kernels.pack_blocks(torch.randn(32, 64).bfloat16().float())[0] == 0  # a bfloat16 checkpoint's values
+    assert kernels.pack_blocks(weight[:, :48])[0] == 0  # inputs not a whole number of blocks
+    assert kernels.pack_blocks(weight[:24])[0] == 0  # outputs not a whole number of panels
+    with_nan = weight.clone()
+    with_nan[0, 0] = float("nan")
+    assert kernels.pack_blocks(with_nan)[0] == 0
+
+
+def test_bad_arguments_are_errors_not_crashes(kernels):
+    block_format, packed = kernels.pack_blocks(q4_1_weight(32, 64))
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernels.blocks_linear(torch.randn(2, 64), packed, block_format, 48)
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernels.blocks_linear(torch.randn(2, 96), packed, block_format, 32)
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernels.blocks_linear(torch.randn(2, 64), packed, 2, 32)  # Q8_0 blocks are larger
+    with pytest.raises(RuntimeError, match="unknown format"):
+        kernels.blocks_linear(torch.randn(2, 64), packed, 7, 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.blocks_linear(torch.randn(2, 64).double(), packed, block_format, 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.pack_blocks(torch.randn(32, 64).half())
+
+
+def _tiny_llama(exact_blocks: bool) -> torch.nn.Module:
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    if exact_blocks:
+        for i, module in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
+            module.weight.data = q4_1_weight(*module.weight.shape, seed=i)
+    return model
+
+
+def test_a_model_with_block_weights_serves_them_and_others_are_left_alone(kernels, monkeypatch):
+    assert quantized_weights.apply(_tiny_llama(exact_blocks=False), kernels) == 0
+    model = _tiny_llama(exact_blocks=True)
+    with torch.inference_mode():
+        ids = torch.tensor([[5, 17, 99, 3, 42]])
+        logits = model(ids).logits
+        # Weights this small sit in cache, where the block product need not win its probe: pin its outcome.
+        monkeypatch.setattr(quantized_weights, "_gains", lambda *a: {rows: 2.0 for rows in (1, 16, 32, 64)})
+        assert quantized_weights.apply(model, kernels) == 2 * 7 + 1  # seven products a layer, and the head
+        head = model.lm_head
+        assert head.block_format == 1 and head.blocks_until == 64
+        calls = []
+        kernel_product = kernels.blocks_linear
+        head.block_kernels = types.SimpleNamespace(blocks_linear=lambda *a: calls.append(a[0].shape[0]) or
+                                                   kernel_product(*a))
+        torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
+        long_ids = torch.randint(0, 256, (1, 70))
+        dense = head.dense_forward(model.model(long_ids).last_hidden_state)
+        torch.testing.assert_close(model(long_ids).logits, dense, rtol=1e-5, atol=1e-5)
+    assert calls == [5]  # the 5-token input took the blocks; the 70-token one (past blocks_until) did not
+
+
+def test_the_embedded_model_multiplies_from_its_blocks_with_the_same_tokens(caplog):
+    """The embedded SmolLM2 is Q4_1 layers and a Q8_0 head: every linear layer finds its blocks, and greedy
+    decoding gives the tokens it gives without native code (float32 products throughout)."""
+    prompts = [[1, 2, 3], list(range(10, 60)), list(range(100, 400))]
+
+    async def generate(mode: str) -> list[list[int]]:
+        engine = AsyncEngine(EngineConfig(native_kernels=mode, max_num_batched_tokens=64))
+        await engine.start()
+        try:
+            async def one(i, prompt):
+                tokens = []
+                params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+                async for output in engine.generate(f"r{i}", prompt, params):
+                    tokens += [t for delta in output.deltas for t in delta.token_ids]
+                return tokens
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        finally:
+            engine.close()
+
+    with caplog.at_level("INFO", logger="engine.quantized_weights"):
+        with_blocks = asyncio.run(generate("auto"))
+    line = [r.getMessage() for r in caplog.records if r.name == "engine.quantized_weights"]
+    assert line and "120 Q4_1, 1 Q8_0" in line[0], line
+    assert with_blocks == asyncio.run(generate("off"))
