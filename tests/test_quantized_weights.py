@@ -50,12 +50,13 @@ def test_the_product_multiplies_by_exactly_the_blocks_weights(kernels, make, exp
     weight = make(out_features, in_features)
     block_format, packed = kernels.pack_blocks(weight)
     assert block_format == expected
-    # Unit rows give back the weights themselves, bit for bit: 16 rows expand them in registers as they stream,
-    # more rows into a buffer first.
-    for rows in (16, 64):
+    # Unit rows give back the weights themselves, bit for bit, through each of the kernel's paths: up to 8 rows
+    # (scaled once per block), 9 to 16 (each weight expanded as it streams in), more (a buffer the blocks
+    # expand into).
+    for rows in (8, 16, 64):
         units = torch.eye(in_features)[:rows]
         assert torch.equal(kernels.blocks_linear(units, packed, block_format, out_features), weight[:, :rows].t())
-    for rows in (1, 5, 16, 17, 40):
+    for rows in (1, 5, 8, 9, 16, 17, 40):
         x = torch.randn(rows, in_features)
         exact = (x.double() @ weight.double().t())
         got = kernels.blocks_linear(x, packed, block_format, out_features).double()
