@@ -50,10 +50,9 @@ def test_the_product_multiplies_by_exactly_the_blocks_weights(kernels, make, exp
     weight = make(out_features, in_features)
     block_format, packed = kernels.pack_blocks(weight)
     assert block_format == expected
-    # Unit rows give back the weights themselves, bit for bit, through each of the kernel's paths: up to 8 rows
-    # (scaled once per block), 9 to 16 (each weight expanded as it streams in), more (a buffer the blocks
-    # expand into).
-    for rows in (8, 16, 64):
+    # Unit rows give back the weights themselves, bit for bit, through both of the kernel's paths: up to 16 rows
+    # (each weight expanded as it streams in), more (a buffer the blocks expand into).
+    for rows in (16, 64):
         units = torch.eye(in_features)[:rows]
         assert torch.equal(kernels.blocks_linear(units, packed, block_format, out_features), weight[:, :rows].t())
     for rows in (1, 5, 8, 9, 16, 17, 40):
@@ -61,6 +60,20 @@ def test_the_product_multiplies_by_exactly_the_blocks_weights(kernels, make, exp
         exact = (x.double() @ weight.double().t())
         got = kernels.blocks_linear(x, packed, block_format, out_features).double()
         assert (got - exact).abs().max() <= 1e-5 * exact.abs().max()  # float32 sums, in the kernel's order
+
+
+@pytest.mark.parametrize("make", [q4_1_weight, q8_0_weight])
+def test_a_rows_result_does_not_depend_on_its_batch(kernels, make):
+    """Embeddings and pooling of one prompt must agree whether it runs alone or batched with others: every path
+    sums in the same order, so each row's result is bit for bit the same at any batch size."""
+    weight = make(96, 1536)
+    block_format, packed = kernels.pack_blocks(weight)
+    x = torch.randn(40, 1536)
+    together = kernels.blocks_linear(x, packed, block_format, 96)
+    for rows in (1, 3, 8, 9, 16, 17):
+        for start in range(0, 40, rows):
+            part = kernels.blocks_linear(x[start:start + rows].contiguous(), packed, block_format, 96)
+            assert torch.equal(part, together[start:start + rows]), (rows, start)
 
 
 def test_the_layout_holds_any_strides(kernels):
