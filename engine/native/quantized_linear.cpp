@@ -262,6 +262,13 @@ std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight) {
               "pack_blocks: weight must be a float32 CPU matrix");
   const int64_t n = weight.size(0), k = weight.size(1);
   if (!blocks_supported() || n % kPanel || k % kBlock || n == 0 || k == 0) return {kNone, at::empty({0}, at::kByte)};
+  // The first block decides for weights of any other origin, before a copy of the whole matrix.
+  const at::Tensor first = weight[0].narrow(0, 0, kBlock).contiguous();
+  float scale, minimum;
+  int8_t q[kBlock];
+  if (!recover_block<kQ4_1>(first.data_ptr<float>(), scale, minimum, q) &&
+      !recover_block<kQ8_0>(first.data_ptr<float>(), scale, minimum, q))
+    return {kNone, at::empty({0}, at::kByte)};
   const at::Tensor w = weight.contiguous();
   at::Tensor packed = pack_as<kQ4_1>(w.data_ptr<float>(), n, k);
   if (packed.defined()) return {kQ4_1, packed};
