@@ -211,8 +211,10 @@ void product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, flo
       const int64_t first = 2 * pair, width = std::min<int64_t>(2, panels - first);
       for (int64_t p = 0; p < width; ++p)
         expand_panel<F>(packed + (first + p) * panel_bytes, k, w.data() + p * kPanel, width * kPanel);
-      for (int64_t r0 = 0; r0 < rows; r0 += kExpandedRows) {
-        const int64_t r = std::min<int64_t>(kExpandedRows, rows - r0);
+      // Row tiles of even sizes (17 rows: 9 + 8, not 12 + 5): a small last tile leaves multiply units idle.
+      const int64_t tiles = (rows + kExpandedRows - 1) / kExpandedRows, tile = (rows + tiles - 1) / tiles;
+      for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+        const int64_t r = std::min<int64_t>(tile, rows - r0);
         (width == 2 ? kExpanded2 : kExpanded1)[r - 1](x + r0 * k, k, w.data(), out + r0 * n + first * kPanel, n);
       }
     }
