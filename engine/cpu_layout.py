@@ -163,12 +163,14 @@ class Layout(NamedTuple):
 
 _PACKED_ROWS = (1, 4, 16, 64)  # the decode batch sizes the packed product is timed at
 _PACKED_GAIN_NEEDED = 1.05
-_PROBE_BYTES = 512 * 2**20  # a step's weights beyond this are left out of the timing (it streams them alike)
+# A step's weights beyond this are left out of the timing (it streams them alike); engine/quantized_weights.py's
+# probe times the same share.
+PROBE_BYTES = 512 * 2**20
 
 
 def _step_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     """The weights a decode step multiplies by, in its order (fused projections included, their parts not), up
-    to `_PROBE_BYTES`, and the output head where it is a linear layer."""
+    to `PROBE_BYTES`, and the output head where it is a linear layer."""
     head = model.get_output_embeddings()
     weights, total = [], 0
     for module in model.modules():
@@ -176,7 +178,7 @@ def _step_weights(model: torch.nn.Module) -> list[torch.Tensor]:
             continue
         weights.append(module.weight.detach())
         total += module.weight.numel() * module.weight.element_size()
-        if total >= _PROBE_BYTES:
+        if total >= PROBE_BYTES:
             break
     return weights + ([head.weight.detach()] if isinstance(head, torch.nn.Linear) else [])
 

@@ -4,9 +4,9 @@ A GGUF model (the embedded default: Q4_1 layers, a Q8_0 output head) reaches the
 transformers expanded from its blocks, so a decode step streams four to five times the bytes the file holds.
 The native kernel (engine/native/quantized_linear.cpp) recovers each weight's blocks and keeps them only where
 they give back every float32 weight bit for bit, then multiplies from them: the same weights, 6 (Q4_1) or 9
-(Q8_0) bits each instead of 32. Results equal the float32 product up to summation order. It is used up to the batch size where a probe over a
-step's weights, in order, finds it faster than the layout in use (engine/cpu_layout.py); larger products
-(prefill chunks) keep that layout. Weights of any other origin find no exact blocks and are left as they are.
+(Q8_0) bits each instead of 32. Results equal the float32 product up to summation order. It is used up to the
+batch size where a probe over a step's weights, in order, finds it faster than the layout in use
+(engine/cpu_layout.py); larger products (prefill chunks) keep that layout. Weights of any other origin find no exact blocks and are left as they are.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ log = logging.getLogger("engine.quantized_weights")
 
 _PROBE_ROWS = (1, 16, 32, 64)  # batch sizes timed; the blocks serve up to the largest that wins with all below it
 _GAIN_NEEDED = 1.05
-_PROBE_BYTES = 512 * 2**20
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +64,7 @@ def _gains(modules: list[torch.nn.Linear], blocks: list[tuple[int, torch.Tensor]
     for module, packed in zip(modules, blocks):
         chosen.append((module, packed))
         total += module.weight.numel() * 4
-        if total >= _PROBE_BYTES:
+        if total >= cpu_layout.PROBE_BYTES:
             break
     gains = {}
     for rows in _PROBE_ROWS:

@@ -228,7 +228,9 @@ def _greedy_tokens(engine: AsyncEngine, prompts: list[list[int]]) -> list[list[i
 
 def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(caplog):
     """Batched decode rows of different lengths (several attention buckets) and a prompt chunked into a decode
-    step: greedy tokens through the kernels equal those through PyTorch's operations (NATIVE_KERNELS=off)."""
+    step: greedy tokens through the kernels equal those through PyTorch's operations (NATIVE_KERNELS=off). The
+    embedded model is Q4_1 layers and a Q8_0 head, so `auto` also multiplies every linear layer from its GGUF
+    blocks (engine/quantized_weights.py) where `off` keeps float32 products."""
     prompts = [[(7 * i + 3 * j) % 5000 + 100 for j in range(n)] for i, n in enumerate((3, 40, 90, 300))]
     results, logs = {}, {}
     for mode in ("off", "auto"):
@@ -244,4 +246,5 @@ def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(
             engine.close()
     assert "through the native CPU kernels" in logs["auto"]
     assert "through the native CPU kernels" not in logs["off"]
+    assert "120 Q4_1, 1 Q8_0" in logs["auto"] and "GGUF blocks" not in logs["off"]
     assert results["auto"] == results["off"]

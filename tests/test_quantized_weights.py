@@ -1,17 +1,17 @@
 """The block product of GGUF weights (engine/native/quantized_linear.cpp, engine/quantized_weights.py): it finds
 exactly the weights that are Q4_1 or Q8_0 block values and no others, multiplies by exactly those weights
-through both of its paths, refuses what it cannot do, and serves the embedded model (Q4_1 layers, a Q8_0 head)
-with the same tokens as float32."""
+through both of its paths, whatever the batch, and refuses what it cannot do. The embedded model (Q4_1 layers,
+a Q8_0 head) serving the same tokens with its blocks as with float32 is tested with the other native kernels
+(tests/test_native_kernels.py)."""
 from __future__ import annotations
 
-import asyncio
 import types
 
 import pytest
 import torch
 import transformers
 
-from engine import AsyncEngine, EngineConfig, SamplingParams, native_kernels, quantized_weights
+from engine import native_kernels, quantized_weights
 
 
 @pytest.fixture(scope="module")
@@ -143,29 +143,3 @@ def test_a_model_with_block_weights_serves_them_and_others_are_left_alone(kernel
         dense = head.dense_forward(model.model(long_ids).last_hidden_state)
         torch.testing.assert_close(model(long_ids).logits, dense, rtol=1e-5, atol=1e-5)
     assert calls == [5]  # the 5-token input took the blocks; the 70-token one (past blocks_until) did not
-
-
-def test_the_embedded_model_multiplies_from_its_blocks_with_the_same_tokens(caplog):
-    """The embedded SmolLM2 is Q4_1 layers and a Q8_0 head: every linear layer finds its blocks, and greedy
-    decoding gives the tokens it gives without native code (float32 products throughout)."""
-    prompts = [[1, 2, 3], list(range(10, 60)), list(range(100, 400))]
-
-    async def generate(mode: str) -> list[list[int]]:
-        engine = AsyncEngine(EngineConfig(native_kernels=mode, max_num_batched_tokens=64))
-        await engine.start()
-        try:
-            async def one(i, prompt):
-                tokens = []
-                params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-                async for output in engine.generate(f"r{i}", prompt, params):
-                    tokens += [t for delta in output.deltas for t in delta.token_ids]
-                return tokens
-            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        finally:
-            engine.close()
-
-    with caplog.at_level("INFO", logger="engine.quantized_weights"):
-        with_blocks = asyncio.run(generate("auto"))
-    line = [r.getMessage() for r in caplog.records if r.name == "engine.quantized_weights"]
-    assert line and "120 Q4_1, 1 Q8_0" in line[0], line
-    assert with_blocks == asyncio.run(generate("off"))

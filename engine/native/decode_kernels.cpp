@@ -347,6 +347,10 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
     const T* kp = k_pool.data_ptr<T>();
     const T* vp = v_pool.data_ptr<T>();
     T* op = out.data_ptr<T>();
+    // The head sizes with a compiled-in size (see attend_range), else the one that reads it from dim.
+    const auto attend = dim == 64 && value_dim == 64     ? &attend_range<T, 64>
+                        : dim == 128 && value_dim == 128 ? &attend_range<T, 128>
+                                                         : &attend_range<T, 0>;
     // One task per (row, key head, part): the query heads of a key head share every key and value read.
     at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> q(group * dim), scores;
@@ -361,16 +365,8 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
         float* top = tops.data() + task * group;
         float* total = totals.data() + task * group;
         float* acc = accs.data() + task * group * value_dim;
-        const int64_t* row_blocks = bp + r * width;
-        if (dim == 64 && value_dim == 64)
-          attend_range<T, 64>(q.data(), kp, vp, row_blocks, p0, p1, block_size, kv_heads, kh, group, dim,
-                              value_dim, scores, top, total, acc);
-        else if (dim == 128 && value_dim == 128)
-          attend_range<T, 128>(q.data(), kp, vp, row_blocks, p0, p1, block_size, kv_heads, kh, group, dim,
-                               value_dim, scores, top, total, acc);
-        else
-          attend_range<T, 0>(q.data(), kp, vp, row_blocks, p0, p1, block_size, kv_heads, kh, group, dim,
-                             value_dim, scores, top, total, acc);
+        attend(q.data(), kp, vp, bp + r * width, p0, p1, block_size, kv_heads, kh, group, dim, value_dim, scores,
+               top, total, acc);
       }
     });
     // Merge each (row, key head)'s parts: rescale every part's terms to the largest top, then normalise.
