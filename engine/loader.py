@@ -217,7 +217,9 @@ def load(config: EngineConfig) -> LoadedModel:
         if device.type == "cpu":
             cpu_layout.apply(model)
             native_kernels.load(config.native_kernels, dtype)
-            quantized_weights.apply(model, native_kernels.active())
+            # DTYPE=auto lets GGUF blocks take 16-bit integer activations (quantized_weights); an explicit
+            # float32 keeps float32 activations.
+            quantized_weights.apply(model, native_kernels.active(), integer_activations=config.dtype == "auto")
     pooling = pooling_config(folder, model.config, task, config.pooling_type, config.embedding_normalize)
 
     limit = _model_max_len(model.config)

@@ -230,12 +230,14 @@ def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(
     """Batched decode rows of different lengths (several attention buckets) and a prompt chunked into a decode
     step: greedy tokens through the kernels equal those through PyTorch's operations (NATIVE_KERNELS=off). The
     embedded model is Q4_1 layers and a Q8_0 head, so `auto` also multiplies every linear layer from its GGUF
-    blocks (engine/quantized_weights.py) where `off` keeps float32 products."""
+    blocks (engine/quantized_weights.py) where `off` keeps float32 products; with DTYPE=auto the blocks take
+    16-bit integer activations where the CPU has AVX512_VNNI, and the tokens stay the same (README, Performance:
+    the measured agreement on chat prompts)."""
     prompts = [[(7 * i + 3 * j) % 5000 + 100 for j in range(n)] for i, n in enumerate((3, 40, 90, 300))]
     results, logs = {}, {}
-    for mode in ("off", "auto"):
-        engine = AsyncEngine(EngineConfig(dtype="float32", native_kernels=mode, max_num_batched_tokens=64,
-                                          kv_cache_memory=64 * 2**20, max_model_len=1024,
+    for mode, dtype in (("off", "float32"), ("auto", "float32"), ("words", "auto")):
+        engine = AsyncEngine(EngineConfig(dtype=dtype, native_kernels="off" if mode == "off" else "auto",
+                                          max_num_batched_tokens=64, kv_cache_memory=64 * 2**20, max_model_len=1024,
                                           max_num_seqs=8))
         try:
             caplog.clear()
@@ -247,4 +249,8 @@ def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(
     assert "through the native CPU kernels" in logs["auto"]
     assert "through the native CPU kernels" not in logs["off"]
     assert "120 Q4_1, 1 Q8_0" in logs["auto"] and "GGUF blocks" not in logs["off"]
+    assert "with float32 activations" in logs["auto"]
+    words = native_kernels.active() is not None and native_kernels.active().word_blocks_supported()
+    assert ("with 16-bit integer activations" in logs["words"]) == words
     assert results["auto"] == results["off"]
+    assert results["words"] == results["off"]

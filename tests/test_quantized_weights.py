@@ -1,8 +1,8 @@
 """The block product of GGUF weights (engine/native/quantized_linear.cpp, engine/quantized_weights.py): it finds
 exactly the weights that are Q4_1 or Q8_0 block values and no others, multiplies by exactly those weights
-through both of its paths, whatever the batch, and refuses what it cannot do. The embedded model (Q4_1 layers,
-a Q8_0 head) serving the same tokens with its blocks as with float32 is tested with the other native kernels
-(tests/test_native_kernels.py)."""
+through both of its paths (and, with 16-bit integer activations, within those activations' rounding), whatever
+the batch, and refuses what it cannot do. The embedded model (Q4_1 layers, a Q8_0 head) serving the same tokens
+with its blocks as with float32 is tested with the other native kernels (tests/test_native_kernels.py)."""
 from __future__ import annotations
 
 import types
@@ -21,6 +21,13 @@ def kernels():
     if not kernels.blocks_supported():
         pytest.skip("the block product needs AVX-512")
     return kernels
+
+
+@pytest.fixture(params=[False, True], ids=["float32 activations", "16-bit activations"])
+def words(request, kernels):
+    if request.param and not kernels.word_blocks_supported():
+        pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
+    return request.param
 
 
 def q4_1_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -62,38 +69,75 @@ def test_the_product_multiplies_by_exactly_the_blocks_weights(kernels, make, exp
         assert (got - exact).abs().max() <= 1e-5 * exact.abs().max()  # float32 sums, in the kernel's order
 
 
+def activation_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The most 16-bit activations can move each output: every input moves at most half a step, 1 / 65534 of its
+    block's largest magnitude, times the weight it meets (plus float32 rounding of the sums)."""
+    blocks = x.shape[1] // 32
+    step = x.double().abs().view(-1, blocks, 32).amax(-1) / 65534
+    weight_sums = weight.double().abs().view(weight.shape[0], blocks, 32).sum(-1)
+    return step @ weight_sums.t() + 1e-6 * (x.double().abs() @ weight.double().abs().t())
+
+
+@pytest.mark.parametrize("make, expected", [(q4_1_weight, 3), (q8_0_weight, 4)])
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (96, 1536)])
+def test_16_bit_activations_stay_within_their_rounding(kernels, make, expected, out_features, in_features):
+    if not kernels.word_blocks_supported():
+        pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
+    weight = make(out_features, in_features)
+    block_format, packed = kernels.pack_blocks(weight, True)
+    assert block_format == expected
+    for rows in (1, 2, 5, 6, 7, 12, 13, 40):  # tiles of up to 6 rows, chains split where a tile is small
+        x = torch.randn(rows, in_features) * torch.logspace(-3, 3, in_features)  # blocks of very different scales
+        exact = x.double() @ weight.double().t()
+        got = kernels.blocks_linear(x, packed, block_format, out_features).double()
+        assert ((got - exact).abs() <= activation_rounding_bound(x, weight)).all()
+    # The bound is a few 2^-16 of the sums; 8-bit activations would move them 256 times as far.
+    assert float(activation_rounding_bound(x, weight).max()) < 1e-3 * float((x.abs() @ weight.abs().t()).max())
+
+
+def test_16_bit_activations_that_are_not_finite_give_nan(kernels):
+    if not kernels.word_blocks_supported():
+        pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
+    block_format, packed = kernels.pack_blocks(q4_1_weight(32, 64), True)
+    x = torch.randn(3, 64)
+    x[0, 5], x[2, 40] = float("nan"), float("inf")
+    got = kernels.blocks_linear(x, packed, block_format, 32)
+    assert got[0].isnan().all() and got[2].isnan().all() and got[1].isfinite().all()
+
+
 @pytest.mark.parametrize("make", [q4_1_weight, q8_0_weight])
-def test_a_rows_result_does_not_depend_on_its_batch(kernels, make):
+def test_a_rows_result_does_not_depend_on_its_batch(kernels, make, words):
     """Embeddings and pooling of one prompt must agree whether it runs alone or batched with others: every path
     sums in the same order, so each row's result is bit for bit the same at any batch size."""
     weight = make(96, 1536)
-    block_format, packed = kernels.pack_blocks(weight)
+    block_format, packed = kernels.pack_blocks(weight, words)
     x = torch.randn(40, 1536)
     together = kernels.blocks_linear(x, packed, block_format, 96)
-    for rows in (1, 3, 8, 9, 16, 17):
+    for rows in (1, 3, 6, 7, 8, 9, 16, 17):
         for start in range(0, 40, rows):
             part = kernels.blocks_linear(x[start:start + rows].contiguous(), packed, block_format, 96)
             assert torch.equal(part, together[start:start + rows]), (rows, start)
 
 
-def test_the_layout_holds_any_strides(kernels):
+def test_the_layout_holds_any_strides(kernels, words):
     weight = q4_1_weight(64, 128)
     column_major = weight.t().contiguous().t()  # engine/cpu_layout.py may store weights transposed
-    assert torch.equal(kernels.pack_blocks(column_major)[1], kernels.pack_blocks(weight)[1])
+    assert torch.equal(kernels.pack_blocks(column_major, words)[1], kernels.pack_blocks(weight, words)[1])
 
 
-def test_weights_that_are_not_exact_blocks_are_refused(kernels):
+def test_weights_that_are_not_exact_blocks_are_refused(kernels, words):
     weight = q4_1_weight(32, 64)
+    assert kernels.pack_blocks(weight, words)[0] == (3 if words else 1)
     one_off = weight.clone()
     one_off[3, 7] = torch.nextafter(one_off[3, 7], torch.tensor(1.0))  # one weight one ulp away
-    assert kernels.pack_blocks(one_off)[0] == 0
-    assert kernels.pack_blocks(torch.randn(32, 64))[0] == 0
-    assert kernels.pack_blocks(torch.randn(32, 64).bfloat16().float())[0] == 0  # a bfloat16 checkpoint's values
-    assert kernels.pack_blocks(weight[:, :48])[0] == 0  # inputs not a whole number of blocks
-    assert kernels.pack_blocks(weight[:24])[0] == 0  # outputs not a whole number of panels
+    assert kernels.pack_blocks(one_off, words)[0] == 0
+    assert kernels.pack_blocks(torch.randn(32, 64), words)[0] == 0
+    assert kernels.pack_blocks(torch.randn(32, 64).bfloat16().float(), words)[0] == 0  # a bfloat16 checkpoint's
+    assert kernels.pack_blocks(weight[:, :48], words)[0] == 0  # inputs not a whole number of blocks
+    assert kernels.pack_blocks(weight[:24], words)[0] == 0  # outputs not a whole number of panels
     with_nan = weight.clone()
     with_nan[0, 0] = float("nan")
-    assert kernels.pack_blocks(with_nan)[0] == 0
+    assert kernels.pack_blocks(with_nan, words)[0] == 0
 
 
 def test_bad_arguments_are_errors_not_crashes(kernels):
@@ -106,6 +150,8 @@ def test_bad_arguments_are_errors_not_crashes(kernels):
         kernels.blocks_linear(torch.randn(2, 64), packed, 2, 32)  # Q8_0 blocks are larger
     with pytest.raises(RuntimeError, match="unknown format"):
         kernels.blocks_linear(torch.randn(2, 64), packed, 7, 32)
+    with pytest.raises(RuntimeError, match="unknown format"):
+        kernels.blocks_linear(torch.randn(2, 64), packed, 0, 32)
     with pytest.raises(RuntimeError, match="float32"):
         kernels.blocks_linear(torch.randn(2, 64).double(), packed, block_format, 32)
     with pytest.raises(RuntimeError, match="float32"):
@@ -130,7 +176,7 @@ def test_a_model_with_block_weights_serves_them_and_others_are_left_alone(kernel
         ids = torch.tensor([[5, 17, 99, 3, 42]])
         logits = model(ids).logits
         # Weights this small sit in cache, where the block product need not win its probe: pin its outcome.
-        monkeypatch.setattr(quantized_weights, "_gains", lambda *a: {rows: 2.0 for rows in (1, 16, 32, 64)})
+        monkeypatch.setattr(quantized_weights, "_gains", lambda *a: {rows: 2.0 for rows in a[-1]})
         assert quantized_weights.apply(model, kernels) == 2 * 7 + 1  # seven products a layer, and the head
         head = model.lm_head
         assert head.block_format == 1 and head.blocks_until == 64
@@ -143,3 +189,33 @@ def test_a_model_with_block_weights_serves_them_and_others_are_left_alone(kernel
         dense = head.dense_forward(model.model(long_ids).last_hidden_state)
         torch.testing.assert_close(model(long_ids).logits, dense, rtol=1e-5, atol=1e-5)
     assert calls == [5]  # the 5-token input took the blocks; the 70-token one (past blocks_until) did not
+
+
+def test_with_16_bit_activations_a_model_serves_its_blocks_at_every_batch_size(kernels, monkeypatch):
+    if not kernels.word_blocks_supported():
+        pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
+    model = _tiny_llama(exact_blocks=True)
+    with torch.inference_mode():
+        ids = torch.randint(0, 256, (1, 300))
+        logits = model(ids).logits
+        monkeypatch.setattr(quantized_weights, "_gains", lambda *a: {rows: 2.0 for rows in a[-1]})
+        assert quantized_weights.apply(model, kernels, integer_activations=True) == 2 * 7 + 1
+        head = model.lm_head
+        assert head.block_format == 3 and head.blocks_until == quantized_weights.EVERY_SIZE
+        calls = []
+        kernel_product = kernels.blocks_linear
+        head.block_kernels = types.SimpleNamespace(blocks_linear=lambda *a: calls.append(a[0].shape[0]) or
+                                                   kernel_product(*a))
+        # Random weights far from zero mean sum many terms that cancel, so the rounding shows more than in a
+        # trained model (the embedded one: tests/test_native_kernels.py); measured 3.5e-4 of the largest logit.
+        torch.testing.assert_close(model(ids).logits, logits, rtol=0, atol=1e-3 * float(logits.abs().max()))
+    assert calls == [300]
+
+
+def test_16_bit_activations_are_used_only_up_to_the_size_where_they_win(kernels, monkeypatch):
+    if not kernels.word_blocks_supported():
+        pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
+    model = _tiny_llama(exact_blocks=True)
+    monkeypatch.setattr(quantized_weights, "_gains", lambda *a: {1: 2.0, 16: 1.5, 64: 1.2, 256: 0.9})
+    quantized_weights.apply(model, kernels, integer_activations=True)
+    assert model.lm_head.blocks_until == 64

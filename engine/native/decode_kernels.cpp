@@ -398,7 +398,8 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
 
 // engine/native/quantized_linear.cpp
 bool blocks_supported();
-std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight);
+bool word_blocks_supported();
+std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words);
 at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -408,6 +409,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache_", &rope_and_cache_, "rotary embedding in place, then the keys and values to the cache");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache's blocks");
   m.def("blocks_supported", &blocks_supported, "whether this build has the block product");
-  m.def("pack_blocks", &pack_blocks, "(format, blocks): a float32 weight's exact Q4_1 or Q8_0 blocks, or (0, empty)");
+  m.def("word_blocks_supported", &word_blocks_supported, "whether this build has the product for 16-bit activations");
+  m.def("pack_blocks", &pack_blocks, "(format, blocks): a float32 weight's exact Q4_1 or Q8_0 blocks, or (0, empty)",
+        py::arg("weight"), py::arg("words") = false);
   m.def("blocks_linear", &blocks_linear, "x times a weight packed by pack_blocks");
 }

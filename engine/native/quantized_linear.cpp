@@ -17,11 +17,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LLM_WORD_PRODUCT 1
 #endif
 
 namespace {
@@ -30,9 +34,14 @@ constexpr int64_t kPanel = 16;  // outputs per panel: one 16-lane register
 constexpr int64_t kBlock = 32;  // weights per block, along the input dimension
 
 // The two block formats, as the product stores them: per (panel of 16 outputs, block of 32 inputs) the 16
-// scales as float32, Q4_1's 16 minimums as float32, then for each of the 32 inputs the 16 outputs' q: Q4_1 in
-// 8 bytes (output i in the low nibble of byte i, output i + 8 in the high one), Q8_0 in 16 signed bytes.
-enum Format : int64_t { kNone = 0, kQ4_1 = 1, kQ8_0 = 2 };
+// scales as float32, Q4_1's 16 minimums as float32, then the 16 x 32 q in one of two arrangements.
+//  - For float32 activations (formats 1 and 2), input by input: the 16 outputs' q of input j in 8 bytes for
+//    Q4_1 (output i in the low nibble of byte i, output i + 8 in the high one) or 16 signed bytes for Q8_0.
+//  - For 16-bit integer activations (formats 3 and 4), pair of inputs by pair: group g (inputs 2g and 2g + 1)
+//    as 32 bytes, byte 2i + t = q of output i at input 2g + t, which widen to the 16-bit pairs a VPDPWSSD lane
+//    multiplies. Q4_1 holds groups 4h and 4h + 1 in the low nibbles of 64 bytes, 4h + 2 and 4h + 3 in the high
+//    ones; Q8_0 holds each group's 32 signed bytes in turn.
+enum Format : int64_t { kNone = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_1Words = 3, kQ8_0Words = 4 };
 
 constexpr int64_t header_bytes(Format f) { return (f == kQ4_1 ? 2 : 1) * kPanel * 4; }
 constexpr int64_t input_bytes(Format f) { return f == kQ4_1 ? kPanel / 2 : kPanel; }
@@ -75,8 +84,11 @@ bool recover_block(const float* w, float& scale, float& minimum, int8_t* q) {
   return false;
 }
 
+// The byte of input group g's 32 (see Format) at position t: output t / 2, input 2g + t % 2.
+inline int8_t word_q(const int8_t (*q)[kBlock], int g, int t) { return q[t / 2][2 * g + t % 2]; }
+
 template <Format F>
-bool pack_panel(const float* w, int64_t k, uint8_t* out) {
+bool pack_panel(const float* w, int64_t k, uint8_t* out, bool words) {
   int8_t q[kPanel][kBlock];
   for (int64_t b = 0; b < k / kBlock; ++b) {
     uint8_t* dst = out + b * block_bytes(F);
@@ -86,6 +98,15 @@ bool pack_panel(const float* w, int64_t k, uint8_t* out) {
     std::memcpy(dst, scales, sizeof scales);
     if (F == kQ4_1) std::memcpy(dst + sizeof scales, minimums, sizeof minimums);
     uint8_t* qs = dst + header_bytes(F);
+    if (words) {
+      for (int t = 0; t < 64 && F == kQ4_1; ++t)
+        for (int h = 0; h < 4; ++h)
+          qs[64 * h + t] = static_cast<uint8_t>(word_q(q, 4 * h + t / 32, t % 32) |
+                                                (word_q(q, 4 * h + 2 + t / 32, t % 32) << 4));
+      for (int g = 0; g < 16 && F == kQ8_0; ++g)
+        for (int t = 0; t < 32; ++t) qs[32 * g + t] = static_cast<uint8_t>(word_q(q, g, t));
+      continue;
+    }
     for (int64_t j = 0; j < kBlock; ++j) {
       if (F == kQ4_1) {
         for (int64_t i = 0; i < kPanel / 2; ++i)
@@ -102,6 +123,14 @@ bool pack_panel(const float* w, int64_t k, uint8_t* out) {
 
 bool blocks_supported() {
 #if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool word_blocks_supported() {
+#if defined(LLM_WORD_PRODUCT)
   return true;
 #else
   return false;
@@ -221,13 +250,153 @@ void product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, flo
   });
 }
 
+#if defined(LLM_WORD_PRODUCT)
+
+// The product for 16-bit integer activations (formats 3 and 4). Each row's block of 32 inputs becomes x ~ s * qx
+// with qx in -32767..32767 (s = its largest magnitude / 32767), so an output's block term is
+// d * s * sum(q * qx) + m * sum(x): the sum of q * qx is exact in 32-bit integers and VPDPWSSD multiplies 32 of
+// them per instruction where a float32 FMA does 16. The activation rounding is 2^-16 of the block's largest
+// magnitude, about 256 times finer than bfloat16's. Every step of a row's result depends on that row alone, so
+// it does not change with how many rows share the call.
+struct QuantizedRows {
+  std::vector<int16_t> q;  // [rows, k]
+  std::vector<float> scale, sum;  // [rows, k / 32]
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  QuantizedRows out{std::vector<int16_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
+  at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xb = x + (i / blocks) * k + (i % blocks) * kBlock;
+      int16_t* qb = out.q.data() + (i / blocks) * k + (i % blocks) * kBlock;
+      const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+      const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+      // NaN or infinity in x: the row's outputs become NaN, as a float32 product's would not be finite.
+      const bool finite = std::isfinite(sum) && std::isfinite(largest);
+      const __m512 to_q = _mm512_set1_ps(finite && largest > 0.f ? 32767.f / largest : 0.f);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, to_q))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, to_q))));
+      out.scale[i] = finite ? largest / 32767.f : std::numeric_limits<float>::quiet_NaN();
+      out.sum[i] = sum;
+    }
+  });
+  return out;
+}
+
+// A panel's block q widened to 16-bit pairs: group g's 16 lanes at w + g * stride.
+template <Format F>
+inline void widen_block(const uint8_t* block, int16_t* w, int64_t stride) {
+  const uint8_t* qs = block + header_bytes(F);
+  if constexpr (F == kQ4_1) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int h = 0; h < 4; ++h) {
+      const __m512i packed = _mm512_loadu_si512(qs + 64 * h);
+      const __m512i low = _mm512_and_si512(packed, nibble), high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      _mm512_storeu_si512(w + (4 * h) * stride, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(low)));
+      _mm512_storeu_si512(w + (4 * h + 1) * stride, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(low, 1)));
+      _mm512_storeu_si512(w + (4 * h + 2) * stride, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(high)));
+      _mm512_storeu_si512(w + (4 * h + 3) * stride, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(high, 1)));
+    }
+  } else {
+    for (int g = 0; g < 16; ++g)
+      _mm512_storeu_si512(w + g * stride, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * g))));
+  }
+}
+
+// R rows times P panels widened to 16-bit pairs ([k / 32][16 groups][width panels][32], from panel 0 of the
+// buffer), the panels' block headers `panel_bytes` apart. Few tiles leave the 16 chained VPDPWSSD of a block
+// waiting on each other's latency, so R * P <= 2 splits each chain in two.
+template <Format F, int R, int P>
+void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, const int16_t* w, int64_t width,
+                   const uint8_t* headers, int64_t panel_bytes, float* out, int64_t n) {
+  constexpr int A = R * P <= 2 ? 2 : 1;
+  const int64_t blocks = k / kBlock;
+  __m512 sums[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) sums[r][p] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i acc[A][R][P];
+    for (int a = 0; a < A; ++a)
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) acc[a][r][p] = _mm512_setzero_si512();
+    const int16_t* wb = w + b * 16 * width * 32;
+    const int16_t* xb = xq.q.data() + row0 * k + b * kBlock;
+#pragma GCC unroll 16
+    for (int g = 0; g < 16; ++g) {
+      __m512i wg[P];
+      for (int p = 0; p < P; ++p) wg[p] = _mm512_loadu_si512(wb + (g * width + p) * 32);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xb + r * k + 2 * g, sizeof pair);
+        const __m512i xv = _mm512_set1_epi32(pair);
+        for (int p = 0; p < P; ++p) acc[g % A][r][p] = _mm512_dpwssd_epi32(acc[g % A][r][p], xv, wg[p]);
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      const float* header = reinterpret_cast<const float*>(headers + p * panel_bytes + b * block_bytes(F));
+      const __m512 d = _mm512_loadu_ps(header);
+      for (int r = 0; r < R; ++r) {
+        __m512i total = acc[0][r][p];
+        if constexpr (A == 2) total = _mm512_add_epi32(total, acc[1][r][p]);
+        const int64_t i = (row0 + r) * blocks + b;
+        sums[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(xq.scale[i])), sums[r][p]);
+        if constexpr (F == kQ4_1)
+          sums[r][p] = _mm512_fmadd_ps(_mm512_loadu_ps(header + kPanel), _mm512_set1_ps(xq.sum[i]), sums[r][p]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(out + r * n + p * kPanel, sums[r][p]);
+}
+
+constexpr int kWordRows = 6;
+using WordFn = void (*)(const QuantizedRows&, int64_t, int64_t, const int16_t*, int64_t, const uint8_t*, int64_t, float*,
+                        int64_t);
+template <Format F, int P, int... I>
+constexpr std::array<WordFn, sizeof...(I)> word_table(std::integer_sequence<int, I...>) {
+  return {&rows_by_words<F, I + 1, P>...};
+}
+template <Format F, int P>
+const std::array<WordFn, kWordRows>& words_for() {
+  static const auto table = word_table<F, P>(std::make_integer_sequence<int, kWordRows>{});
+  return table;
+}
+
+template <Format F>
+void word_product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, float* out, int64_t n) {
+  const int64_t panels = n / kPanel, panel_bytes = (k / kBlock) * block_bytes(F);
+  const QuantizedRows xq = quantize_rows(x, rows, k);
+  // Pairs of panels, widened once into a buffer that stays in cache, then multiplied by tiles of rows of even
+  // sizes (13 rows: 5 + 4 + 4, 32: 6 + 6 + 5 + 5 + 5 + 5).
+  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> w(k * 2 * kPanel);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t first = 2 * pair, width = std::min<int64_t>(2, panels - first);
+      const uint8_t* headers = packed + first * panel_bytes;
+      for (int64_t b = 0; b < k / kBlock; ++b)
+        for (int64_t p = 0; p < width; ++p)
+          widen_block<F>(headers + p * panel_bytes + b * block_bytes(F), w.data() + (b * 16 * width + p) * 32, width * 32);
+      const int64_t tiles = (rows + kWordRows - 1) / kWordRows;
+      for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+        const int64_t r = rows / tiles + (t < rows % tiles);
+        (width == 2 ? words_for<F, 2>() : words_for<F, 1>())[r - 1](xq, r0, k, w.data(), width, headers, panel_bytes,
+                                                                    out + r0 * n + first * kPanel, n);
+        r0 += r;
+      }
+    }
+  });
+}
+#endif
 }  // namespace
 #endif
 
 namespace {
 
 template <Format F>
-at::Tensor pack_as(const float* w, int64_t n, int64_t k) {
+at::Tensor pack_as(const float* w, int64_t n, int64_t k, bool words) {
   const int64_t panels = n / kPanel, panel_bytes = (k / kBlock) * block_bytes(F);
   auto packed = at::empty({panels, panel_bytes}, at::kByte);
   uint8_t* out = packed.data_ptr<uint8_t>();
@@ -235,15 +404,33 @@ at::Tensor pack_as(const float* w, int64_t n, int64_t k) {
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
     std::vector<float> expanded(k * kPanel);
+    std::vector<int16_t> widened(16 * 32);
 #endif
     for (int64_t p = begin; p < end && exact.load(std::memory_order_relaxed); ++p) {
-      if (!pack_panel<F>(w + p * kPanel * k, k, out + p * panel_bytes)) {
+      if (!pack_panel<F>(w + p * kPanel * k, k, out + p * panel_bytes, words)) {
         exact = false;
         return;
       }
+      // The product reads the blocks with its own code: check that they give back every weight bit for bit (a
+      // compiler that fused q * d + m into one rounding, or a misplaced q, would not).
+#if defined(LLM_WORD_PRODUCT)
+      if (words) {
+        for (int64_t b = 0; b < k / kBlock; ++b) {
+          const uint8_t* block = out + p * panel_bytes + b * block_bytes(F);
+          const float* header = reinterpret_cast<const float*>(block);
+          widen_block<F>(block, widened.data(), 32);
+          for (int g = 0; g < 16; ++g)
+            for (int t = 0; t < 32; ++t) {
+              const int64_t i = t / 2, j = b * kBlock + 2 * g + t % 2;
+              volatile float v = static_cast<float>(widened[g * 32 + t]) * header[i];
+              if (F == kQ4_1) v = v + header[kPanel + i];
+              if (v != w[(p * kPanel + i) * k + j]) exact = false;
+            }
+        }
+        continue;
+      }
+#endif
 #if defined(__AVX512F__)
-      // The product expands the blocks with its own arithmetic: check that it gives back every weight bit for
-      // bit (a compiler that fused q * d + m into one rounding would not).
       expand_panel<F>(out + p * panel_bytes, k, expanded.data(), kPanel);
       for (int64_t i = 0; i < kPanel; ++i)
         for (int64_t j = 0; j < k; ++j)
@@ -254,16 +441,21 @@ at::Tensor pack_as(const float* w, int64_t n, int64_t k) {
   return exact ? packed : at::Tensor();
 }
 
+// Formats 3 and 4 hold the same blocks as 1 and 2 in another arrangement.
+Format blocks_of(int64_t format) { return format == kQ4_1 || format == kQ4_1Words ? kQ4_1 : kQ8_0; }
+
 }  // namespace
 
 // weight float32 [out, in] (any strides) -> (format, blocks): 1 and the Q4_1 blocks, 2 and the Q8_0 blocks, in
-// the product's layout ([out / 16, bytes per panel]), or 0 and an empty tensor where the weight is exactly
-// neither, its shape does not divide into panels and blocks, or this build has no product.
-std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight) {
+// the product's layout ([out / 16, bytes per panel]), or with `words` 3 and 4 and the same blocks arranged for
+// 16-bit integer activations; 0 and an empty tensor where the weight is exactly neither, its shape does not
+// divide into panels and blocks, or this build has no such product.
+std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kFloat,
               "pack_blocks: weight must be a float32 CPU matrix");
   const int64_t n = weight.size(0), k = weight.size(1);
-  if (!blocks_supported() || n % kPanel || k % kBlock || n == 0 || k == 0) return {kNone, at::empty({0}, at::kByte)};
+  if (!(words ? word_blocks_supported() : blocks_supported()) || n % kPanel || k % kBlock || n == 0 || k == 0)
+    return {kNone, at::empty({0}, at::kByte)};
   // The first block decides for weights of any other origin, before a copy of the whole matrix.
   const at::Tensor first = weight[0].narrow(0, 0, kBlock).contiguous();
   float scale, minimum;
@@ -272,31 +464,38 @@ std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight) {
       !recover_block<kQ8_0>(first.data_ptr<float>(), scale, minimum, q))
     return {kNone, at::empty({0}, at::kByte)};
   const at::Tensor w = weight.contiguous();
-  at::Tensor packed = pack_as<kQ4_1>(w.data_ptr<float>(), n, k);
-  if (packed.defined()) return {kQ4_1, packed};
-  packed = pack_as<kQ8_0>(w.data_ptr<float>(), n, k);
-  if (packed.defined()) return {kQ8_0, packed};
+  at::Tensor packed = pack_as<kQ4_1>(w.data_ptr<float>(), n, k, words);
+  if (packed.defined()) return {words ? kQ4_1Words : kQ4_1, packed};
+  packed = pack_as<kQ8_0>(w.data_ptr<float>(), n, k, words);
+  if (packed.defined()) return {words ? kQ8_0Words : kQ8_0, packed};
   return {kNone, at::empty({0}, at::kByte)};
 }
 
 // x float32 [rows, in] (contiguous) times the weight `pack_blocks` packed as `format`, [out, in] -> [rows, out].
 at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features) {
   TORCH_CHECK(blocks_supported(), "blocks_linear: this build has no block product (it needs AVX-512)");
-  TORCH_CHECK(format == kQ4_1 || format == kQ8_0, "blocks_linear: unknown format");
+  TORCH_CHECK(format >= kQ4_1 && format <= kQ8_0Words, "blocks_linear: unknown format");
+  TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 and 4 "
+              "(it needs AVX512_VNNI)");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "blocks_linear: x must be a contiguous float32 CPU matrix [rows, in]");
   const int64_t rows = x.size(0), k = x.size(1), n = out_features;
-  const int64_t bytes = block_bytes(static_cast<Format>(format));
+  const int64_t bytes = block_bytes(blocks_of(format));
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 && k % kBlock == 0 &&
                   n % kPanel == 0 && packed.size(0) == n / kPanel && packed.size(1) == (k / kBlock) * bytes,
               "blocks_linear: packed weight does not match x, format and out_features");
   auto out = at::empty({rows, n}, x.options());
 #if defined(__AVX512F__)
   if (rows > 0) {
-    if (format == kQ4_1)
-      product<kQ4_1>(x.data_ptr<float>(), rows, k, packed.data_ptr<uint8_t>(), out.data_ptr<float>(), n);
-    else
-      product<kQ8_0>(x.data_ptr<float>(), rows, k, packed.data_ptr<uint8_t>(), out.data_ptr<float>(), n);
+    const float* xs = x.data_ptr<float>();
+    const uint8_t* blocks = packed.data_ptr<uint8_t>();
+    float* o = out.data_ptr<float>();
+    if (format == kQ4_1) product<kQ4_1>(xs, rows, k, blocks, o, n);
+    if (format == kQ8_0) product<kQ8_0>(xs, rows, k, blocks, o, n);
+#if defined(LLM_WORD_PRODUCT)
+    if (format == kQ4_1Words) word_product<kQ4_1>(xs, rows, k, blocks, o, n);
+    if (format == kQ8_0Words) word_product<kQ8_0>(xs, rows, k, blocks, o, n);
+#endif
   }
 #endif
   return out;
