@@ -46,6 +46,13 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], self.out_features)
 
 
+def rounds_activations(model: torch.nn.Module) -> bool:
+    """Whether linear layers of `model` multiply 16-bit integer activations: start-up checks that compare two
+    forwards then allow for their rounding (on the embedded model the logits move by about 3e-4 of the largest,
+    where float32 differs by 2e-6), since an input one ulp away may round to the next step."""
+    return any(getattr(m, "block_format", 0) in WORD_FORMATS for m in model.modules())
+
+
 def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """Linear layers in step order (fused projections' parts, which run only when the fused product cannot, left
     out) with float32 CPU weights."""

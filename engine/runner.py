@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native_kernels
+from . import native_kernels, quantized_weights
 from .block_manager import BLOCK_SIZE
 from .compact_decoder import CompactDecoder
 from .kv_cache import DecodeBucket, ForwardCache, LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
@@ -208,6 +208,8 @@ class ModelRunner:
         finally:
             self.compact = None
         tolerance = 1e-4 if self.dtype == torch.float32 else 2e-2
+        if quantized_weights.rounds_activations(self.model):
+            tolerance = max(tolerance, 2e-3)
         if not all(_logits_match(expected, got, tolerance) for expected, got in zip(own, compact)):
             return "its logits differ from the model's own forward"
         return ""
