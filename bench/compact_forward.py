@@ -4,7 +4,8 @@ model's own forward, in one process and taking turns, so that machine drift fall
 of one decode step at fixed batch sizes, then streaming throughput at several concurrency levels. Sides: the
 model's own forward without the kernels, the compact forward without them, the compact forward through them
 (where they built here), and that with the linear layers multiplying from their GGUF blocks (where the model's
-weights are exact blocks and the product won its probe at load).
+weights are exact blocks and the product won its probe at load): with float32 activations, and where the
+blocks took 16-bit integer activations at load (DTYPE=auto, AVX512_VNNI), with those too.
 
     .venv/bin/python bench/compact_forward.py [--levels 1,8,16,32] [--rounds 3] [--tokens 96] [--rows 1,8,32]
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import handler  # noqa: E402
-from engine import SamplingParams, native_kernels  # noqa: E402
+from engine import SamplingParams, native_kernels, quantized_weights  # noqa: E402
 from engine.compact_decoder import CompactDecoder  # noqa: E402
 from engine.runner import DecodeRow, PrefillChunk  # noqa: E402
 
@@ -85,13 +86,21 @@ def main() -> None:
     compact = runner.compact
     if compact is None:
         raise SystemExit(f"this model runs its own forward ({runner.compact_reason}): nothing to compare")
-    # Layers with a block product use it up to `blocks_until` rows: 0 turns it off for a side.
-    blocks = {m: m.blocks_until for m in runner.model.modules() if hasattr(m, "weight_blocks")}
-    sides = {"model's own": (None, "off", False), "compact": (CompactDecoder(runner.model), "off", False)}
+    # Layers with a block product use it up to `blocks_until` rows: 0 turns it off for a side. Blocks arranged
+    # for 16-bit activations get a float32-activation copy for the side before theirs.
+    blocks = {m: (m.blocks_until, m.block_format, m.weight_blocks) for m in runner.model.modules()
+              if hasattr(m, "weight_blocks")}
+    words = any(f in quantized_weights.WORD_FORMATS for _, f, _ in blocks.values())
+    # Packed on a thread that ends, as the kernels' check below (the packing runs parallel operations).
+    float_blocks = _in_own_thread(lambda: {m: (64, *m.block_kernels.pack_blocks(m.weight.detach()))
+                                           for m in blocks}) if words else blocks  # float32 activations win to 64
+    sides = {"model's own": (None, "off", None), "compact": (CompactDecoder(runner.model), "off", None)}
     if compact.kernels is not None:
-        sides["compact + kernels"] = (compact, "auto", False)
+        sides["compact + kernels"] = (compact, "auto", None)
         if blocks:
-            sides["compact + kernels + GGUF blocks"] = (compact, "auto", True)
+            sides["compact + kernels + GGUF blocks"] = (compact, "auto", float_blocks)
+            if words:
+                sides["... with 16-bit activations"] = (compact, "auto", blocks)
         else:
             print("no block product in use (the weights are not exact GGUF blocks, or it lost its probe)")
     else:
@@ -100,10 +109,12 @@ def main() -> None:
     prompts = [tokenizer.encode(f"Write story number {i} about a robot who learns to paint.") for i in range(64)]
 
     def use(side: str) -> None:
-        decoder, kernels, with_blocks = sides[side]
+        decoder, kernels, side_blocks = sides[side]
         runner.compact = decoder
-        for module, until in blocks.items():
-            module.blocks_until = until if with_blocks else 0
+        for module in blocks:
+            module.blocks_until, module.block_format, module.weight_blocks = (side_blocks or blocks)[module]
+            if side_blocks is None:
+                module.blocks_until = 0
         # The kernels' load-time check runs parallel operations: on a thread that ends, as the timing below.
         _in_own_thread(native_kernels.load, kernels, runner.dtype)
 

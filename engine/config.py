@@ -20,7 +20,7 @@ class EngineConfig:
     baked_model_dir: Path | None = None  # models downloaded at image build time (python -m engine.prefetch)
 
     max_model_len: int | None = None  # None: the model's own limit
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 elsewhere
+    dtype: str = "auto"  # auto: bfloat16 on CUDA; CPU: README (bfloat16 where native, GGUF blocks 16-bit activations)
     device: str = "auto"  # auto: cuda when available
 
     # Bounds on what runs at once. Requests beyond them wait in a queue.
