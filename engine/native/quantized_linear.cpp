@@ -34,7 +34,8 @@ constexpr int64_t kPanel = 16;  // outputs per panel: one 16-lane register
 constexpr int64_t kBlock = 32;  // weights per block, along the input dimension
 
 // The two block formats, as the product stores them: per (panel of 16 outputs, block of 32 inputs) the 16
-// scales as float32, Q4_1's 16 minimums as float32, then the 16 x 32 q in one of two arrangements.
+// scales, Q4_1's 16 minimums (float32 for formats 1 and 2, half precision for 3 and 4), then the 16 x 32 q in
+// one of two arrangements.
 //  - For float32 activations (formats 1 and 2), input by input: the 16 outputs' q of input j in 8 bytes for
 //    Q4_1 (output i in the low nibble of byte i, output i + 8 in the high one) or 16 signed bytes for Q8_0.
 //  - For 16-bit integer activations (formats 3 and 4), pair of inputs by pair: group g (inputs 2g and 2g + 1)
@@ -46,6 +47,10 @@ enum Format : int64_t { kNone = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_1Words = 3, kQ8_0Wo
 constexpr int64_t header_bytes(Format f) { return (f == kQ4_1 ? 2 : 1) * kPanel * 4; }
 constexpr int64_t input_bytes(Format f) { return f == kQ4_1 ? kPanel / 2 : kPanel; }
 constexpr int64_t block_bytes(Format f) { return header_bytes(f) + kBlock * input_bytes(f); }
+// Formats 3 and 4 keep d (and m) in half precision, as the GGUF file does: 5 bits a Q4_1 weight, not 6.
+constexpr int64_t word_header_bytes(Format f) { return (f == kQ4_1 ? 2 : 1) * kPanel * 2; }
+constexpr int64_t word_block_bytes(Format f) { return word_header_bytes(f) + kBlock * input_bytes(f); }
+constexpr int64_t layout_block_bytes(Format f, bool words) { return words ? word_block_bytes(f) : block_bytes(f); }
 
 float half_value(uint16_t bits) { return static_cast<float>(at::Half(bits, at::Half::from_bits())); }
 
@@ -91,13 +96,19 @@ template <Format F>
 bool pack_panel(const float* w, int64_t k, uint8_t* out, bool words) {
   int8_t q[kPanel][kBlock];
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    uint8_t* dst = out + b * block_bytes(F);
+    uint8_t* dst = out + b * layout_block_bytes(F, words);
     float scales[kPanel], minimums[kPanel];
     for (int64_t i = 0; i < kPanel; ++i)
       if (!recover_block<F>(w + i * k + b * kBlock, scales[i], minimums[i], q[i])) return false;
-    std::memcpy(dst, scales, sizeof scales);
-    if (F == kQ4_1) std::memcpy(dst + sizeof scales, minimums, sizeof minimums);
-    uint8_t* qs = dst + header_bytes(F);
+    if (words) {  // d and m are half-precision values (recover_block), so these hold them exactly
+      uint16_t halves[2 * kPanel];
+      for (int64_t i = 0; i < kPanel; ++i) halves[i] = at::Half(scales[i]).x, halves[kPanel + i] = at::Half(minimums[i]).x;
+      std::memcpy(dst, halves, word_header_bytes(F));
+    } else {
+      std::memcpy(dst, scales, sizeof scales);
+      if (F == kQ4_1) std::memcpy(dst + sizeof scales, minimums, sizeof minimums);
+    }
+    uint8_t* qs = dst + (words ? word_header_bytes(F) : header_bytes(F));
     if (words) {
       for (int t = 0; t < 64 && F == kQ4_1; ++t)
         for (int h = 0; h < 4; ++h)
@@ -289,7 +300,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
 // A panel's block q widened to 16-bit pairs: group g's 16 lanes at w + g * stride.
 template <Format F>
 inline void widen_block(const uint8_t* block, int16_t* w, int64_t stride) {
-  const uint8_t* qs = block + header_bytes(F);
+  const uint8_t* qs = block + word_header_bytes(F);
   if constexpr (F == kQ4_1) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int h = 0; h < 4; ++h) {
@@ -336,15 +347,16 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, const int16
       }
     }
     for (int p = 0; p < P; ++p) {
-      const float* header = reinterpret_cast<const float*>(headers + p * panel_bytes + b * block_bytes(F));
-      const __m512 d = _mm512_loadu_ps(header);
+      const uint8_t* header = headers + p * panel_bytes + b * word_block_bytes(F);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
       for (int r = 0; r < R; ++r) {
         __m512i total = acc[0][r][p];
         if constexpr (A == 2) total = _mm512_add_epi32(total, acc[1][r][p]);
         const int64_t i = (row0 + r) * blocks + b;
         sums[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(xq.scale[i])), sums[r][p]);
         if constexpr (F == kQ4_1)
-          sums[r][p] = _mm512_fmadd_ps(_mm512_loadu_ps(header + kPanel), _mm512_set1_ps(xq.sum[i]), sums[r][p]);
+          sums[r][p] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32))),
+                                       _mm512_set1_ps(xq.sum[i]), sums[r][p]);
       }
     }
   }
@@ -367,7 +379,7 @@ const std::array<WordFn, kWordRows>& words_for() {
 
 template <Format F>
 void word_product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, float* out, int64_t n) {
-  const int64_t panels = n / kPanel, panel_bytes = (k / kBlock) * block_bytes(F);
+  const int64_t panels = n / kPanel, panel_bytes = (k / kBlock) * word_block_bytes(F);
   const QuantizedRows xq = quantize_rows(x, rows, k);
   // Pairs of panels, widened once into a buffer that stays in cache, then multiplied by tiles of rows of even
   // sizes (13 rows: 5 + 4 + 4, 32: 6 + 6 + 5 + 5 + 5 + 5).
@@ -378,7 +390,8 @@ void word_product(const float* x, int64_t rows, int64_t k, const uint8_t* packed
       const uint8_t* headers = packed + first * panel_bytes;
       for (int64_t b = 0; b < k / kBlock; ++b)
         for (int64_t p = 0; p < width; ++p)
-          widen_block<F>(headers + p * panel_bytes + b * block_bytes(F), w.data() + (b * 16 * width + p) * 32, width * 32);
+          widen_block<F>(headers + p * panel_bytes + b * word_block_bytes(F), w.data() + (b * 16 * width + p) * 32,
+                         width * 32);
       const int64_t tiles = (rows + kWordRows - 1) / kWordRows;
       for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
         const int64_t r = rows / tiles + (t < rows % tiles);
@@ -397,7 +410,7 @@ namespace {
 
 template <Format F>
 at::Tensor pack_as(const float* w, int64_t n, int64_t k, bool words) {
-  const int64_t panels = n / kPanel, panel_bytes = (k / kBlock) * block_bytes(F);
+  const int64_t panels = n / kPanel, panel_bytes = (k / kBlock) * layout_block_bytes(F, words);
   auto packed = at::empty({panels, panel_bytes}, at::kByte);
   uint8_t* out = packed.data_ptr<uint8_t>();
   std::atomic<bool> exact{true};
@@ -416,14 +429,14 @@ at::Tensor pack_as(const float* w, int64_t n, int64_t k, bool words) {
 #if defined(LLM_WORD_PRODUCT)
       if (words) {
         for (int64_t b = 0; b < k / kBlock; ++b) {
-          const uint8_t* block = out + p * panel_bytes + b * block_bytes(F);
-          const float* header = reinterpret_cast<const float*>(block);
+          const uint8_t* block = out + p * panel_bytes + b * word_block_bytes(F);
+          const uint16_t* header = reinterpret_cast<const uint16_t*>(block);
           widen_block<F>(block, widened.data(), 32);
           for (int g = 0; g < 16; ++g)
             for (int t = 0; t < 32; ++t) {
               const int64_t i = t / 2, j = b * kBlock + 2 * g + t % 2;
-              volatile float v = static_cast<float>(widened[g * 32 + t]) * header[i];
-              if (F == kQ4_1) v = v + header[kPanel + i];
+              volatile float v = static_cast<float>(widened[g * 32 + t]) * half_value(header[i]);
+              if (F == kQ4_1) v = v + half_value(header[kPanel + i]);
               if (v != w[(p * kPanel + i) * k + j]) exact = false;
             }
         }
@@ -480,7 +493,7 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "blocks_linear: x must be a contiguous float32 CPU matrix [rows, in]");
   const int64_t rows = x.size(0), k = x.size(1), n = out_features;
-  const int64_t bytes = block_bytes(blocks_of(format));
+  const int64_t bytes = format >= kQ4_1Words ? word_block_bytes(blocks_of(format)) : block_bytes(blocks_of(format));
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 && k % kBlock == 0 &&
                   n % kPanel == 0 && packed.size(0) == n / kPanel && packed.size(1) == (k / kBlock) * bytes,
               "blocks_linear: packed weight does not match x, format and out_features");
