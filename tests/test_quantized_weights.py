@@ -95,14 +95,23 @@ def test_16_bit_activations_stay_within_their_rounding(kernels, make, expected, 
     assert float(activation_rounding_bound(x, weight).max()) < 1e-3 * float((x.abs() @ weight.abs().t()).max())
 
 
-def test_16_bit_activations_that_are_not_finite_give_nan(kernels):
+def test_16_bit_activations_at_the_edges_of_the_float32_range(kernels):
     if not kernels.word_blocks_supported():
         pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
-    block_format, packed = kernels.pack_blocks(q4_1_weight(32, 64), True)
+    weight = q4_1_weight(32, 64)
+    block_format, packed = kernels.pack_blocks(weight, True)
+    # NaN or infinity make their row NaN, as a float32 product would not be finite.
     x = torch.randn(3, 64)
     x[0, 5], x[2, 40] = float("nan"), float("inf")
     got = kernels.blocks_linear(x, packed, block_format, 32)
     assert got[0].isnan().all() and got[2].isnan().all() and got[1].isfinite().all()
+    # Inputs at the bottom of the range (where 32767 / largest overflows float32) keep their sign and size.
+    tiny = torch.rand(2, 64) + 0.5
+    tiny[0] *= 5e-35
+    tiny[1] *= 1e-30
+    exact = tiny.double() @ weight.double().t()
+    got = kernels.blocks_linear(tiny, packed, block_format, 32).double()
+    assert ((got - exact).abs() <= 1e-3 * exact.abs()).all()  # float32 denormals hold fewer digits
 
 
 @pytest.mark.parametrize("make", [q4_1_weight, q8_0_weight])

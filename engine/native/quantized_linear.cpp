@@ -286,11 +286,19 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
       const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
       // NaN or infinity in x: the row's outputs become NaN, as a float32 product's would not be finite.
       const bool finite = std::isfinite(sum) && std::isfinite(largest);
-      const __m512 to_q = _mm512_set1_ps(finite && largest > 0.f ? 32767.f / largest : 0.f);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, to_q))));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16),
-                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, to_q))));
       out.scale[i] = finite ? largest / 32767.f : std::numeric_limits<float>::quiet_NaN();
+      if (finite && largest > 0.f && largest < 1e-30f) {
+        // Inputs near the bottom of float32's range, where 32767 / largest overflows: rounded in double.
+        const double to_q = 32767.0 / largest;
+        for (int j = 0; j < kBlock; ++j)
+          qb[j] = static_cast<int16_t>(std::clamp(std::nearbyint(xb[j] * to_q), -32767.0, 32767.0));
+      } else {
+        const __m512 to_q = _mm512_set1_ps(finite && largest > 0.f ? 32767.f / largest : 0.f);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, to_q))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, to_q))));
+      }
       out.sum[i] = sum;
     }
   });
