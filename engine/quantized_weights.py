@@ -67,13 +67,16 @@ WORD_FORMATS = (3, 4)
 
 def _agrees(module: torch.nn.Linear, kernels, blocks: tuple[int, torch.Tensor]) -> bool:
     """The block product against the layer's own on random rows, through each of the kernel's paths: each output
-    within float32 rounding (integer activations: within their 2^-16 steps) of the sum of |x| * |w| it adds."""
+    within float32 rounding (integer activations: within their 2^-16 steps) of the sum of |x| * |w| it adds, |w|
+    raised by its block's |minimum| (integer activations meet d * q = w - m)."""
     tolerance = 1e-4 if blocks[0] in WORD_FORMATS else 1e-5
+    weight = module.weight.reshape(module.out_features, -1, 32)
+    reach = (weight.abs() + weight.amin(-1, keepdim=True).abs()).reshape(module.out_features, module.in_features)
     for rows in (1, 17):
         x = torch.randn(rows, module.in_features)
         expected = torch.nn.functional.linear(x, module.weight)
         got = kernels.blocks_linear(x, blocks[1], blocks[0], module.out_features)
-        bound = tolerance * torch.nn.functional.linear(x.abs(), module.weight.abs()) + 1e-6
+        bound = tolerance * torch.nn.functional.linear(x.abs(), reach) + 1e-6
         if not bool(((got - expected).abs() <= bound).all()):
             return False
     return True
@@ -91,11 +94,11 @@ def _gains(modules: list[torch.nn.Linear], blocks: list[tuple[int, torch.Tensor]
             break
     gains = {}
     for rows in sizes:
-        chosen = chosen[:max(1, len(chosen) // 4)] if rows >= _LARGE_ROWS else chosen
-        x_for = {m.in_features: torch.randn(rows, m.in_features) for m, _ in chosen}
+        timed = chosen[:max(1, len(chosen) // 4)] if rows >= _LARGE_ROWS else chosen
+        x_for = {m.in_features: torch.randn(rows, m.in_features) for m, _ in timed}
         gains[rows] = cpu_layout.speedup(
-            lambda: [m.forward(x_for[m.in_features]) for m, _ in chosen],
-            lambda: [kernels.blocks_linear(x_for[m.in_features], p[1], p[0], m.out_features) for m, p in chosen],
+            lambda: [m.forward(x_for[m.in_features]) for m, _ in timed],
+            lambda: [kernels.blocks_linear(x_for[m.in_features], p[1], p[0], m.out_features) for m, p in timed],
             repeats=3)
     return gains
 
