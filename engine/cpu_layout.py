@@ -46,9 +46,19 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
-    if x.numel() >= self.packed_from * x.shape[-1]:
+    if self.weight_packed is not None and x.numel() >= self.packed_from * x.shape[-1]:
         return _packed_linear(x, self.weight_packed, self.bias)
     return F.linear(x, self.weight, self.bias)
+
+
+def release_packed(module: torch.nn.Module) -> int:
+    """Drop `module`'s packed copy (its products then run on its weight as stored) where another product serves
+    every batch size; returns the bytes that held it."""
+    packed = getattr(module, "weight_packed", None)
+    if packed is None:
+        return 0
+    module.weight_packed = None
+    return module.weight.numel() * module.weight.element_size()
 
 
 def best_time(fn, repeats: int = 5) -> float:

@@ -135,6 +135,7 @@ def apply(model: torch.nn.Module, kernels, integer_activations: bool = False) ->
         log.info("linear weights: %d layers hold exact GGUF blocks (%s), but their product is not faster here (%s "
                  "rows over a step's weights); float32 kept", len(modules), formats, timed)
         return 0
+    released = 0
     for module, (block_format, packed) in found:
         module.weight_blocks = packed
         module.block_format = block_format
@@ -142,9 +143,13 @@ def apply(model: torch.nn.Module, kernels, integer_activations: bool = False) ->
         module.block_kernels = kernels
         module.dense_forward = module.forward
         module.forward = types.MethodType(_forward, module)
+        if until == EVERY_SIZE:  # no float32 product serves these layers now: their packed copies go
+            released += cpu_layout.release_packed(module)
     log.info("linear weights: %d layers multiply from their exact GGUF blocks (%s; engine/native/quantized_linear.cpp"
              ", %.0f MB for %.0f MB of float32) with %s activations %s: %s rows over a step's weights", len(modules),
              formats, sum(b[1].numel() for b in blocks) / 2**20, sum(m.weight.numel() * 4 for m in modules) / 2**20,
              "16-bit integer" if words else "float32",
              "at every batch size" if until == EVERY_SIZE else f"up to {until} rows", timed)
+    if released:
+        log.info("linear weights: %.0f MB of packed float32 copies released (engine/cpu_layout.py)", released / 2**20)
     return len(modules)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from engine import native_kernels, quantized_weights
+from engine import cpu_layout, native_kernels, quantized_weights
 
 
 @pytest.fixture(scope="module")
@@ -210,10 +210,13 @@ def test_with_16_bit_activations_a_model_serves_its_blocks_at_every_batch_size(k
     with torch.inference_mode():
         ids = torch.randint(0, 256, (1, 300))
         logits = model(ids).logits
+        assert cpu_layout.use_packed(model, 4) == 2 * 7 + 1  # oneDNN's packed copies, as cpu_layout may choose
         monkeypatch.setattr(quantized_weights, "_gains", lambda *a: {rows: 2.0 for rows in a[-1]})
         assert quantized_weights.apply(model, kernels, integer_activations=True) == 2 * 7 + 1
         head = model.lm_head
         assert head.block_format == 3 and head.blocks_until == quantized_weights.EVERY_SIZE
+        # No float32 product serves these layers at any size now: the packed copies are released.
+        assert all(getattr(m, "weight_packed", None) is None for m in model.modules())
         calls = []
         kernel_product = kernels.blocks_linear
         head.block_kernels = types.SimpleNamespace(blocks_linear=lambda *a: calls.append(a[0].shape[0]) or
@@ -228,6 +231,12 @@ def test_16_bit_activations_are_used_only_up_to_the_size_where_they_win(kernels,
     if not kernels.word_blocks_supported():
         pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
     model = _tiny_llama(exact_blocks=True)
+    cpu_layout.use_packed(model, 4)
     monkeypatch.setattr(quantized_weights, "_gains", lambda *a: {1: 2.0, 16: 1.5, 64: 1.2, 256: 0.9})
     quantized_weights.apply(model, kernels, integer_activations=True)
     assert model.lm_head.blocks_until == 64
+    assert model.lm_head.weight_packed is not None  # larger products still run on the packed copy
+    with torch.inference_mode():
+        ids = torch.randint(0, 256, (1, 100))
+        torch.testing.assert_close(model(ids).logits[0, -1], model.lm_head.dense_forward(
+            model.model(ids).last_hidden_state)[0, -1], rtol=1e-4, atol=1e-4)
