@@ -501,7 +501,7 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "blocks_linear: x must be a contiguous float32 CPU matrix [rows, in]");
   const int64_t rows = x.size(0), k = x.size(1), n = out_features;
-  const int64_t bytes = format >= kQ4_1Words ? word_block_bytes(blocks_of(format)) : block_bytes(blocks_of(format));
+  const int64_t bytes = layout_block_bytes(blocks_of(format), format >= kQ4_1Words);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 && k % kBlock == 0 &&
                   n % kPanel == 0 && packed.size(0) == n / kPanel && packed.size(1) == (k / kBlock) * bytes,
               "blocks_linear: packed weight does not match x, format and out_features");
