@@ -8,8 +8,9 @@ then each prefill chunk. This function splits it again: all decode rows attend i
 own blocks (in buckets of similar lengths, each gathered to its longest row and masked to each row's length), and
 each prefill chunk attends causally over its sequence's keys. A sliding-window layer gathers only the blocks its
 window reaches. On CPU, where engine/native_kernels.py built its kernels, decode rows instead attend straight from
-their blocks, each over its own length. Outside a step (pooling forwards) it is plain SDPA with the mask it is
-given.
+their blocks, each over its own length, and prompt chunks of 64 tokens or more attend from their blocks in
+register tiles, over only the keys each token reads. Outside a step (pooling forwards) it is plain SDPA with the
+mask it is given.
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from . import native_kernels
 from .kv_cache import current_layout
 
 ATTENTION_IMPLEMENTATION = "worker_paged"
+# Prompt chunks from this many tokens take the native prefill kernel; shorter ones keep SDPA, which is as fast or
+# faster there (the kernel's work is split by tiles of 16 tokens, too few to share out).
+NATIVE_PREFILL_MIN_TOKENS = 64
 WINDOW_ATTRIBUTE = "worker_sliding_window"
 
 
@@ -98,9 +102,25 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
         if single:
             return o[:, :, 0].unsqueeze(0)
         out[0, span] = o[:, :, 0]
+    prefill = native_kernels.active() if layout.segments else None
+    if prefill is not None and not (expand is None and softcap is None and sinks is None
+                                    and query.device.type == "cpu" and query.stride(-1) == 1
+                                    and query.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+                                    and key_dim == value_dim and key_dim in (64, 128)
+                                    and prefill.prefill_attention_supported()):
+        prefill = None
     for index, seg in enumerate(layout.segments):
         span = slice(seg.offset, seg.offset + seg.length)
         q = query[:, :, span]
+        if prefill is not None and seg.length >= NATIVE_PREFILL_MIN_TOKENS:
+            # Straight from the cache's blocks in register tiles, over only the keys each token reads
+            # (engine/native/prefill_attention.cpp): no gathered copy, no mask, no masked scores computed.
+            o = query.new_empty((seg.length, query.shape[1], value_dim)) if single else out[0, span]
+            prefill.paged_prefill_attention(q[0].transpose(0, 1), k_pool, v_pool, seg.blocks, seg.start, window or 0,
+                                            scaling if scaling is not None else query.shape[-1] ** -0.5, o)
+            if single:
+                return o.unsqueeze(0)
+            continue
         if seg.start == 0 and not (window and seg.length > window):
             # A chunk that starts its sequence attends only to its own keys: no gather, plain causal attention.
             o = _sdpa(q, key[:, :, span], value[:, :, span], None, scaling, softcap, is_causal=True, sinks=sinks)

@@ -1,4 +1,5 @@
-"""C++ kernels for CPU decode steps (native/decode_kernels.cpp), built once per machine and checked at load.
+"""C++ kernels for CPU decode steps (native/decode_kernels.cpp) and prompt chunks' attention
+(native/prefill_attention.cpp), built once per machine and checked at load.
 
 A decode step of a small model on CPU spends a large share of its time outside the matrix products: each of a
 layer's ~25 small tensor operations costs 5 to 10 us, and attention first copies every row's keys and values
@@ -33,6 +34,7 @@ log = logging.getLogger("engine.native_kernels")
 
 SOURCE = Path(__file__).with_name("native") / "decode_kernels.cpp"
 QUANTIZED_SOURCE = SOURCE.with_name("quantized_linear.cpp")  # built into the same module
+PREFILL_SOURCE = SOURCE.with_name("prefill_attention.cpp")  # this one too
 
 _active = None
 _reason = "not loaded"
@@ -70,20 +72,20 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
 
 
-_built: dict[tuple[str, str, str], object] = {}  # built modules in this process, by sources and build name
+_built: dict[tuple[str, ...], object] = {}  # built modules in this process, by sources and build name
 
 
 def build():
     """Compile (or take from torch's extension cache) the kernels for this machine; raises where it cannot."""
     from torch.utils import cpp_extension
 
-    key = (str(SOURCE), str(QUANTIZED_SOURCE), f"llm_worker_decode_{_cpu_fingerprint()}")
+    key = (str(SOURCE), str(QUANTIZED_SOURCE), str(PREFILL_SOURCE), f"llm_worker_decode_{_cpu_fingerprint()}")
     if key not in _built:
         _ninja_on_path()
         flags = ["-O3", "-march=native", "-fopenmp"]
         # -fopenmp links libgomp.so.1 by name: the loader reuses the copy torch already loaded, so the kernels
         # share torch's OpenMP threads instead of starting a second team (which halves decode speed; README).
-        _built[key] = cpp_extension.load(key[2], [key[0], key[1]], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        _built[key] = cpp_extension.load(key[-1], list(key[:-1]), extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                          verbose=False)
     return _built[key]
 
@@ -147,6 +149,24 @@ def self_check(kernels, dtype: torch.dtype = torch.float32) -> str:
                                                               vals.float(), scale=0.3, enable_gqa=True)[:, 0]
                     if not _close(expected.to(dtype), out[row]):
                         return "paged_decode_attention"
+        if dtype == torch.float32 and kernels.prefill_attention_supported():
+            # A chunk of 70 tokens after 50 cached ones (five token tiles, the last one partial), whole and
+            # within a window of 30, against SDPA with the causal mask over the gathered keys.
+            start, tokens, table = 50, 70, [6, 2, 0, 7, 4, 1, 3, 5]
+            k_pool, v_pool = rand(8, 16, kv_heads, 64), rand(8, 16, kv_heads, 64)
+            query, out = rand(tokens, heads, 64), torch.empty(tokens, heads, 64)
+            keys = k_pool[table].reshape(-1, kv_heads, 64)[:start + tokens].transpose(0, 1)[None]
+            vals = v_pool[table].reshape(-1, kv_heads, 64)[:start + tokens].transpose(0, 1)[None]
+            positions = torch.arange(start + tokens)
+            for window in (0, 30):
+                mask = positions[None] <= positions[start:, None]
+                if window:
+                    mask &= positions[None] > positions[start:, None] - window
+                kernels.paged_prefill_attention(query, k_pool, v_pool, torch.tensor(table), start, window, 0.3, out)
+                expected = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys, vals, attn_mask=mask,
+                                                          scale=0.3, enable_gqa=True)[0].transpose(0, 1)
+                if not _close(expected, out):
+                    return "paged_prefill_attention"
     return ""
 
 

@@ -148,6 +148,62 @@ def test_long_rows_split_across_threads_equal_sdpa(kernels, dtype, rows, window)
     _close(_reference_attention(query, k_pool, v_pool, blocks, lengths, window, 0.125), out, dtype)
 
 
+def _reference_prefill(query, k_pool, v_pool, blocks, start, window, scale):
+    """SDPA over the sequence's gathered keys with the causal (and windowed) mask of a chunk at `start`."""
+    end = start + query.shape[0]
+    keys = k_pool[blocks].reshape(-1, *k_pool.shape[2:])[:end].transpose(0, 1)[None]
+    values = v_pool[blocks].reshape(-1, *v_pool.shape[2:])[:end].transpose(0, 1)[None]
+    positions = torch.arange(end)
+    mask = positions[None] <= positions[start:, None]
+    if window:
+        mask &= positions[None] > positions[start:, None] - window
+    return F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys, values, attn_mask=mask, scale=scale,
+                                          enable_gqa=True)[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 64), (8, 1, 64), (14, 2, 128), (6, 6, 128)])
+@pytest.mark.parametrize("tokens, start, window", [(1, 0, 0), (64, 0, 0), (70, 0, 0), (33, 100, 0), (200, 37, 0),
+                                                   (90, 0, 17), (80, 150, 64), (40, 9, 1), (130, 500, 0)])
+def test_prefill_attention_over_the_blocks_equals_sdpa(kernels, heads, kv_heads, dim, tokens, start, window):
+    """A prompt chunk from position 0 or continuing its sequence, a whole or partial last tile of 16 tokens,
+    windows narrower than a tile and wider, grouped-query heads, blocks in any order, and the strided query and
+    output views of a step's packed tensors."""
+    if not kernels.prefill_attention_supported():
+        pytest.skip("this build has no AVX-512")
+    gen = torch.Generator().manual_seed(heads + tokens + start + window + dim)
+    block = 16
+    pool_blocks = (start + tokens) // block + 4
+    k_pool = torch.randn(pool_blocks, block, kv_heads, dim, generator=gen)
+    v_pool = torch.randn(pool_blocks, block, kv_heads, dim, generator=gen)
+    k_pool[0, 3] *= 8  # a few keys far ahead of the rest, so the running maximum moves between tiles
+    blocks = torch.randperm(pool_blocks, generator=gen)[:(start + tokens + block - 1) // block]
+    packed = torch.randn(tokens + 3, heads + 2 * kv_heads, dim, generator=gen) * 2
+    query = packed[2:2 + tokens, :heads]
+    out_buffer = torch.zeros(tokens + 3, heads + 2, dim)
+    out = out_buffer[1:1 + tokens, 1:1 + heads]
+    kernels.paged_prefill_attention(query, k_pool, v_pool, blocks, start, window, dim ** -0.5, out)
+    _close(_reference_prefill(query, k_pool, v_pool, blocks, start, window, dim ** -0.5), out, torch.float32)
+    untouched = torch.ones_like(out_buffer, dtype=torch.bool)
+    untouched[1:1 + tokens, 1:1 + heads] = False
+    assert not out_buffer[untouched].any()  # nothing written outside the view
+
+
+def test_prefill_attention_refuses_what_it_does_not_cover(kernels):
+    if not kernels.prefill_attention_supported():
+        pytest.skip("this build has no AVX-512")
+    k_pool, v_pool = torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64)
+    query, out = torch.zeros(20, 4, 64), torch.zeros(20, 4, 64)
+    with pytest.raises(RuntimeError, match="covering the sequence"):
+        kernels.paged_prefill_attention(query, k_pool, v_pool, torch.tensor([0, 1]), 20, 0, 1.0, out)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernels.paged_prefill_attention(query, k_pool, v_pool, torch.tensor([0, 7]), 0, 0, 1.0, out)
+    with pytest.raises(RuntimeError, match="head size 64 or 128"):
+        kernels.paged_prefill_attention(query[..., :32], k_pool[..., :32].contiguous(), v_pool[..., :32].contiguous(),
+                                        torch.tensor([0, 1]), 0, 0, 1.0, out[..., :32])
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.paged_prefill_attention(query.bfloat16(), k_pool, v_pool, torch.tensor([0, 1]), 0, 0, 1.0, out)
+
+
 def test_bad_arguments_are_errors_not_crashes(kernels):
     k_pool, v_pool = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
     query, out = torch.zeros(2, 4, 8), torch.zeros(2, 4, 8)
@@ -179,11 +235,12 @@ class _Wrong:
             out = real(*args)
             if out is not None:
                 return out + 0.01
-            args[0].add_(0.01)  # the in-place kernels
+            args[-1 if "attention" in name else 0].add_(0.01)  # the in-place kernels; attention writes its out
         return off_by_a_little
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "add_rms_norm_", "silu_mul", "rope_and_cache_"])
+@pytest.mark.parametrize("name", ["rms_norm", "add_rms_norm_", "silu_mul", "rope_and_cache_",
+                                  "paged_decode_attention", "paged_prefill_attention"])
 def test_the_check_catches_a_kernel_that_differs(kernels, name):
     assert native_kernels.self_check(_Wrong(kernels, name)) == name
 
@@ -254,3 +311,45 @@ def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(
     assert ("with 16-bit integer activations" in logs["words"]) == words
     assert results["auto"] == results["off"]
     assert results["words"] == results["off"]
+
+
+class _Counting:
+    """The kernels, counting the calls of one of them."""
+
+    def __init__(self, kernels, name):
+        self.kernels, self.name, self.calls = kernels, name, 0
+
+    def __getattr__(self, name):
+        real = getattr(self.kernels, name)
+        if name != self.name:
+            return real
+
+        def counted(*args):
+            self.calls += 1
+            return real(*args)
+        return counted
+
+
+def test_long_prompts_give_the_same_tokens_through_the_prefill_kernel_as_through_sdpa(monkeypatch):
+    """The embedded model (float32) prefills prompts of 600 and 300 tokens in chunks of up to 256, first from
+    position 0 and then continuing over cached keys, beside a decoding stream: greedy tokens through the prefill
+    kernel equal those with every chunk on SDPA."""
+    from engine import attention
+
+    prompts = [[(11 * i + 5 * j) % 7000 + 50 for j in range(n)] for i, n in enumerate((600, 5, 300))]
+    results = {}
+    for way in ("sdpa", "kernel"):
+        engine = AsyncEngine(EngineConfig(dtype="float32", max_num_batched_tokens=256, kv_cache_memory=64 * 2**20,
+                                          max_model_len=1024, max_num_seqs=4))
+        try:
+            asyncio.run(engine.start())
+            kernels = native_kernels.active()
+            assert kernels is not None and kernels.prefill_attention_supported()
+            counting = _Counting(kernels, "paged_prefill_attention")
+            monkeypatch.setattr(native_kernels, "_active", counting)
+            monkeypatch.setattr(attention, "NATIVE_PREFILL_MIN_TOKENS", 64 if way == "kernel" else 10**9)
+            results[way] = _greedy_tokens(engine, prompts)
+            assert (counting.calls > 0) == (way == "kernel")
+        finally:
+            engine.close()
+    assert results["kernel"] == results["sdpa"]

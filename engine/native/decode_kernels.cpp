@@ -401,6 +401,10 @@ bool blocks_supported();
 bool word_blocks_supported();
 std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words);
 at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features);
+// engine/native/prefill_attention.cpp
+bool prefill_attention_supported();
+void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                             const at::Tensor& blocks, int64_t start, int64_t window, double scale, at::Tensor& out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMS norm of the last dimension");
@@ -408,6 +412,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate-and-up product");
   m.def("rope_and_cache_", &rope_and_cache_, "rotary embedding in place, then the keys and values to the cache");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache's blocks");
+  m.def("prefill_attention_supported", &prefill_attention_supported, "whether this build has prefill attention");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "a prompt chunk's causal attention over the paged cache");
   m.def("blocks_supported", &blocks_supported, "whether this build has the block product");
   m.def("word_blocks_supported", &word_blocks_supported, "whether this build has the product for 16-bit activations");
   m.def("pack_blocks", &pack_blocks, "(format, blocks): a float32 weight's exact Q4_1 or Q8_0 blocks, or (0, empty)",

@@ -1,0 +1,277 @@
+// Prefill attention read from the paged cache: one sequence's chunk of new tokens, each attending causally (and
+// within a sliding window, where the layer has one) over the sequence's keys, the chunk's own included
+// (engine/attention.py calls it; engine/native_kernels.py builds and checks it).
+//
+// Why: PyTorch's CPU flash attention ran a 512-token chunk of the embedded model at 100 to 150 GFLOP/s, and a
+// chunk that continues a sequence needs an explicit mask, so it also computed every masked score. Attention was
+// a quarter to two fifths of a long prompt's prefill. Here each task takes a tile of query tokens of one key
+// head (the query heads sharing that key head ride along as extra rows), walks only the keys its tokens reach,
+// and multiplies in register tiles: scores as rows x 64 keys against the keys transposed once per call, values
+// as rows x head size. The softmax is the online one (running maximum and sum per row), in float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kKeyTile = 64;    // keys per tile: four 16-lane vectors of scores per row
+constexpr int64_t kTokenTile = 16;  // query tokens per task
+
+// exp(x) for 16 lanes: Cephes' reduction x = n ln2 + r, its degree-6 polynomial for e^r, then scaled by 2^n
+// (the vector form of decode_kernels.cpp's fast_exp).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[r][0:64] = q[r] . keys 0..63 for R rows: q [R][D] (scaled), kt the keys transposed ([D][ldk], key j of the
+// tile at kt[d * ldk + j]).
+template <int R, int D>
+inline void score_rows(const float* q, const float* kt, int64_t ldk, float* s) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const float* k = kt + d * ldk;
+    const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
+                 k3 = _mm512_loadu_ps(k + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(q[r * D + d]);
+      acc[r][0] = _mm512_fmadd_ps(b, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(b, k1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(b, k2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(b, k3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kKeyTile + 16 * c, acc[r][c]);
+}
+
+// o[r] += sum over j < n of p[r][j] * v[j] for R rows: p [R][64], v [n][DV], o [R][DV].
+template <int R, int DV>
+inline void value_rows(const float* p, const float* v, int64_t n, float* o) {
+  constexpr int C = DV / 16;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(o + r * DV + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 vj[C];
+    for (int c = 0; c < C; ++c) vj[c] = _mm512_loadu_ps(v + j * DV + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(p[r * kKeyTile + j]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(b, vj[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * DV + 16 * c, acc[r][c]);
+}
+
+// All `rows` rows in register tiles of up to R rows (the remainder through smaller tiles).
+template <int R, int D>
+inline void scores(const float* q, int64_t rows, const float* kt, int64_t ldk, float* s) {
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) score_rows<R, D>(q + r * D, kt, ldk, s + r * kKeyTile);
+  if constexpr (R > 1) {
+    if (r < rows) scores<R - 1, D>(q + r * D, rows - r, kt, ldk, s + r * kKeyTile);
+  }
+}
+
+template <int R, int DV>
+inline void values(const float* p, int64_t rows, const float* v, int64_t n, float* o) {
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) value_rows<R, DV>(p + r * kKeyTile, v, n, o + r * DV);
+  if constexpr (R > 1) {
+    if (r < rows) values<R - 1, DV>(p + r * kKeyTile, rows - r, v, n, o + r * DV);
+  }
+}
+
+// One key head's share of the chunk: tokens [t0, t1) of the chunk with their `group` query heads as rows (row
+// (i - t0) * group + g), against the keys gathered for this head (kt transposed, v [keys][DV]; gathered key 0
+// sits at position `base`). Token i sits at position start + i and reads positions (pos - window, pos].
+template <int D>
+void attend_tile(const float* q_scaled, int64_t t0, int64_t t1, int64_t group, int64_t start, int64_t window,
+                 int64_t base, const float* kt, int64_t ldk, const float* v, float* top, float* total, float* o,
+                 float* s) {
+  const int64_t rows = (t1 - t0) * group;
+  std::fill(top, top + rows, -INFINITY);
+  std::fill(total, total + rows, 0.f);
+  std::fill(o, o + rows * D, 0.f);
+  const int64_t first_pos = window > 0 ? std::max<int64_t>(base, start + t0 + 1 - window) : base;
+  const int64_t end_pos = start + t1;  // one past the last key any row reads
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t k0 = first_pos - base; k0 < end_pos - base; k0 += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, end_pos - base - k0);
+    scores<4, D>(q_scaled, rows, kt + k0, ldk, s);
+    // The online softmax: masked lanes (after a row's position, before its window, past n) weigh nothing.
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = start + t0 + r / group;
+      const int64_t lo = window > 0 ? pos - window + 1 : 0;  // first position the row reads
+      float* sr = s + r * kKeyTile;
+      __mmask16 valid[4];
+      __m512 m = _mm512_set1_ps(-INFINITY);
+      for (int c = 0; c < 4; ++c) {
+        const __m512i key_pos = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(base + k0 + 16 * c)));
+        const int32_t hi = static_cast<int32_t>(std::min(pos, base + k0 + n - 1));
+        valid[c] = _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(hi)) &
+                   _mm512_cmpge_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int32_t>(std::max<int64_t>(lo, 0))));
+        m = _mm512_mask_max_ps(m, valid[c], m, _mm512_loadu_ps(sr + 16 * c));
+      }
+      const float tile_top = _mm512_reduce_max_ps(m);
+      if (tile_top == -INFINITY) {  // the row reads none of these keys
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(sr + 16 * c, _mm512_setzero_ps());
+        continue;
+      }
+      const float new_top = std::max(top[r], tile_top);
+      const __m512 shift = _mm512_set1_ps(new_top);
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        const __m512 p = _mm512_maskz_mov_ps(valid[c], exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * c), shift)));
+        _mm512_storeu_ps(sr + 16 * c, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      if (new_top != top[r]) {
+        const float factor = top[r] == -INFINITY ? 0.f : std::exp(top[r] - new_top);
+        total[r] *= factor;
+        const __m512 f = _mm512_set1_ps(factor);
+        for (int c = 0; c < D / 16; ++c)
+          _mm512_storeu_ps(o + r * D + 16 * c, _mm512_mul_ps(f, _mm512_loadu_ps(o + r * D + 16 * c)));
+        top[r] = new_top;
+      }
+      total[r] += _mm512_reduce_add_ps(sum);
+    }
+    if constexpr (D == 64) {
+      values<6, D>(s, rows, v + k0 * D, n, o);
+    } else {
+      values<3, D>(s, rows, v + k0 * D, n, o);
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool prefill_attention_supported() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// query [tokens, heads, dim] and out [tokens, heads, dim] (any token and head strides, float32): the chunk's
+// queries, token i at position start + i; pools [blocks, block_size, kv_heads, dim] holding the sequence's keys
+// and values up to position start + tokens (the chunk's own already written); blocks the sequence's block ids,
+// from position 0. Query head h reads key head h / (heads / kv_heads). window > 0: each token reads only its
+// last `window` positions. Head sizes 64 and 128.
+void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                             const at::Tensor& blocks, int64_t start, int64_t window, double scale, at::Tensor& out) {
+#if defined(__AVX512F__)
+  TORCH_CHECK(query.device().is_cpu() && query.dim() == 3 && query.stride(2) == 1 && out.dim() == 3 &&
+                  out.stride(2) == 1 && query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_prefill_attention: query and out must be CPU float32 [tokens, heads, dim] with a contiguous "
+              "last dimension");
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat &&
+                  k_pool.sizes() == v_pool.sizes() && k_pool.size(3) == query.size(2),
+              "paged_prefill_attention: pools must be contiguous float32 [blocks, block_size, kv_heads, dim]");
+  const int64_t tokens = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = k_pool.size(1), kv_heads = k_pool.size(2), pool_blocks = k_pool.size(0);
+  TORCH_CHECK(dim == 64 || dim == 128, "paged_prefill_attention: head size 64 or 128");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && out.size(0) == tokens && out.size(1) == heads &&
+                  out.size(2) == dim && tokens > 0 && start >= 0, "paged_prefill_attention: shapes disagree");
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.is_contiguous() &&
+                  blocks.numel() * block_size >= start + tokens,
+              "paged_prefill_attention: blocks must be int64 ids covering the sequence");
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  const int64_t end = start + tokens;
+  for (int64_t i = 0; i < (end + block_size - 1) / block_size; ++i)
+    TORCH_CHECK(bp[i] >= 0 && bp[i] < pool_blocks, "paged_prefill_attention: block id out of range");
+  const int64_t group = heads / kv_heads;
+  const int64_t base = window > 0 ? std::max<int64_t>(0, start + 1 - window) : 0;  // first position read
+  const int64_t keys = end - base;
+  const int64_t ldk = (keys + 2 * kKeyTile - 1) / kKeyTile * kKeyTile;  // room for a whole last tile
+  const float* qp = query.data_ptr<float>();
+  const float* kp = k_pool.data_ptr<float>();
+  const float* vp = v_pool.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t q_token = query.stride(0), q_head = query.stride(1), o_token = out.stride(0), o_head = out.stride(1);
+  const int64_t tiles = (tokens + kTokenTile - 1) / kTokenTile;
+  // Keys transposed ([dim, ldk]) and values packed ([ldk, dim]) per key head, for as many key heads at a time as
+  // fit kScratchBytes, about a core's L2 (a gathered head is used while it is still there).
+  constexpr int64_t kScratchBytes = 1 << 20;
+  const int64_t per_head = 2 * ldk * dim;
+  const int64_t heads_per_pass = std::clamp<int64_t>(kScratchBytes / (per_head * 4), 1, kv_heads);
+  std::vector<float> scratch(heads_per_pass * per_head);
+  const auto attend = dim == 64 ? &attend_tile<64> : &attend_tile<128>;
+  for (int64_t h0 = 0; h0 < kv_heads; h0 += heads_per_pass) {
+    const int64_t pass = std::min(heads_per_pass, kv_heads - h0);
+    at::parallel_for(0, pass * keys, 64, [&](int64_t begin, int64_t stop) {
+      for (int64_t task = begin; task < stop; ++task) {
+        const int64_t h = task / keys, k = task % keys;
+        const int64_t pos = base + k, slot = bp[pos / block_size] * block_size + pos % block_size;
+        const float* ks = kp + (slot * kv_heads + h0 + h) * dim;
+        const float* vs = vp + (slot * kv_heads + h0 + h) * dim;
+        float* kt = scratch.data() + h * per_head;
+        for (int64_t d = 0; d < dim; ++d) kt[d * ldk + k] = ks[d];
+        std::copy(vs, vs + dim, kt + ldk * dim + k * dim);
+      }
+    });
+    for (int64_t h = 0; h < pass; ++h)
+      for (int64_t d = 0; d < dim; ++d) {
+        float* row = scratch.data() + h * per_head + d * ldk;
+        std::fill(row + keys, row + ldk, 0.f);
+      }
+    // (key head, token tile) tasks handed out one at a time, a key head at a time (its keys stay
+    // in cache), within it the last tiles (the most keys) first.
+    std::atomic<int64_t> next{0};
+    const int64_t tasks = pass * tiles;
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
+      const int64_t most = kTokenTile * group;
+      std::vector<float> q(most * dim), top(most), total(most), o(most * dim), s(most * kKeyTile);
+      for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
+        const int64_t h = t / tiles, kh = h0 + h, tile = tiles - 1 - t % tiles;
+        const int64_t t0 = tile * kTokenTile, t1 = std::min(tokens, t0 + kTokenTile);
+        for (int64_t i = t0; i < t1; ++i)
+          for (int64_t g = 0; g < group; ++g) {
+            const float* src = qp + i * q_token + (kh * group + g) * q_head;
+            float* dst = q.data() + ((i - t0) * group + g) * dim;
+            for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * static_cast<float>(scale);
+          }
+        const float* kt = scratch.data() + h * per_head;
+        attend(q.data(), t0, t1, group, start, window, base, kt, ldk, kt + ldk * dim, top.data(), total.data(),
+               o.data(), s.data());
+        for (int64_t i = t0; i < t1; ++i)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = (i - t0) * group + g;
+            const float inv = 1.f / total[r];
+            float* dst = op + i * o_token + (kh * group + g) * o_head;
+            for (int64_t d = 0; d < dim; ++d) dst[d] = o[r * dim + d] * inv;
+          }
+      }
+    });
+  }
+#else
+  TORCH_CHECK(false, "paged_prefill_attention: this build has no AVX-512");
+#endif
+}
