@@ -255,6 +255,90 @@ inline void add_weighted(float* acc, const float* w, const T* v, int64_t count, 
   }
 }
 
+#if defined(__AVX512F__)
+// Sixteen 16-lane vectors to one vector of their sums, in 15 shuffles and 15 adds (a horizontal sum of each would
+// take about 8 dependent steps apiece). Lane l gets the sum of v[(l % 4) * 4 + l / 4].
+inline __m512 sum_each(const __m512* v) {
+  __m512 eight[8], four[4], two[2];
+  for (int i = 0; i < 8; ++i)
+    eight[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    four[i] = _mm512_add_ps(_mm512_shuffle_f32x4(eight[2 * i], eight[2 * i + 1], 0x88),
+                            _mm512_shuffle_f32x4(eight[2 * i], eight[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    two[i] = _mm512_add_ps(_mm512_shuffle_ps(four[2 * i], four[2 * i + 1], 0x44),
+                           _mm512_shuffle_ps(four[2 * i], four[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(two[0], two[1], 0x88), _mm512_shuffle_ps(two[0], two[1], 0xDD));
+}
+
+// out[i] = q . k_i for the n <= 16 keys k_i = k + i * stride: sixteen independent product chains, then one
+// sum_each for all of them.
+template <typename T, int D>
+inline void dots16(const float* q, const T* k, int64_t stride, int64_t n, float* out) {
+  __m512 qv[D / 16], acc[16];
+  for (int c = 0; c < D / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int i = 0; i < 16; ++i) {
+    const int slot = (i % 4) * 4 + i / 4;  // where sum_each puts key i's sum in lane i
+    if (i < n) {
+      const T* ki = k + i * stride;
+      __m512 a = _mm512_mul_ps(qv[0], load16(ki));
+      for (int c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(qv[c], load16(ki + 16 * c), a);
+      acc[slot] = a;
+    } else {
+      acc[slot] = _mm512_setzero_ps();
+    }
+  }
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1), sum_each(acc));
+}
+
+// Asks for a block's keys (or values) of one head ahead of their use: the next block of a row's table is anywhere
+// in the pool, where the hardware's stride prefetcher does not follow.
+template <typename T, int D>
+inline void prefetch_keys(const T* k, int64_t stride, int64_t count) {
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t b = 0; b < static_cast<int64_t>(D * sizeof(T)); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(k + i * stride) + b, _MM_HINT_T0);
+}
+
+// acc[g][0:D] += sum over i < count of w[g * w_stride + i] * v_i for G query heads, each value read (and widened)
+// once for all of them.
+template <typename T, int D, int G>
+inline void add_weighted_heads(float* acc, const float* w, int64_t w_stride, const T* v, int64_t count,
+                               int64_t stride) {
+  constexpr int C = D / 16;
+  __m512 sums[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) sums[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+  for (int64_t i = 0; i < count; ++i, v += stride) {
+    __m512 vi[C];
+    for (int c = 0; c < C; ++c) vi[c] = load16(v + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 weight = _mm512_set1_ps(w[g * w_stride + i]);
+      for (int c = 0; c < C; ++c) sums[g][c] = _mm512_fmadd_ps(weight, vi[c], sums[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, sums[g][c]);
+}
+
+// add_weighted_heads for any number of heads, in register-sized runs (4 heads of 64, 2 of 128).
+template <typename T, int D>
+inline void add_weighted_all(float* acc, const float* w, int64_t w_stride, const T* v, int64_t count,
+                             int64_t stride, int64_t heads) {
+  constexpr int most = D == 64 ? 4 : 2;
+  int64_t g = 0;
+  for (; g + most <= heads; g += most)
+    add_weighted_heads<T, D, most>(acc + g * D, w + g * w_stride, w_stride, v, count, stride);
+  switch (heads - g) {
+    case 3: add_weighted_heads<T, D, 3>(acc + g * D, w + g * w_stride, w_stride, v, count, stride); break;
+    case 2: add_weighted_heads<T, D, 2>(acc + g * D, w + g * w_stride, w_stride, v, count, stride); break;
+    case 1: add_weighted_heads<T, D, 1>(acc + g * D, w + g * w_stride, w_stride, v, count, stride); break;
+    default: break;
+  }
+}
+#endif
+
 // One (row, key head) share of decode attention over keys [p0, p1) of a row: the group's query heads (scaled,
 // float32, [group, dim]) against each key, then the softmax's running terms: top[g] the largest score, total[g]
 // the sum of exp(score - top), acc[g] the sum of exp(score - top) * value. The walk goes a block at a time: a
@@ -277,6 +361,16 @@ void attend_range(const float* q, const T* kp, const T* vp, const int64_t* row_b
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * dim;
       float* sg = scores.data() + g * n + (p - p0);
+#if defined(__AVX512F__)
+      if constexpr (kWidens<T> && (D == 64 || D == 128)) {
+        if (g == 0 && p + take < p1)  // the next block's keys, while this one's are multiplied
+          prefetch_keys<T, D>(kp + (row_blocks[(p + take) / block_size] * block_size * kv_heads + kh) * dim,
+                              key_stride, block_size);
+        for (int64_t i = 0; i < take; i += 16)
+          dots16<T, D>(qg, kb + i * key_stride, key_stride, std::min<int64_t>(16, take - i), sg + i);
+        continue;
+      }
+#endif
       for (int64_t i = 0; i < take; ++i) sg[i] = dot<T, D>(qg, kb + i * key_stride, dim);
     }
     p += take;
@@ -293,6 +387,16 @@ void attend_range(const float* q, const T* kp, const T* vp, const int64_t* row_b
   for (int64_t p = p0; p < p1;) {
     const int64_t o = p % block_size, take = std::min(block_size - o, p1 - p);
     const T* vb = vp + ((row_blocks[p / block_size] * block_size + o) * kv_heads + kh) * value_dim;
+#if defined(__AVX512F__)
+    if constexpr (kWidens<T> && (D == 64 || D == 128)) {
+      if (p + take < p1)
+        prefetch_keys<T, D>(vp + (row_blocks[(p + take) / block_size] * block_size * kv_heads + kh) * value_dim,
+                            value_stride, block_size);
+      add_weighted_all<T, D>(acc, scores.data() + (p - p0), n, vb, take, value_stride, group);
+      p += take;
+      continue;
+    }
+#endif
     for (int64_t g = 0; g < group; ++g)
       add_weighted<T, D>(acc + g * value_dim, scores.data() + g * n + (p - p0), vb, take, value_stride, value_dim);
     p += take;
