@@ -180,6 +180,8 @@ class AsyncEngine:
             engine, self._engine, self._model, self._loading = self._engine, None, None, None
         if engine is not None:
             engine.shutdown()
+            del engine
+            host_memory.thaw()
 
     def _fatal(self, exc: BaseException) -> None:
         if self.on_fatal is not None:
