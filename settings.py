@@ -56,6 +56,7 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int = Field(default=512, ge=16)
     prefix_cache_mb: int = Field(default=256, ge=0)
     kv_cache_memory: int | None = Field(default=None, ge=1)
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     torch_num_threads: int | None = Field(default=None, ge=1)
@@ -182,6 +183,7 @@ class WorkerSettings(BaseSettings):
             max_num_batched_tokens=self.max_num_batched_tokens,
             prefix_cache_bytes=self.prefix_cache_mb * 2**20,
             kv_cache_memory=self.kv_cache_memory,
+            kv_cache_dtype=self.kv_cache_dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
             tensor_parallel_size=self.tensor_parallel_size,
             num_threads=self.torch_num_threads,

@@ -13,7 +13,9 @@ import os
 import threading
 from typing import AsyncIterator, Callable
 
-from . import host_memory
+import torch
+
+from . import host_memory, native_kernels
 from .config import EngineConfig
 from .engine import Engine, RequestOutput
 from .fallback import FallbackEngine
@@ -62,12 +64,27 @@ def default_cpu_kv_budget() -> int:
     return min(_DEFAULT_CPU_KV_BYTES, total // 4)
 
 
+def kv_cache_dtype(config: EngineConfig, model: LoadedModel) -> tuple[torch.dtype, bool]:
+    """The KV cache's type (KV_CACHE_DTYPE) and whether the runner's start-up probe must confirm it. Under
+    DTYPE=auto a float32 model on CPU with the native kernels keeps float16 keys and values: decode attention reads
+    half the bytes (it is half of a decode step at 1300-token contexts), the budget holds twice the tokens, and the
+    embedded model's greedy tokens stay those of float32 (README, Performance)."""
+    if config.kv_cache_dtype != "auto":
+        return getattr(torch, config.kv_cache_dtype), False
+    if (config.dtype == "auto" and model.device.type == "cpu" and model.dtype == torch.float32
+            and native_kernels.active() is not None):
+        return torch.float16, True
+    return model.dtype, False
+
+
 def _generation_runner(model: LoadedModel, config: EngineConfig) -> ModelRunner:
     """The forward passes and the KV cache, sized once from the budget (logged in tokens and bytes)."""
+    kv_dtype, check_kv_dtype = kv_cache_dtype(config, model)
     runner = ModelRunner(model.model, model.device, model.dtype,
                          kv_budget_bytes=config.kv_cache_memory or default_cpu_kv_budget(),
                          gpu_memory_utilization=config.gpu_memory_utilization,
-                         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs)
+                         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                         kv_dtype=kv_dtype, check_kv_dtype=check_kv_dtype)
     kv = runner.kv
     budget = (f"GPU_MEMORY_UTILIZATION={config.gpu_memory_utilization}" if model.device.type == "cuda"
               else "KV_CACHE_MEMORY")
@@ -83,8 +100,8 @@ def _generation_runner(model: LoadedModel, config: EngineConfig) -> ModelRunner:
     if not runner.layer_shapes:
         log.info("KV cache: none (the model has no attention layer)")
         return runner
-    log.info("KV cache: %d tokens in %.1f MB (%.1f KB per token, %s)", kv.capacity_tokens, kv.nbytes / 2**20,
-             kv.nbytes / kv.capacity_tokens / 1024, budget)
+    log.info("KV cache: %d tokens in %.1f MB (%.1f KB per token, %s; %s keys and values)", kv.capacity_tokens,
+             kv.nbytes / 2**20, kv.nbytes / kv.capacity_tokens / 1024, budget, str(kv.dtype).removeprefix("torch."))
     if kv.capacity_tokens < model.max_model_len:
         raise RuntimeError(f"the KV cache holds {kv.capacity_tokens} tokens, fewer than one sequence of "
                            f"MAX_MODEL_LEN={model.max_model_len}: raise {budget.split('=')[0]} or lower MAX_MODEL_LEN")

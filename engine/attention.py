@@ -73,10 +73,12 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
     # A step of one bucket or one segment (one stream decoding, one prompt) returns its attention output as is.
     single = len(layout.buckets) + len(layout.segments) == 1
     out = None if single else query.new_empty((1, tokens, query.shape[1], value.shape[-1]))
+    # The kernels read pools of the query's type, or 16-bit pools under float32 queries (KV_CACHE_DTYPE).
+    pools_pair = k_pool.dtype == v_pool.dtype and (k_pool.dtype == query.dtype or (
+        query.dtype == torch.float32 and k_pool.dtype in (torch.float16, torch.bfloat16)))
     kernels = native_kernels.active() if layout.buckets else None
     if kernels is not None and (expand is not None or softcap is not None or sinks is not None
-                                or query.device.type != "cpu" or query.stride(-1) != 1
-                                or not (query.dtype == k_pool.dtype == v_pool.dtype)):
+                                or query.device.type != "cpu" or query.stride(-1) != 1 or not pools_pair):
         kernels = None  # what the kernel does not cover keeps the gather below
     for index, bucket in enumerate(layout.buckets):
         rows, span = bucket.rows, slice(bucket.offset, bucket.offset + bucket.rows)
@@ -93,8 +95,8 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
         q = query[0, :, span].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
         # index_select copies whole blocks (several times faster than advanced indexing on CPU)
         blocks, keys, mask = layout.bucket_keys(index, window)
-        k = k_pool.index_select(0, blocks).view(rows, -1, kv_heads, key_dim)[:, :keys]
-        v = v_pool.index_select(0, blocks).view(rows, -1, kv_heads, value_dim)[:, :keys]
+        k = k_pool.index_select(0, blocks).view(rows, -1, kv_heads, key_dim)[:, :keys].to(query.dtype)
+        v = v_pool.index_select(0, blocks).view(rows, -1, kv_heads, value_dim)[:, :keys].to(query.dtype)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if expand is not None:
             k, v = expand(k, v)
@@ -105,7 +107,7 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
     prefill = native_kernels.active() if layout.segments else None
     if prefill is not None and not (expand is None and softcap is None and sinks is None
                                     and query.device.type == "cpu" and query.stride(-1) == 1
-                                    and query.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+                                    and query.dtype == torch.float32 and pools_pair
                                     and key_dim == value_dim and key_dim in (64, 128)
                                     and prefill.prefill_attention_supported()):
         prefill = None
@@ -127,8 +129,9 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
         else:
             blocks, first, mask = layout.segment_keys(index, window, query.dtype)
             keys = seg.start + seg.length - first
-            k = k_pool.index_select(0, blocks).view(-1, kv_heads, key_dim)[:keys].transpose(0, 1).unsqueeze(0)
-            v = v_pool.index_select(0, blocks).view(-1, kv_heads, value_dim)[:keys].transpose(0, 1).unsqueeze(0)
+            k = k_pool.index_select(0, blocks).view(-1, kv_heads, key_dim)[:keys].to(query.dtype)
+            v = v_pool.index_select(0, blocks).view(-1, kv_heads, value_dim)[:keys].to(query.dtype)
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             if expand is not None:
                 k, v = expand(k, v)
             o = _sdpa(q, k, v, mask, scaling, softcap, sinks=sinks)

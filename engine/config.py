@@ -30,6 +30,9 @@ class EngineConfig:
     # The KV cache's budget, fixed at start-up: bytes on CPU (None: a share of system memory), a share of the
     # device's memory on CUDA.
     kv_cache_memory: int | None = None
+    # The KV cache's type: auto (the model's; float16 under DTYPE=auto on CPU with the native kernels, where a
+    # start-up probe confirms it) | float32 | float16 | bfloat16.
+    kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1  # GPUs the model's layers are split over
     gpu_memory_utilization: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default

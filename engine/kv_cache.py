@@ -266,8 +266,8 @@ class StepCache(ForwardCache):
     def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the step's keys and values, [tokens, kv_heads, dim] in packed order, in their slots."""
         k_pool, v_pool, slots = self.write_target(layer_idx)
-        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, keys.to(k_pool.dtype))
-        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, values.to(v_pool.dtype))
+        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, _stored_as(keys, k_pool.dtype))
+        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, _stored_as(values, v_pool.dtype))
 
     def write_target(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The pools a layer's new keys and values go to and the step's slots in them ([tokens]), for a caller
@@ -275,6 +275,14 @@ class StepCache(ForwardCache):
         self.layout.written_layer = layer_idx
         k_pool, v_pool = self.cache.pools(layer_idx)
         return k_pool, v_pool, self.layout.on(k_pool.device).slots
+
+
+def _stored_as(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """States in the cache's type. A float16 cache under a wider model saturates at +-65504 instead of storing
+    infinity (as the native cache write does), so one outlying key cannot poison a softmax."""
+    if dtype == torch.float16 and states.dtype != dtype:
+        states = states.clamp(-65504.0, 65504.0)
+    return states.to(dtype)
 
 
 def _token_rows(states: torch.Tensor) -> torch.Tensor:

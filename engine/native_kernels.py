@@ -20,6 +20,7 @@ them (None: use PyTorch operations).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -130,10 +131,23 @@ def self_check(kernels, dtype: torch.dtype = torch.float32) -> str:
         if not (_close(rotated, qkv[:, :heads + kv_heads]) and _close(rotated[:, heads:], k_pool.view(-1, kv_heads, dim)[slots])
                 and _close(values, v_pool.view(-1, kv_heads, dim)[slots])):
             return "rope_and_cache_"
+        # Float32 models may keep a float16 cache (KV_CACHE_DTYPE): the cache write rounds to it, and both
+        # attention kernels read it.
+        pool_types = (dtype, torch.float16) if dtype == torch.float32 else (dtype,)
+        for pool_type in pool_types[1:]:
+            k_pool = torch.zeros(6, block, kv_heads, dim, dtype=pool_type)
+            v_pool = torch.zeros(6, block, kv_heads, dim, dtype=pool_type)
+            qkv = torch.cat([rotated, values], 1).contiguous()
+            kernels.rope_and_cache_(qkv, None, None, heads, kv_heads, k_pool, v_pool, slots)
+            if not (_close(rotated[:, heads:].to(pool_type), k_pool.view(-1, kv_heads, dim)[slots])
+                    and _close(values.to(pool_type), v_pool.view(-1, kv_heads, dim)[slots])):
+                return "rope_and_cache_"
         # Two rows over a few blocks (the plain loops, head size 8), then one row of 600 keys (head size 64: the
         # vector path, its keys split across threads and merged).
-        for dim, block, table, lengths in ((8, 4, [3, 1, 0, 5, 2, 2], [10, 5]), (64, 16, list(range(38)), [600])):
-            k_pool, v_pool = rand(max(table) + 1, block, kv_heads, dim), rand(max(table) + 1, block, kv_heads, dim)
+        for (dim, block, table, lengths), pool_type in itertools.product(
+                ((8, 4, [3, 1, 0, 5, 2, 2], [10, 5]), (64, 16, list(range(38)), [600])), pool_types):
+            k_pool = rand(max(table) + 1, block, kv_heads, dim).to(pool_type)
+            v_pool = rand(max(table) + 1, block, kv_heads, dim).to(pool_type)
             rows = len(lengths)
             query, blocks, lengths = rand(rows, heads, dim), torch.tensor(table), torch.tensor(lengths)
             out = torch.empty(rows, heads, dim, dtype=dtype)
@@ -149,14 +163,14 @@ def self_check(kernels, dtype: torch.dtype = torch.float32) -> str:
                                                               vals.float(), scale=0.3, enable_gqa=True)[:, 0]
                     if not _close(expected.to(dtype), out[row]):
                         return "paged_decode_attention"
-        if dtype == torch.float32 and kernels.prefill_attention_supported():
+        for pool_type in pool_types if dtype == torch.float32 and kernels.prefill_attention_supported() else ():
             # A chunk of 70 tokens after 50 cached ones (five token tiles, the last one partial), whole and
             # within a window of 30, against SDPA with the causal mask over the gathered keys.
             start, tokens, table = 50, 70, [6, 2, 0, 7, 4, 1, 3, 5]
-            k_pool, v_pool = rand(8, 16, kv_heads, 64), rand(8, 16, kv_heads, 64)
+            k_pool, v_pool = rand(8, 16, kv_heads, 64).to(pool_type), rand(8, 16, kv_heads, 64).to(pool_type)
             query, out = rand(tokens, heads, 64), torch.empty(tokens, heads, 64)
-            keys = k_pool[table].reshape(-1, kv_heads, 64)[:start + tokens].transpose(0, 1)[None]
-            vals = v_pool[table].reshape(-1, kv_heads, 64)[:start + tokens].transpose(0, 1)[None]
+            keys = k_pool[table].reshape(-1, kv_heads, 64)[:start + tokens].transpose(0, 1)[None].float()
+            vals = v_pool[table].reshape(-1, kv_heads, 64)[:start + tokens].transpose(0, 1)[None].float()
             positions = torch.arange(start + tokens)
             for window in (0, 30):
                 mask = positions[None] <= positions[start:, None]

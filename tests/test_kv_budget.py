@@ -16,7 +16,7 @@ BUDGET_TOKENS = 768  # 48 blocks: a handful of the 32 requests below fit at once
 @pytest.fixture(scope="module")
 def small(worker):
     config = worker.settings.engine_config()
-    bytes_per_token = _bytes_per_token(config)
+    bytes_per_token = _bytes_per_token(worker)
     small_config = EngineConfig(**{**config.__dict__, "max_model_len": 512, "max_num_seqs": 32,
                                    "kv_cache_memory": BUDGET_TOKENS * bytes_per_token})
     engine = AsyncEngine(small_config)
@@ -25,13 +25,10 @@ def small(worker):
     engine.close()
 
 
-def _bytes_per_token(config: EngineConfig) -> int:
-    from transformers import AutoConfig
-
-    from engine.loader import model_folder
-    hf = AutoConfig.from_pretrained(model_folder(config))
-    head_dim = hf.hidden_size // hf.num_attention_heads
-    return hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * torch.float32.itemsize
+def _bytes_per_token(worker) -> int:
+    """The KV bytes a token takes in the worker's own cache (its layers, heads and KV_CACHE_DTYPE)."""
+    stats = worker.engine.engine.stats()
+    return stats["kv_capacity_bytes"] // stats["kv_capacity_tokens"]
 
 
 def seeded(max_tokens: int, seed: int) -> SamplingParams:
@@ -165,7 +162,7 @@ def test_memory_settings_are_checked_at_start(monkeypatch, env, named):
 
 def test_a_cache_smaller_than_one_context_stops_the_load(worker):
     config = EngineConfig(**{**worker.settings.engine_config().__dict__, "max_model_len": 2048,
-                             "kv_cache_memory": 1000 * _bytes_per_token(worker.settings.engine_config())})
+                             "kv_cache_memory": 1000 * _bytes_per_token(worker)})
     engine = AsyncEngine(config)
     with pytest.raises(RuntimeError, match="KV_CACHE_MEMORY or lower MAX_MODEL_LEN"):
         asyncio.run(engine.start())

@@ -188,6 +188,47 @@ def test_prefill_attention_over_the_blocks_equals_sdpa(kernels, heads, kv_heads,
     assert not out_buffer[untouched].any()  # nothing written outside the view
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_attention_reads_16_bit_pools_under_float32_queries(kernels, pool_dtype, dim):
+    """KV_CACHE_DTYPE: float32 queries against float16 or bfloat16 keys and values, decode rows and a continued
+    prompt chunk, equal SDPA over the same (widened) keys and values."""
+    gen = torch.Generator().manual_seed(dim)
+    heads, kv_heads, block, pool_blocks, width = 9, 3, 16, 24, 6
+    k_pool = torch.randn(pool_blocks, block, kv_heads, dim, generator=gen).to(pool_dtype)
+    v_pool = torch.randn(pool_blocks, block, kv_heads, dim, generator=gen).to(pool_dtype)
+    lengths = torch.tensor([1, 40, 96])
+    blocks = torch.randperm(pool_blocks, generator=gen)[:3 * width]
+    query = torch.randn(3, heads, dim, generator=gen)
+    out = torch.empty(3, heads, dim)
+    for window in (0, 20):
+        kernels.paged_decode_attention(query, k_pool, v_pool, blocks, lengths, window, 0.25, out)
+        _close(_reference_attention(query, k_pool, v_pool, blocks, lengths, window, 0.25), out, torch.float32)
+    if dim in (64, 128) and kernels.prefill_attention_supported():
+        chunk = torch.randn(70, heads, dim, generator=gen)
+        got = torch.empty(70, heads, dim)
+        kernels.paged_prefill_attention(chunk, k_pool, v_pool, blocks[:width], 26, 0, 0.25, got)
+        expected = _reference_prefill(chunk, k_pool.float(), v_pool.float(), blocks[:width], 26, 0, 0.25)
+        _close(expected, got, torch.float32)
+
+
+def test_the_cache_write_rounds_to_a_float16_pool_and_saturates(kernels):
+    """Float32 keys and values to a float16 cache: rounded, and past +-65504 held at it instead of infinity."""
+    heads, kv_heads, dim = 2, 1, 16
+    qkv = torch.randn(3, heads + 2 * kv_heads, dim)
+    qkv[0, heads, :3] = torch.tensor([1e6, -1e6, 70000.0])
+    keys, values = qkv[:, heads].clone(), qkv[:, heads + 1].clone()
+    k_pool, v_pool = torch.zeros(2, 4, kv_heads, dim, dtype=torch.float16), torch.zeros(2, 4, kv_heads, dim,
+                                                                                      dtype=torch.float16)
+    slots = torch.tensor([6, 1, 3])
+    kernels.rope_and_cache_(qkv, None, None, heads, kv_heads, k_pool, v_pool, slots)
+    stored = k_pool.view(-1, dim)[slots]
+    assert torch.isfinite(stored).all()
+    assert stored[0, :3].tolist() == [65504.0, -65504.0, 65504.0]
+    assert torch.equal(stored[:, 3:], keys[:, 3:].half()) and torch.equal(stored[1:], keys[1:].half())
+    assert torch.equal(v_pool.view(-1, dim)[slots], values.half())
+
+
 def test_prefill_attention_refuses_what_it_does_not_cover(kernels):
     if not kernels.prefill_attention_supported():
         pytest.skip("this build has no AVX-512")
@@ -202,6 +243,8 @@ def test_prefill_attention_refuses_what_it_does_not_cover(kernels):
                                         torch.tensor([0, 1]), 0, 0, 1.0, out[..., :32])
     with pytest.raises(RuntimeError, match="float32"):
         kernels.paged_prefill_attention(query.bfloat16(), k_pool, v_pool, torch.tensor([0, 1]), 0, 0, 1.0, out)
+    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
+        kernels.paged_prefill_attention(query, k_pool.double(), v_pool.double(), torch.tensor([0, 1]), 0, 0, 1.0, out)
 
 
 def test_bad_arguments_are_errors_not_crashes(kernels):
@@ -267,52 +310,6 @@ def test_a_failed_build_keeps_pytorch_and_says_why(tmp_path, monkeypatch, caplog
     assert "using PyTorch operations" in caplog.text
 
 
-def _greedy_tokens(engine: AsyncEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-    async def one(i, ids):
-        tokens = []
-        async for output in engine.generate(f"k{i}", ids, params):
-            for delta in output.deltas:
-                tokens.extend(delta.token_ids)
-        return tokens
-
-    async def run():
-        await engine.start()
-        return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
-    return asyncio.run(run())
-
-
-def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(caplog):
-    """Batched decode rows of different lengths (several attention buckets) and a prompt chunked into a decode
-    step: greedy tokens through the kernels equal those through PyTorch's operations (NATIVE_KERNELS=off). The
-    embedded model is Q4_1 layers and a Q8_0 head, so `auto` also multiplies every linear layer from its GGUF
-    blocks (engine/quantized_weights.py) where `off` keeps float32 products; with DTYPE=auto the blocks take
-    16-bit integer activations where the CPU has AVX512_VNNI, and the tokens stay the same (README, Performance:
-    the measured agreement on chat prompts)."""
-    prompts = [[(7 * i + 3 * j) % 5000 + 100 for j in range(n)] for i, n in enumerate((3, 40, 90, 300))]
-    results, logs = {}, {}
-    for mode, dtype in (("off", "float32"), ("auto", "float32"), ("words", "auto")):
-        engine = AsyncEngine(EngineConfig(dtype=dtype, native_kernels="off" if mode == "off" else "auto",
-                                          max_num_batched_tokens=64, kv_cache_memory=64 * 2**20, max_model_len=1024,
-                                          max_num_seqs=8))
-        try:
-            caplog.clear()
-            with caplog.at_level("INFO"):
-                results[mode] = _greedy_tokens(engine, prompts)
-            logs[mode] = caplog.text
-        finally:
-            engine.close()
-    assert "through the native CPU kernels" in logs["auto"] and "through the native CPU kernels" in logs["words"]
-    assert "through the native CPU kernels" not in logs["off"]
-    assert "120 Q4_1, 1 Q8_0" in logs["auto"] and "GGUF blocks" not in logs["off"]
-    assert "with float32 activations" in logs["auto"]
-    words = native_kernels.active() is not None and native_kernels.active().word_blocks_supported()
-    assert ("with 16-bit integer activations" in logs["words"]) == words
-    assert results["auto"] == results["off"]
-    assert results["words"] == results["off"]
-
-
 class _Counting:
     """The kernels, counting the calls of one of them."""
 
@@ -330,26 +327,61 @@ class _Counting:
         return counted
 
 
-def test_long_prompts_give_the_same_tokens_through_the_prefill_kernel_as_through_sdpa(monkeypatch):
-    """The embedded model (float32) prefills prompts of 600 and 300 tokens in chunks of up to 256, first from
-    position 0 and then continuing over cached keys, beside a decoding stream: greedy tokens through the prefill
-    kernel equal those with every chunk on SDPA."""
+def _greedy_tokens(engine: AsyncEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def one(i, ids):
+        tokens = []
+        async for output in engine.generate(f"k{i}", ids, params):
+            for delta in output.deltas:
+                tokens.extend(delta.token_ids)
+        return tokens
+
+    async def run():
+        await engine.start()
+        return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+    return asyncio.run(run())
+
+
+def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(caplog, monkeypatch):
+    """Batched decode rows of different lengths (several attention buckets) and a prompt chunked into a decode
+    step: greedy tokens through the kernels equal those through PyTorch's operations (NATIVE_KERNELS=off). The
+    embedded model is Q4_1 layers and a Q8_0 head, so `auto` also multiplies every linear layer from its GGUF
+    blocks (engine/quantized_weights.py) where `off` keeps float32 products; with DTYPE=auto the blocks take
+    16-bit integer activations where the CPU has AVX512_VNNI and keeps a float16 KV cache, and the tokens stay the
+    same (README, Performance: the measured agreement on chat prompts). Prompt chunks attend through the native
+    prefill kernel."""
     from engine import attention
 
-    prompts = [[(11 * i + 5 * j) % 7000 + 50 for j in range(n)] for i, n in enumerate((600, 5, 300))]
-    results = {}
-    for way in ("sdpa", "kernel"):
-        engine = AsyncEngine(EngineConfig(dtype="float32", max_num_batched_tokens=256, kv_cache_memory=64 * 2**20,
-                                          max_model_len=1024, max_num_seqs=4))
+    prompts = [[(7 * i + 3 * j) % 5000 + 100 for j in range(n)] for i, n in enumerate((3, 40, 90, 300))]
+    results, logs, prefills = {}, {}, {}
+    # Counts the prompt chunks that attend through the prefill kernel: from 16 tokens here (64 in service), as the
+    # 64-token step budget leaves the chunks beside decode rows shorter than 64.
+    monkeypatch.setattr(attention, "NATIVE_PREFILL_MIN_TOKENS", 16)
+    counting = _Counting(None, "paged_prefill_attention")
+    monkeypatch.setattr(native_kernels, "active", lambda: None if native_kernels._active is None else (
+        setattr(counting, "kernels", native_kernels._active) or counting))
+    for mode, dtype in (("off", "float32"), ("auto", "float32"), ("words", "auto")):
+        counting.calls = 0
+        engine = AsyncEngine(EngineConfig(dtype=dtype, native_kernels="off" if mode == "off" else "auto",
+                                          max_num_batched_tokens=64, kv_cache_memory=64 * 2**20, max_model_len=1024,
+                                          max_num_seqs=8))
         try:
-            asyncio.run(engine.start())
-            kernels = native_kernels.active()
-            assert kernels is not None and kernels.prefill_attention_supported()
-            counting = _Counting(kernels, "paged_prefill_attention")
-            monkeypatch.setattr(native_kernels, "_active", counting)
-            monkeypatch.setattr(attention, "NATIVE_PREFILL_MIN_TOKENS", 64 if way == "kernel" else 10**9)
-            results[way] = _greedy_tokens(engine, prompts)
-            assert (counting.calls > 0) == (way == "kernel")
+            caplog.clear()
+            with caplog.at_level("INFO"):
+                results[mode] = _greedy_tokens(engine, prompts)
+            logs[mode] = caplog.text
+            prefills[mode] = counting.calls
         finally:
             engine.close()
-    assert results["kernel"] == results["sdpa"]
+    assert "through the native CPU kernels" in logs["auto"] and "through the native CPU kernels" in logs["words"]
+    assert "through the native CPU kernels" not in logs["off"]
+    assert "120 Q4_1, 1 Q8_0" in logs["auto"] and "GGUF blocks" not in logs["off"]
+    assert "with float32 activations" in logs["auto"]
+    words = native_kernels.active() is not None and native_kernels.active().word_blocks_supported()
+    assert ("with 16-bit integer activations" in logs["words"]) == words
+    assert results["auto"] == results["off"]
+    assert results["words"] == results["off"]
+    assert prefills["off"] == 0
+    if native_kernels._active.prefill_attention_supported():
+        assert prefills["auto"] > 0 and prefills["words"] > 0

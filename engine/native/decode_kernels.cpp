@@ -137,6 +137,30 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t inter) {
   return out;
 }
 
+// The KV cache may hold 16-bit keys and values under a float32 model (KV_CACHE_DTYPE; half the bytes that decode
+// attention reads): pools of the activations' own type, or float16 / bfloat16 pools under float32.
+bool pools_pair_with(const at::Tensor& activations, const at::Tensor& k_pool, const at::Tensor& v_pool) {
+  const at::ScalarType type = k_pool.scalar_type();
+  return v_pool.scalar_type() == type &&
+         (type == activations.scalar_type() ||
+          (activations.scalar_type() == at::kFloat && (type == at::kHalf || type == at::kBFloat16)));
+}
+
+// n values to a pool of type `type` at dst: copied where it is T, else rounded to it. Float16 saturates at its
+// largest finite value (+-65504) instead of turning into infinity, so one outlying key cannot poison a softmax.
+template <typename T>
+inline void store_as(const T* src, int64_t n, at::ScalarType type, char* dst) {
+  if (type == c10::CppTypeToScalarType<T>::value) {
+    std::copy(src, src + n, reinterpret_cast<T*>(dst));
+  } else if (type == at::kHalf) {
+    c10::Half* out = reinterpret_cast<c10::Half*>(dst);
+    for (int64_t i = 0; i < n; ++i) out[i] = c10::Half(std::clamp(f32(src[i]), -65504.f, 65504.f));
+  } else {
+    c10::BFloat16* out = reinterpret_cast<c10::BFloat16*>(dst);
+    for (int64_t i = 0; i < n; ++i) out[i] = c10::BFloat16(f32(src[i]));
+  }
+}
+
 // qkv [tokens, heads + 2 * kv_heads, dim], contiguous: rotates the query and key heads in place by the rotary
 // embedding (x * cos + rotate_half(x) * sin, as transformers' apply_rotary_pos_emb) when cos and sin ([tokens,
 // dim]) are given, then copies each token's keys and values to its slot of the pools ([slots, kv_heads, dim]).
@@ -147,10 +171,10 @@ void rope_and_cache_(at::Tensor& qkv, const c10::optional<at::Tensor>& cos, cons
                   qkv.size(1) == heads + 2 * kv_heads && qkv.size(2) % 2 == 0,
               "rope_and_cache_: qkv must be a contiguous CPU tensor [tokens, heads + 2 * kv_heads, even dim]");
   int64_t tokens = qkv.size(0), dim = qkv.size(2), half = dim / 2, width = heads + 2 * kv_heads;
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == qkv.scalar_type() &&
-                  v_pool.scalar_type() == qkv.scalar_type() && k_pool.numel() == v_pool.numel() &&
-                  k_pool.numel() % (kv_heads * dim) == 0,
-              "rope_and_cache_: pools must be contiguous, of qkv's type, with kv_heads * dim per slot");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && pools_pair_with(qkv, k_pool, v_pool) &&
+                  k_pool.numel() == v_pool.numel() && k_pool.numel() % (kv_heads * dim) == 0,
+              "rope_and_cache_: pools must be contiguous, of qkv's type (or 16-bit under float32), with "
+              "kv_heads * dim per slot");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == tokens,
               "rope_and_cache_: slots must be int64 [tokens]");
   TORCH_CHECK(cos.has_value() == sin.has_value(), "rope_and_cache_: cos and sin go together");
@@ -169,8 +193,10 @@ void rope_and_cache_(at::Tensor& qkv, const c10::optional<at::Tensor>& cos, cons
     T* qp = qkv.data_ptr<T>();
     const T* cp = rotate ? cos->data_ptr<T>() : nullptr;
     const T* snp = rotate ? sin->data_ptr<T>() : nullptr;
-    T* kp = k_pool.data_ptr<T>();
-    T* vp = v_pool.data_ptr<T>();
+    const at::ScalarType pool_type = k_pool.scalar_type();
+    char* kp = static_cast<char*>(k_pool.data_ptr());
+    char* vp = static_cast<char*>(v_pool.data_ptr());
+    const int64_t slot_bytes = kv_heads * dim * k_pool.element_size();
     at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         T* row = qp + t * width * dim;
@@ -189,8 +215,8 @@ void rope_and_cache_(at::Tensor& qkv, const c10::optional<at::Tensor>& cos, cons
             }
           }
         }
-        std::copy(row + heads * dim, row + (heads + kv_heads) * dim, kp + sp[t] * kv_heads * dim);
-        std::copy(row + (heads + kv_heads) * dim, row + width * dim, vp + sp[t] * kv_heads * dim);
+        store_as(row + heads * dim, kv_heads * dim, pool_type, kp + sp[t] * slot_bytes);
+        store_as(row + (heads + kv_heads) * dim, kv_heads * dim, pool_type, vp + sp[t] * slot_bytes);
       }
     });
   });
@@ -418,8 +444,8 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
                   k_pool.size(0) == v_pool.size(0) && k_pool.size(1) == v_pool.size(1) &&
                   k_pool.size(2) == v_pool.size(2) && k_pool.size(3) == query.size(2),
               "paged_decode_attention: pools must be contiguous [blocks, block_size, kv_heads, dim]");
-  TORCH_CHECK(k_pool.scalar_type() == query.scalar_type() && v_pool.scalar_type() == query.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(), "paged_decode_attention: one dtype throughout");
+  TORCH_CHECK(pools_pair_with(query, k_pool, v_pool) && out.scalar_type() == query.scalar_type(),
+              "paged_decode_attention: one dtype throughout (or 16-bit pools under float32)");
   const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t block_size = k_pool.size(1), kv_heads = k_pool.size(2), value_dim = v_pool.size(3);
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && out.size(0) == rows && out.size(1) == heads &&
@@ -448,31 +474,40 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     using T = scalar_t;
     const T* qp = query.data_ptr<T>();
-    const T* kp = k_pool.data_ptr<T>();
-    const T* vp = v_pool.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    // The head sizes with a compiled-in size (see attend_range), else the one that reads it from dim.
-    const auto attend = dim == 64 && value_dim == 64     ? &attend_range<T, 64>
-                        : dim == 128 && value_dim == 128 ? &attend_range<T, 128>
-                                                         : &attend_range<T, 0>;
-    // One task per (row, key head, part): the query heads of a key head share every key and value read.
-    at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q(group * dim), scores;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t pair = task / parts, part = task % parts, r = pair / kv_heads, kh = pair % kv_heads;
-        const int64_t length = lp[r], start = window > 0 ? std::max<int64_t>(0, length - window) : 0;
-        const int64_t n = length - start, p0 = start + n * part / parts, p1 = start + n * (part + 1) / parts;
-        for (int64_t g = 0; g < group; ++g) {
-          const T* src = qp + r * q_row + (kh * group + g) * q_head;
-          for (int64_t j = 0; j < dim; ++j) q[g * dim + j] = f32(src[j]) * static_cast<float>(scale);
+    // Walks the pools as their own type P (T, or 16-bit under float32 queries: engine KV_CACHE_DTYPE).
+    auto attend_all = [&](const auto* kp, const auto* vp) {
+      using P = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+      // The head sizes with a compiled-in size (see attend_range), else the one that reads it from dim.
+      const auto attend = dim == 64 && value_dim == 64     ? &attend_range<P, 64>
+                          : dim == 128 && value_dim == 128 ? &attend_range<P, 128>
+                                                           : &attend_range<P, 0>;
+      // One task per (row, key head, part): the query heads of a key head share every key and value read.
+      at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> q(group * dim), scores;
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t pair = task / parts, part = task % parts, r = pair / kv_heads, kh = pair % kv_heads;
+          const int64_t length = lp[r], start = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+          const int64_t n = length - start, p0 = start + n * part / parts, p1 = start + n * (part + 1) / parts;
+          for (int64_t g = 0; g < group; ++g) {
+            const T* src = qp + r * q_row + (kh * group + g) * q_head;
+            for (int64_t j = 0; j < dim; ++j) q[g * dim + j] = f32(src[j]) * static_cast<float>(scale);
+          }
+          float* top = tops.data() + task * group;
+          float* total = totals.data() + task * group;
+          float* acc = accs.data() + task * group * value_dim;
+          attend(q.data(), kp, vp, bp + r * width, p0, p1, block_size, kv_heads, kh, group, dim, value_dim, scores,
+                 top, total, acc);
         }
-        float* top = tops.data() + task * group;
-        float* total = totals.data() + task * group;
-        float* acc = accs.data() + task * group * value_dim;
-        attend(q.data(), kp, vp, bp + r * width, p0, p1, block_size, kv_heads, kh, group, dim, value_dim, scores,
-               top, total, acc);
-      }
-    });
+      });
+    };
+    if (k_pool.scalar_type() == query.scalar_type()) {
+      attend_all(k_pool.data_ptr<T>(), v_pool.data_ptr<T>());
+    } else if (k_pool.scalar_type() == at::kHalf) {
+      attend_all(k_pool.data_ptr<c10::Half>(), v_pool.data_ptr<c10::Half>());
+    } else {
+      attend_all(k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>());
+    }
     // Merge each (row, key head)'s parts: rescale every part's terms to the largest top, then normalise.
     at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> merged(value_dim);

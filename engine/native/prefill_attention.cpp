@@ -169,6 +169,14 @@ void attend_tile(const float* q_scaled, int64_t t0, int64_t t1, int64_t group, i
 }
 #endif
 
+// One key's dim values of a 16-bit pool to float32: the key into its column of the transposed keys (stride ldk),
+// the value into its row.
+template <typename P>
+inline void widen(const P* key, const P* value, int64_t dim, int64_t ldk, float* key_column, float* value_row) {
+  for (int64_t d = 0; d < dim; ++d) key_column[d * ldk] = static_cast<float>(key[d]);
+  for (int64_t d = 0; d < dim; ++d) value_row[d] = static_cast<float>(value[d]);
+}
+
 }  // namespace
 
 bool prefill_attention_supported() {
@@ -180,7 +188,8 @@ bool prefill_attention_supported() {
 }
 
 // query [tokens, heads, dim] and out [tokens, heads, dim] (any token and head strides, float32): the chunk's
-// queries, token i at position start + i; pools [blocks, block_size, kv_heads, dim] holding the sequence's keys
+// queries, token i at position start + i; pools [blocks, block_size, kv_heads, dim] (float32, or 16-bit, widened
+// as they are gathered) holding the sequence's keys
 // and values up to position start + tokens (the chunk's own already written); blocks the sequence's block ids,
 // from position 0. Query head h reads key head h / (heads / kv_heads). window > 0: each token reads only its
 // last `window` positions. Head sizes 64 and 128.
@@ -191,10 +200,13 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, 
                   out.stride(2) == 1 && query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "paged_prefill_attention: query and out must be CPU float32 [tokens, heads, dim] with a contiguous "
               "last dimension");
+  const at::ScalarType pool_type = k_pool.scalar_type();
   TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-                  k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat &&
+                  v_pool.scalar_type() == pool_type &&
+                  (pool_type == at::kFloat || pool_type == at::kHalf || pool_type == at::kBFloat16) &&
                   k_pool.sizes() == v_pool.sizes() && k_pool.size(3) == query.size(2),
-              "paged_prefill_attention: pools must be contiguous float32 [blocks, block_size, kv_heads, dim]");
+              "paged_prefill_attention: pools must be contiguous float32, float16 or bfloat16 [blocks, block_size, "
+              "kv_heads, dim]");
   const int64_t tokens = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t block_size = k_pool.size(1), kv_heads = k_pool.size(2), pool_blocks = k_pool.size(0);
   TORCH_CHECK(dim == 64 || dim == 128, "paged_prefill_attention: head size 64 or 128");
@@ -212,8 +224,9 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, 
   const int64_t keys = end - base;
   const int64_t ldk = (keys + 2 * kKeyTile - 1) / kKeyTile * kKeyTile;  // room for a whole last tile
   const float* qp = query.data_ptr<float>();
-  const float* kp = k_pool.data_ptr<float>();
-  const float* vp = v_pool.data_ptr<float>();
+  const char* kp = static_cast<const char*>(k_pool.data_ptr());
+  const char* vp = static_cast<const char*>(v_pool.data_ptr());
+  const int64_t element = k_pool.element_size();
   float* op = out.data_ptr<float>();
   const int64_t q_token = query.stride(0), q_head = query.stride(1), o_token = out.stride(0), o_head = out.stride(1);
   const int64_t tiles = (tokens + kTokenTile - 1) / kTokenTile;
@@ -230,11 +243,20 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, 
       for (int64_t task = begin; task < stop; ++task) {
         const int64_t h = task / keys, k = task % keys;
         const int64_t pos = base + k, slot = bp[pos / block_size] * block_size + pos % block_size;
-        const float* ks = kp + (slot * kv_heads + h0 + h) * dim;
-        const float* vs = vp + (slot * kv_heads + h0 + h) * dim;
+        const int64_t at = ((slot * kv_heads + h0 + h) * dim) * element;
         float* kt = scratch.data() + h * per_head;
-        for (int64_t d = 0; d < dim; ++d) kt[d * ldk + k] = ks[d];
-        std::copy(vs, vs + dim, kt + ldk * dim + k * dim);
+        float* vt = kt + ldk * dim + k * dim;
+        if (pool_type == at::kFloat) {
+          const float* ks = reinterpret_cast<const float*>(kp + at);
+          for (int64_t d = 0; d < dim; ++d) kt[d * ldk + k] = ks[d];
+          std::copy(reinterpret_cast<const float*>(vp + at), reinterpret_cast<const float*>(vp + at) + dim, vt);
+        } else if (pool_type == at::kHalf) {
+          widen(reinterpret_cast<const c10::Half*>(kp + at), reinterpret_cast<const c10::Half*>(vp + at), dim, ldk,
+                kt + k, vt);
+        } else {
+          widen(reinterpret_cast<const c10::BFloat16*>(kp + at), reinterpret_cast<const c10::BFloat16*>(vp + at),
+                dim, ldk, kt + k, vt);
+        }
       }
     });
     for (int64_t h = 0; h < pass; ++h)
