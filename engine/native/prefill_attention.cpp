@@ -87,22 +87,13 @@ inline void value_rows(const float* p, const float* v, int64_t n, float* o) {
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * DV + 16 * c, acc[r][c]);
 }
 
-// All `rows` rows in register tiles of up to R rows (the remainder through smaller tiles).
-template <int R, int D>
-inline void scores(const float* q, int64_t rows, const float* kt, int64_t ldk, float* s) {
-  int64_t r = 0;
-  for (; r + R <= rows; r += R) score_rows<R, D>(q + r * D, kt, ldk, s + r * kKeyTile);
+// tile.template operator()<N>(r) over rows [r, rows) in register tiles of N = R rows, the remainder through
+// smaller tiles.
+template <int R, typename Tile>
+inline void in_row_tiles(int64_t r, int64_t rows, const Tile& tile) {
+  for (; r + R <= rows; r += R) tile.template operator()<R>(r);
   if constexpr (R > 1) {
-    if (r < rows) scores<R - 1, D>(q + r * D, rows - r, kt, ldk, s + r * kKeyTile);
-  }
-}
-
-template <int R, int DV>
-inline void values(const float* p, int64_t rows, const float* v, int64_t n, float* o) {
-  int64_t r = 0;
-  for (; r + R <= rows; r += R) value_rows<R, DV>(p + r * kKeyTile, v, n, o + r * DV);
-  if constexpr (R > 1) {
-    if (r < rows) values<R - 1, DV>(p + r * kKeyTile, rows - r, v, n, o + r * DV);
+    if (r < rows) in_row_tiles<R - 1>(r, rows, tile);
   }
 }
 
@@ -122,7 +113,9 @@ void attend_tile(const float* q_scaled, int64_t t0, int64_t t1, int64_t group, i
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t k0 = first_pos - base; k0 < end_pos - base; k0 += kKeyTile) {
     const int64_t n = std::min(kKeyTile, end_pos - base - k0);
-    scores<4, D>(q_scaled, rows, kt + k0, ldk, s);
+    in_row_tiles<4>(0, rows, [&]<int N>(int64_t r) {
+      score_rows<N, D>(q_scaled + r * D, kt + k0, ldk, s + r * kKeyTile);
+    });
     // The online softmax: masked lanes (after a row's position, before its window, past n) weigh nothing.
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = start + t0 + r / group;
@@ -160,11 +153,10 @@ void attend_tile(const float* q_scaled, int64_t t0, int64_t t1, int64_t group, i
       }
       total[r] += _mm512_reduce_add_ps(sum);
     }
-    if constexpr (D == 64) {
-      values<6, D>(s, rows, v + k0 * D, n, o);
-    } else {
-      values<3, D>(s, rows, v + k0 * D, n, o);
-    }
+    // As many rows as keep their sums in registers: 6 x 4 vectors of 64 values, 3 x 8 of 128.
+    in_row_tiles<D == 64 ? 6 : 3>(0, rows, [&]<int N>(int64_t r) {
+      value_rows<N, D>(s + r * kKeyTile, v + k0 * D, n, o + r * D);
+    });
   }
 }
 #endif
