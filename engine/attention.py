@@ -73,22 +73,23 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
     # A step of one bucket or one segment (one stream decoding, one prompt) returns its attention output as is.
     single = len(layout.buckets) + len(layout.segments) == 1
     out = None if single else query.new_empty((1, tokens, query.shape[1], value.shape[-1]))
-    # The kernels read pools of the query's type, or 16-bit pools under float32 queries (KV_CACHE_DTYPE).
-    pools_pair = k_pool.dtype == v_pool.dtype and (k_pool.dtype == query.dtype or (
-        query.dtype == torch.float32 and k_pool.dtype in (torch.float16, torch.bfloat16)))
-    kernels = native_kernels.active() if layout.buckets else None
-    if kernels is not None and (expand is not None or softcap is not None or sinks is not None
-                                or query.device.type != "cpu" or query.stride(-1) != 1 or not pools_pair):
-        kernels = None  # what the kernel does not cover keeps the gather below
+    # What both native kernels cover (the rest keeps the gather and SDPA below): CPU queries with a contiguous
+    # last dimension, no MLA expansion, soft-capping or sinks, and pools of the query's type or 16-bit pools
+    # under float32 queries (KV_CACHE_DTYPE).
+    native = native_kernels.active() if (
+        expand is None and softcap is None and sinks is None and query.device.type == "cpu"
+        and query.stride(-1) == 1 and k_pool.dtype == v_pool.dtype
+        and (k_pool.dtype == query.dtype
+             or (query.dtype == torch.float32 and k_pool.dtype in (torch.float16, torch.bfloat16)))) else None
+    native_scale = scaling if scaling is not None else query.shape[-1] ** -0.5  # the kernels take it explicitly
     for index, bucket in enumerate(layout.buckets):
         rows, span = bucket.rows, slice(bucket.offset, bucket.offset + bucket.rows)
-        if kernels is not None:
+        if native is not None:
             # Straight from the cache's blocks (engine/native_kernels.py): no gathered copy, no padding to the
             # bucket's longest row.
             o = query.new_empty((rows, query.shape[1], value_dim)) if single else out[0, span]
-            kernels.paged_decode_attention(query[0, :, span].transpose(0, 1), k_pool, v_pool, bucket.blocks,
-                                           bucket.lengths, window or 0,
-                                           scaling if scaling is not None else query.shape[-1] ** -0.5, o)
+            native.paged_decode_attention(query[0, :, span].transpose(0, 1), k_pool, v_pool, bucket.blocks,
+                                          bucket.lengths, window or 0, native_scale, o)
             if single:
                 return o.unsqueeze(0)
             continue
@@ -104,13 +105,9 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
         if single:
             return o[:, :, 0].unsqueeze(0)
         out[0, span] = o[:, :, 0]
-    prefill = native_kernels.active() if layout.segments else None
-    if prefill is not None and not (expand is None and softcap is None and sinks is None
-                                    and query.device.type == "cpu" and query.stride(-1) == 1
-                                    and query.dtype == torch.float32 and pools_pair
-                                    and key_dim == value_dim and key_dim in (64, 128)
-                                    and prefill.prefill_attention_supported()):
-        prefill = None
+    prefill = native if (native is not None and query.dtype == torch.float32
+                         and key_dim == value_dim and key_dim in (64, 128)
+                         and native.prefill_attention_supported()) else None
     for index, seg in enumerate(layout.segments):
         span = slice(seg.offset, seg.offset + seg.length)
         q = query[:, :, span]
@@ -119,7 +116,7 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
             # (engine/native/prefill_attention.cpp): no gathered copy, no mask, no masked scores computed.
             o = query.new_empty((seg.length, query.shape[1], value_dim)) if single else out[0, span]
             prefill.paged_prefill_attention(q[0].transpose(0, 1), k_pool, v_pool, seg.blocks, seg.start, window or 0,
-                                            scaling if scaling is not None else query.shape[-1] ** -0.5, o)
+                                            native_scale, o)
             if single:
                 return o.unsqueeze(0)
             continue

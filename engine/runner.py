@@ -129,7 +129,6 @@ class ModelRunner:
         # The KV cache's own type (KV_CACHE_DTYPE): the model's, or 16-bit under a float32 model. One chosen by
         # DTYPE=auto (check_kv_dtype) must first give the model's logits on a probe (_kv_rounding_differs).
         self.kv_dtype = kv_dtype or dtype
-        self.kv_reason = ""  # why a 16-bit cache DTYPE=auto asked for was not kept
         self._cache_argument = cache_argument(model)
         self.compact: CompactDecoder | None = None  # set once checked, below
         self.compact_reason = "the model has recurrent layers"
@@ -145,10 +144,10 @@ class ModelRunner:
         self.prefill_continues = self.states is None or self._probe_continuation()
         if self.states is None and self.layer_shapes:
             if check_kv_dtype and self.kv_dtype != dtype:
-                self.kv_reason = self._kv_rounding_differs()
-                if self.kv_reason:
-                    log.warning("KV cache in %s: %s; keeping %s", str(self.kv_dtype).removeprefix("torch."),
-                                self.kv_reason, str(dtype).removeprefix("torch."))
+                why = self._kv_rounding_differs()
+                if why:
+                    log.warning("KV cache in %s: %s; keeping %s", str(self.kv_dtype).removeprefix("torch."), why,
+                                str(dtype).removeprefix("torch."))
                     self.kv_dtype = dtype
                     del self.kv
                     self.kv = self._allocate_kv(kv_budget_bytes, gpu_memory_utilization, max_num_batched_tokens)
@@ -192,7 +191,7 @@ class ModelRunner:
             self.kv = kept
         if not all(_logits_match(e, r, KV_ROUNDING_TOLERANCE) for e, r in zip(exact, rounded)):
             return "its logits differ from a full-precision cache's on the start-up probe"
-        return ''
+        return ""
 
     @torch.inference_mode()
     def _probe_layers(self) -> tuple[dict[int, LayerShape], dict[StateKey, StateShape]]:

@@ -119,15 +119,16 @@ void attend_tile(const float* q_scaled, int64_t t0, int64_t t1, int64_t group, i
     // The online softmax: masked lanes (after a row's position, before its window, past n) weigh nothing.
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = start + t0 + r / group;
-      const int64_t lo = window > 0 ? pos - window + 1 : 0;  // first position the row reads
+      // The positions the row reads within this tile: [lo, hi].
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      const __m512i lo = _mm512_set1_epi32(static_cast<int32_t>(first));
+      const __m512i hi = _mm512_set1_epi32(static_cast<int32_t>(std::min(pos, base + k0 + n - 1)));
       float* sr = s + r * kKeyTile;
       __mmask16 valid[4];
       __m512 m = _mm512_set1_ps(-INFINITY);
       for (int c = 0; c < 4; ++c) {
         const __m512i key_pos = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(base + k0 + 16 * c)));
-        const int32_t hi = static_cast<int32_t>(std::min(pos, base + k0 + n - 1));
-        valid[c] = _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(hi)) &
-                   _mm512_cmpge_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int32_t>(std::max<int64_t>(lo, 0))));
+        valid[c] = _mm512_cmple_epi32_mask(key_pos, hi) & _mm512_cmpge_epi32_mask(key_pos, lo);
         m = _mm512_mask_max_ps(m, valid[c], m, _mm512_loadu_ps(sr + 16 * c));
       }
       const float tile_top = _mm512_reduce_max_ps(m);
