@@ -269,24 +269,45 @@ void product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, flo
 // them per instruction where a float32 FMA does 16. The activation rounding is 2^-16 of the block's largest
 // magnitude, about 256 times finer than bfloat16's. Every step of a row's result depends on that row alone, so
 // it does not change with how many rows share the call.
+// Rows are multiplied in tiles of at most kWordRows, of even sizes (13 rows: 5 + 4 + 4, 32: 6 + 6 + 5 + 5 + 5 + 5).
+constexpr int kWordRows = 6;
+
+struct RowTiles {
+  int64_t count, base, extra;  // the first `extra` tiles hold base + 1 rows, the others base
+  explicit RowTiles(int64_t rows)
+      : count((rows + kWordRows - 1) / kWordRows), base(rows / count), extra(rows % count) {}
+  int64_t size(int64_t t) const { return base + (t < extra); }
+  int64_t first_row(int64_t t) const { return t * base + std::min(t, extra); }
+  int64_t of_row(int64_t row) const {  // the tile holding `row`
+    return row < extra * (base + 1) ? row / (base + 1) : extra + (row - extra * (base + 1)) / base;
+  }
+};
+
+// Each tile's rows are stored interleaved, so that the product reads a block's inputs for all of them from one
+// place: the tile of R rows starting at row0 holds pair g of block b of its row r (inputs 2g and 2g + 1) at
+// q[row0 * k + ((b * 16 + g) * R + r) * 2], and that block's scale and sum at [row0 * blocks + b * R + r].
 struct QuantizedRows {
-  std::vector<int16_t> q;  // [rows, k]
-  std::vector<float> scale, sum;  // [rows, k / 32]
+  std::vector<int16_t> q;  // [rows * k]
+  std::vector<float> scale, sum;  // [rows * k / 32]
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t blocks = k / kBlock;
+  const RowTiles tiles(rows);
   QuantizedRows out{std::vector<int16_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* xb = x + (i / blocks) * k + (i % blocks) * kBlock;
-      int16_t* qb = out.q.data() + (i / blocks) * k + (i % blocks) * kBlock;
-      const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
-      const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+      const int64_t row = i / blocks, b = i % blocks, tile = tiles.of_row(row);
+      const int64_t row0 = tiles.first_row(tile), tile_rows = tiles.size(tile), r = row - row0;
+      const float* xb = x + row * k + b * kBlock;
+      alignas(64) int16_t qb[kBlock];
+      const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+      const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
       // NaN or infinity in x: the row's outputs become NaN, as a float32 product's would not be finite.
       const bool finite = std::isfinite(sum) && std::isfinite(largest);
-      out.scale[i] = finite ? largest / 32767.f : std::numeric_limits<float>::quiet_NaN();
+      const int64_t at = row0 * blocks + b * tile_rows + r;
+      out.scale[at] = finite ? largest / 32767.f : std::numeric_limits<float>::quiet_NaN();
       if (finite && largest > 0.f && largest < 1e-30f) {
         // Inputs near the bottom of float32's range, where 32767 / largest overflows: rounded in double.
         const double to_q = 32767.0 / largest;
@@ -294,45 +315,47 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
           qb[j] = static_cast<int16_t>(std::clamp(std::nearbyint(xb[j] * to_q), -32767.0, 32767.0));
       } else {
         const __m512 to_q = _mm512_set1_ps(finite && largest > 0.f ? 32767.f / largest : 0.f);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
-                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, to_q))));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16),
-                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, to_q))));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(qb), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, to_q))));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(qb + 16),
+                           _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(c, to_q))));
       }
-      out.sum[i] = sum;
+      out.sum[at] = sum;
+      int16_t* pairs = out.q.data() + row0 * k + (b * 16 * tile_rows + r) * 2;
+      for (int g = 0; g < 16; ++g) std::memcpy(pairs + g * tile_rows * 2, qb + 2 * g, 2 * sizeof(int16_t));
     }
   });
   return out;
 }
 
-// A panel's block q widened to 16-bit pairs: group g's 16 lanes at w + g * stride.
+// Group g (inputs 2g and 2g + 1) of a panel's block as the 16-bit pairs a VPDPWSSD lane multiplies, from the
+// block's q (`qs`, past its header).
 template <Format F>
-inline void widen_block(const uint8_t* block, int16_t* w, int64_t stride) {
-  const uint8_t* qs = block + word_header_bytes(F);
+inline __m512i block_group(const uint8_t* qs, int g) {
   if constexpr (F == kQ4_1) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int h = 0; h < 4; ++h) {
-      const __m512i packed = _mm512_loadu_si512(qs + 64 * h);
-      const __m512i low = _mm512_and_si512(packed, nibble), high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-      _mm512_storeu_si512(w + (4 * h) * stride, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(low)));
-      _mm512_storeu_si512(w + (4 * h + 1) * stride, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(low, 1)));
-      _mm512_storeu_si512(w + (4 * h + 2) * stride, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(high)));
-      _mm512_storeu_si512(w + (4 * h + 3) * stride, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(high, 1)));
-    }
+    const __m512i packed = _mm512_loadu_si512(qs + 64 * (g / 4));
+    const __m512i nibbles = _mm512_and_si512(g % 4 < 2 ? packed : _mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));
+    return _mm512_cvtepu8_epi16(g % 2 == 0 ? _mm512_castsi512_si256(nibbles) : _mm512_extracti64x4_epi64(nibbles, 1));
   } else {
-    for (int g = 0; g < 16; ++g)
-      _mm512_storeu_si512(w + g * stride, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * g))));
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * g)));
   }
 }
 
-// R rows times P panels widened to 16-bit pairs ([k / 32][16 groups][width panels][32], from panel 0 of the
-// buffer), the panels' block headers `panel_bytes` apart. Few tiles leave the 16 chained VPDPWSSD of a block
-// waiting on each other's latency, so R * P <= 2 splits each chain in two.
-template <Format F, int R, int P>
-void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, const int16_t* w, int64_t width,
-                   const uint8_t* headers, int64_t panel_bytes, float* out, int64_t n) {
+// Where the weights of a tile come from: the first tile of a panel pair widens them from the blocks itself (and
+// keeps them in a cache-resident buffer when more tiles follow), the other tiles read that buffer. Widening in
+// a pass of its own cost a quarter of the product at 16 rows: its stores did not overlap the multiplies.
+enum class Weights { kWiden, kWidenAndKeep, kKept };
+
+// R rows times P panels: the panels' blocks `panel_bytes` apart from `headers`, their widened pairs (kept or
+// read) at w [k / 32][16 groups][P][32]. Few tiles leave the 16 chained VPDPWSSD of a block waiting on each
+// other's latency, so R * P <= 2 splits each chain in two.
+template <Format F, int R, int P, Weights W>
+void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w, const uint8_t* headers,
+                   int64_t panel_bytes, float* out, int64_t n) {
   constexpr int A = R * P <= 2 ? 2 : 1;
   const int64_t blocks = k / kBlock;
+  const int32_t* x_pairs = reinterpret_cast<const int32_t*>(xq.q.data() + row0 * k);
+  const float* x_scale = xq.scale.data() + row0 * blocks;
+  const float* x_sum = xq.sum.data() + row0 * blocks;
   __m512 sums[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) sums[r][p] = _mm512_setzero_ps();
@@ -341,30 +364,37 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, const int16
     for (int a = 0; a < A; ++a)
       for (int r = 0; r < R; ++r)
         for (int p = 0; p < P; ++p) acc[a][r][p] = _mm512_setzero_si512();
-    const int16_t* wb = w + b * 16 * width * 32;
-    const int16_t* xb = xq.q.data() + row0 * k + b * kBlock;
+    int16_t* wb = w + b * 16 * P * 32;
+    const int32_t* xb = x_pairs + b * 16 * R;
+    const uint8_t* qs[P];
+    for (int p = 0; p < P; ++p) qs[p] = headers + p * panel_bytes + b * word_block_bytes(F) + word_header_bytes(F);
 #pragma GCC unroll 16
     for (int g = 0; g < 16; ++g) {
       __m512i wg[P];
-      for (int p = 0; p < P; ++p) wg[p] = _mm512_loadu_si512(wb + (g * width + p) * 32);
+      for (int p = 0; p < P; ++p) {
+        if constexpr (W == Weights::kKept) {
+          wg[p] = _mm512_load_si512(wb + (g * P + p) * 32);
+        } else {
+          wg[p] = block_group<F>(qs[p], g);
+          if constexpr (W == Weights::kWidenAndKeep) _mm512_store_si512(wb + (g * P + p) * 32, wg[p]);
+        }
+      }
       for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, xb + r * k + 2 * g, sizeof pair);
-        const __m512i xv = _mm512_set1_epi32(pair);
+        const __m512i xv = _mm512_set1_epi32(xb[g * R + r]);
         for (int p = 0; p < P; ++p) acc[g % A][r][p] = _mm512_dpwssd_epi32(acc[g % A][r][p], xv, wg[p]);
       }
     }
     for (int p = 0; p < P; ++p) {
       const uint8_t* header = headers + p * panel_bytes + b * word_block_bytes(F);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
+      __m512 m = _mm512_setzero_ps();
+      if constexpr (F == kQ4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
       for (int r = 0; r < R; ++r) {
         __m512i total = acc[0][r][p];
         if constexpr (A == 2) total = _mm512_add_epi32(total, acc[1][r][p]);
-        const int64_t i = (row0 + r) * blocks + b;
-        sums[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(xq.scale[i])), sums[r][p]);
-        if constexpr (F == kQ4_1)
-          sums[r][p] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32))),
-                                       _mm512_set1_ps(xq.sum[i]), sums[r][p]);
+        sums[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(x_scale[b * R + r])),
+                                     sums[r][p]);
+        if constexpr (F == kQ4_1) sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
       }
     }
   }
@@ -372,40 +402,37 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, const int16
     for (int p = 0; p < P; ++p) _mm512_storeu_ps(out + r * n + p * kPanel, sums[r][p]);
 }
 
-constexpr int kWordRows = 6;
-using WordFn = void (*)(const QuantizedRows&, int64_t, int64_t, const int16_t*, int64_t, const uint8_t*, int64_t, float*,
-                        int64_t);
-template <Format F, int P, int... I>
+using WordFn = void (*)(const QuantizedRows&, int64_t, int64_t, int16_t*, const uint8_t*, int64_t, float*, int64_t);
+template <Format F, int P, Weights W, int... I>
 constexpr std::array<WordFn, sizeof...(I)> word_table(std::integer_sequence<int, I...>) {
-  return {&rows_by_words<F, I + 1, P>...};
+  return {&rows_by_words<F, I + 1, P, W>...};
+}
+template <Format F, int P, Weights W>
+const std::array<WordFn, kWordRows>& words_for() {
+  static const auto table = word_table<F, P, W>(std::make_integer_sequence<int, kWordRows>{});
+  return table;
 }
 template <Format F, int P>
-const std::array<WordFn, kWordRows>& words_for() {
-  static const auto table = word_table<F, P>(std::make_integer_sequence<int, kWordRows>{});
-  return table;
+WordFn word_tile(int64_t rows, int64_t tile, int64_t tiles) {
+  if (tile > 0) return words_for<F, P, Weights::kKept>()[rows - 1];
+  return (tiles > 1 ? words_for<F, P, Weights::kWidenAndKeep>() : words_for<F, P, Weights::kWiden>())[rows - 1];
 }
 
 template <Format F>
 void word_product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, float* out, int64_t n) {
   const int64_t panels = n / kPanel, panel_bytes = (k / kBlock) * word_block_bytes(F);
   const QuantizedRows xq = quantize_rows(x, rows, k);
-  // Pairs of panels, widened once into a buffer that stays in cache, then multiplied by tiles of rows of even
-  // sizes (13 rows: 5 + 4 + 4, 32: 6 + 6 + 5 + 5 + 5 + 5).
+  const RowTiles tiles(rows);
+  // Pairs of panels, each widened once (by its first tile of rows) into a buffer the later tiles read from cache.
   at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int16_t> w(k * 2 * kPanel);
+    std::vector<int16_t> storage(k * 2 * kPanel + 32);  // aligned below: split stores cost two
+    int16_t* w = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t first = 2 * pair, width = std::min<int64_t>(2, panels - first);
-      const uint8_t* headers = packed + first * panel_bytes;
-      for (int64_t b = 0; b < k / kBlock; ++b)
-        for (int64_t p = 0; p < width; ++p)
-          widen_block<F>(headers + p * panel_bytes + b * word_block_bytes(F), w.data() + (b * 16 * width + p) * 32,
-                         width * 32);
-      const int64_t tiles = (rows + kWordRows - 1) / kWordRows;
-      for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
-        const int64_t r = rows / tiles + (t < rows % tiles);
-        (width == 2 ? words_for<F, 2>() : words_for<F, 1>())[r - 1](xq, r0, k, w.data(), width, headers, panel_bytes,
-                                                                    out + r0 * n + first * kPanel, n);
-        r0 += r;
+      for (int64_t t = 0; t < tiles.count; ++t) {
+        const int64_t r0 = tiles.first_row(t), r = tiles.size(t);
+        (width == 2 ? word_tile<F, 2> : word_tile<F, 1>)(r, t, tiles.count)(
+            xq, r0, k, w, packed + first * panel_bytes, panel_bytes, out + r0 * n + first * kPanel, n);
       }
     }
   });
@@ -425,7 +452,6 @@ at::Tensor pack_as(const float* w, int64_t n, int64_t k, bool words) {
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
     std::vector<float> expanded(k * kPanel);
-    std::vector<int16_t> widened(16 * 32);
 #endif
     for (int64_t p = begin; p < end && exact.load(std::memory_order_relaxed); ++p) {
       if (!pack_panel<F>(w + p * kPanel * k, k, out + p * panel_bytes, words)) {
@@ -436,10 +462,12 @@ at::Tensor pack_as(const float* w, int64_t n, int64_t k, bool words) {
       // compiler that fused q * d + m into one rounding, or a misplaced q, would not).
 #if defined(LLM_WORD_PRODUCT)
       if (words) {
+        alignas(64) int16_t widened[16 * 32];
         for (int64_t b = 0; b < k / kBlock; ++b) {
           const uint8_t* block = out + p * panel_bytes + b * word_block_bytes(F);
           const uint16_t* header = reinterpret_cast<const uint16_t*>(block);
-          widen_block<F>(block, widened.data(), 32);
+          for (int g = 0; g < 16; ++g)
+            _mm512_store_si512(widened + g * 32, block_group<F>(block + word_header_bytes(F), g));
           for (int g = 0; g < 16; ++g)
             for (int t = 0; t < 32; ++t) {
               const int64_t i = t / 2, j = b * kBlock + 2 * g + t % 2;
