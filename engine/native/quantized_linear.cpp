@@ -368,6 +368,14 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
     const int32_t* xb = x_pairs + b * 16 * R;
     const uint8_t* qs[P];
     for (int p = 0; p < P; ++p) qs[p] = headers + p * panel_bytes + b * word_block_bytes(F) + word_header_bytes(F);
+    if constexpr (W != Weights::kKept) {
+      // The same block of the next panel pair, which this thread multiplies next: a step's weights come from
+      // memory, and the hardware prefetcher does not run a pair ahead.
+      for (int p = 0; p < P; ++p)
+        for (int64_t line = 0; line < word_block_bytes(F); line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(headers + (P + p) * panel_bytes + b * word_block_bytes(F) + line),
+                       _MM_HINT_T0);
+    }
 #pragma GCC unroll 16
     for (int g = 0; g < 16; ++g) {
       __m512i wg[P];
