@@ -10,6 +10,8 @@
    each concurrency level: a closed loop of `concurrency x rounds` requests.
 3. The long-document load: each request carries its own ~1300-token document (`--long-words`), at each of
    `--long-levels`, `--long-requests` requests per level.
+With `--base-url` the same loads drive another running OpenAI-compatible server (vLLM's, say) instead of the
+gateway, so that two servers are measured one after the other in one sitting.
 Prints the machine's own ceilings (matmul GFLOP/s in float32 and bfloat16, copy GB/s), a table (aggregate
 output tok/s, TTFT p50/mean/p95, ratio to the baseline) and one JSON line.
 """
@@ -188,6 +190,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="requests per level = concurrency x rounds")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the gateway (e.g. DTYPE=bfloat16)")
     parser.add_argument("--no-baseline", action="store_true", help="skip model.generate and the ceilings")
+    parser.add_argument("--base-url", help="drive this running OpenAI-compatible server (e.g. vLLM's, "
+                        "http://127.0.0.1:8100/v1) with the same loads instead of starting the gateway")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",") if x]
     long_levels = [int(x) for x in args.long_levels.split(",") if x]
@@ -204,7 +208,7 @@ def main() -> None:
         base, folder = baseline_tok_s(args.max_tokens, threads)
         print(f"baseline (model.generate, batch 1, {args.max_tokens} tokens): {base:.1f} tok/s  [{folder}]",
               flush=True)
-    process, url = start_gateway(env)
+    process, url = (None, args.base_url.rstrip("/")) if args.base_url else start_gateway(env)
     runs = [(level, level * args.rounds, 0, 1) for level in levels]
     runs += [(level, args.long_requests, args.long_words, 1) for level in long_levels]
     runs += [(level, level * args.rounds, 1500, 8) for level in mixed_levels]
@@ -221,8 +225,9 @@ def main() -> None:
                   f"ttft p50 {result['ttft_p50_s']} s  mean {result['ttft_mean_s']} s  errors {result['errors']}",
                   flush=True)
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=30)
 
     print()
     print(f"| load | output tok/s | TTFT p50 | TTFT mean | TTFT p95 | vs model.generate ({base:.1f} tok/s) | errors |")
@@ -235,7 +240,8 @@ def main() -> None:
         print(f"| {load} | {r['tok_s']:.1f} | {r['ttft_p50_s']:.2f} s | {r['ttft_mean_s']:.2f} s | "
               f"{r['ttft_p95_s']:.2f} s | {ratio} | {r['errors']} |")
     print(json.dumps({"bench": "throughput", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-                      "ceilings": ceilings, "max_tokens": args.max_tokens, "gateway_env": env,
+                      "ceilings": ceilings, "max_tokens": args.max_tokens, "server": args.base_url or "gateway",
+                      "gateway_env": env,
                       "baseline_tok_s": round(base, 1), "levels": results}))
 
 

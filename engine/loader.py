@@ -178,6 +178,13 @@ def load(config: EngineConfig) -> LoadedModel:
     source = model_store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir,
                                  baked_dir=config.baked_model_dir)
     folder = local_folder(source, config.cache_dir, config.baked_model_dir)
+    # A GGUF model held mostly in Q4_1/Q8_0 blocks may serve faster from its blocks (float32 weights, 16-bit
+    # integer activations) than as bfloat16: DTYPE=auto loads it as float32 and a probe on its weights decides.
+    try_blocks = (config.dtype == "auto" and dtype == torch.bfloat16 and device.type == "cpu"
+                  and source.gguf_file is not None and config.native_kernels != "off"
+                  and quantized_weights.gguf_block_share(source.path / source.gguf_file) >= 0.5)
+    if try_blocks:
+        dtype = torch.float32
     if config.tokenizer:
         tokenizer_source = model_store.resolve(config.tokenizer, revision=config.tokenizer_revision,
                                                cache_dir=config.cache_dir, baked_dir=config.baked_model_dir,
@@ -193,10 +200,20 @@ def load(config: EngineConfig) -> LoadedModel:
         task = model_task(model_config)
         if task == "generate":
             fallback_reason = _fallback_reason(model_config)
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=dtype, trust_remote_code=config.trust_remote_code, **_placement(config, device),
-                # The fallback path runs the model with transformers' own attention and cache.
-                **({} if fallback_reason else {"attn_implementation": attention.ATTENTION_IMPLEMENTATION}))
+
+            def causal_lm(dtype: torch.dtype) -> torch.nn.Module:
+                model = AutoModelForCausalLM.from_pretrained(
+                    folder, dtype=dtype, trust_remote_code=config.trust_remote_code, **_placement(config, device),
+                    # The fallback path runs the model with transformers' own attention and cache.
+                    **({} if fallback_reason else {"attn_implementation": attention.ATTENTION_IMPLEMENTATION}))
+                model.eval()
+                model.requires_grad_(False)
+                if not fallback_reason:  # faster decode steps; the rewrites target decoder layers
+                    windows.mark_windows(model)
+                fusion.apply(model)
+                return model
+
+            model = causal_lm(dtype)
         else:
             fallback_reason = None
             # Encoders and classifiers never run a generation step: they keep their own attention (and its
@@ -205,21 +222,21 @@ def load(config: EngineConfig) -> LoadedModel:
             model = auto_class.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
                                                trust_remote_code=config.trust_remote_code,
                                                **_placement(config, device))
+            model.eval()
+            model.requires_grad_(False)
     except Exception as exc:
         raise ModelLoadError(f"model {config.model or source.name}: loading failed: "
                              f"{_one_line(exc)}") from exc
-    model.eval()
-    model.requires_grad_(False)
-    if task == "generate":  # faster decode steps; the rewrites target decoder layers
-        if not fallback_reason:
-            windows.mark_windows(model)
-        fusion.apply(model)
-        if device.type == "cpu":
-            cpu_layout.apply(model)
+    if task == "generate" and device.type == "cpu":
+        native_kernels.load(config.native_kernels, dtype)
+        if try_blocks and not quantized_weights.beats_bfloat16(model, native_kernels.active()):
+            dtype, model = torch.bfloat16, None  # the float32 copy goes before the bfloat16 one loads
+            model = causal_lm(dtype)
             native_kernels.load(config.native_kernels, dtype)
-            # DTYPE=auto lets GGUF blocks take 16-bit integer activations (quantized_weights); an explicit
-            # float32 keeps float32 activations.
-            quantized_weights.apply(model, native_kernels.active(), integer_activations=config.dtype == "auto")
+        cpu_layout.apply(model)
+        # DTYPE=auto lets GGUF blocks take 16-bit integer activations (quantized_weights); an explicit
+        # float32 keeps float32 activations.
+        quantized_weights.apply(model, native_kernels.active(), integer_activations=config.dtype == "auto")
     pooling = pooling_config(folder, model.config, task, config.pooling_type, config.embedding_normalize)
 
     limit = _model_max_len(model.config)

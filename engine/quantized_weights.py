@@ -21,6 +21,7 @@ import logging
 import types
 
 import torch
+import torch.nn.functional as F
 
 from . import cpu_layout
 
@@ -31,6 +32,7 @@ _PROBE_ROWS = (1, 16, 32, 64)  # batch sizes timed; the blocks serve up to the l
 # its ceiling; the larger sizes are timed on a quarter of the weights (products that size are compute-bound).
 _WORD_PROBE_ROWS = (1, 16, 64, 256)
 _LARGE_ROWS = 128
+_DECODE_ROWS = (1, 16)  # where the blocks must beat bfloat16 products for DTYPE=auto to keep float32 weights
 _GAIN_NEEDED = 1.05
 EVERY_SIZE = 2**62
 
@@ -83,24 +85,77 @@ def _agrees(module: torch.nn.Linear, kernels, blocks: tuple[int, torch.Tensor]) 
 
 
 def _gains(modules: list[torch.nn.Linear], blocks: list[tuple[int, torch.Tensor]], kernels,
-           sizes: tuple[int, ...]) -> dict[int, float]:
-    """The speed-up of the block product over the layers' current forwards at each probed batch size, timed in
-    turns over a step's weights in order (a step streams them from memory, not from cache)."""
+           sizes: tuple[int, ...], rival: torch.dtype | None = None) -> dict[int, float]:
+    """The speed-up of the block product at each probed batch size, timed in turns over a step's weights in order
+    (a step streams them from memory, not from cache), over the layers' current forwards or, with `rival`, over
+    plain products of copies of the weights in that type (activations in it too, as that model would run)."""
     chosen, total = [], 0
     for module, packed in zip(modules, blocks):
         chosen.append((module, packed))
         total += module.weight.numel() * 4
         if total >= cpu_layout.PROBE_BYTES:
             break
+    copies = {m: m.weight.detach().to(rival) for m, _ in chosen} if rival is not None else {}
     gains = {}
     for rows in sizes:
         timed = chosen[:max(1, len(chosen) // 4)] if rows >= _LARGE_ROWS else chosen
         x_for = {m.in_features: torch.randn(rows, m.in_features) for m, _ in timed}
+        if rival is None:
+            dense = lambda: [m.forward(x_for[m.in_features]) for m, _ in timed]  # noqa: E731
+        else:
+            rival_x = {k: x.to(rival) for k, x in x_for.items()}
+            dense = lambda: [F.linear(rival_x[m.in_features], copies[m]) for m, _ in timed]  # noqa: E731
         gains[rows] = cpu_layout.speedup(
-            lambda: [m.forward(x_for[m.in_features]) for m, _ in timed],
-            lambda: [kernels.blocks_linear(x_for[m.in_features], p[1], p[0], m.out_features) for m, p in timed],
+            dense, lambda: [kernels.blocks_linear(x_for[m.in_features], p[1], p[0], m.out_features) for m, p in timed],
             repeats=3)
     return gains
+
+
+def _exact_blocks(model: torch.nn.Module, kernels, words: bool,
+                  limit: int | None = None) -> list[tuple[torch.nn.Linear, tuple[int, torch.Tensor]]]:
+    """The candidate layers (up to `limit` bytes of float32 weights, in step order) that hold exact blocks, with their
+    packed blocks; [] where the product disagrees with the float32 one on this machine (logged)."""
+    found, total = [], 0
+    for module in _candidates(model):
+        packed = kernels.pack_blocks(module.weight.detach(), words)
+        if packed[0]:
+            found.append((module, packed))
+        total += module.weight.numel() * 4
+        if limit is not None and total >= limit:
+            break
+    if found and not all(_agrees(m, kernels, b) for m, b in {b[0]: (m, b) for m, b in found}.values()):
+        log.warning("the block product differs from the float32 one on this machine; not used")
+        return []
+    return found
+
+
+def gguf_block_share(path) -> float:
+    """The share of a GGUF file's tensor bytes stored in the block types the product multiplies from (Q4_1, Q8_0),
+    read from the file's header: a model mostly in other types (Q4_K, ...) would find few exact blocks."""
+    import gguf
+
+    sizes = [(tensor.tensor_type.name, int(tensor.n_bytes)) for tensor in gguf.GGUFReader(path).tensors]
+    total = sum(size for _, size in sizes)
+    return sum(size for name, size in sizes if name in _FORMATS.values()) / total if total else 0.0
+
+
+def beats_bfloat16(model: torch.nn.Module, kernels) -> bool:
+    """Whether a float32 model's exact blocks with 16-bit integer activations run decode steps (1 and 16 rows)
+    faster than bfloat16 products of the same weights, which DTYPE=auto serves otherwise on a CPU with native
+    bfloat16. The blocks read a third of bfloat16's bytes, which bounds a decode step (the embedded model on a
+    2-core AMD EPYC: 4x at 1 row); prefill sizes are timed for the log."""
+    if kernels is None or not kernels.word_blocks_supported():
+        return False
+    with torch.inference_mode():
+        found = _exact_blocks(model, kernels, True, cpu_layout.PROBE_BYTES)
+        if not found:
+            return False
+        gains = _gains([m for m, _ in found], [b for _, b in found], kernels, _WORD_PROBE_ROWS, torch.bfloat16)
+    wins = all(gains[rows] >= _GAIN_NEEDED for rows in _DECODE_ROWS)
+    log.info("DTYPE=auto: exact GGUF blocks with 16-bit activations against bfloat16 products, over a step's "
+             "weights: %s rows; %s", ", ".join(f"{g:.2f}x at {rows}" for rows, g in gains.items()),
+             "float32 weights with their blocks" if wins else "bfloat16")
+    return wins
 
 
 def apply(model: torch.nn.Module, kernels, integer_activations: bool = False) -> int:
@@ -112,14 +167,10 @@ def apply(model: torch.nn.Module, kernels, integer_activations: bool = False) ->
     words = integer_activations and kernels.word_blocks_supported()
     sizes = _WORD_PROBE_ROWS if words else _PROBE_ROWS
     with torch.inference_mode():
-        found = [(m, kernels.pack_blocks(m.weight.detach(), words)) for m in _candidates(model)]
-        found = [(m, b) for m, b in found if b[0]]
+        found = _exact_blocks(model, kernels, words)
         if not found:
             return 0
         modules, blocks = [m for m, _ in found], [b for _, b in found]
-        if not all(_agrees(m, kernels, b) for m, b in {b[0]: (m, b) for m, b in found}.values()):
-            log.warning("the block product differs from the float32 one on this machine; not used")
-            return 0
         gains = _gains(modules, blocks, kernels, sizes)
     until = 0
     for rows in sizes:

@@ -55,3 +55,67 @@ def test_bfloat16_greedy_agrees_with_float32(worker, bf16_engine):
         assert top[0][1] - top[1][1] < BFLOAT16_NEAR_TIE, (
             f"prompt {i}: bfloat16 parts from float32 at token {at} where float32 was sure: {top[:2]}")
     assert identical >= len(PROMPTS) // 2
+
+
+def test_gguf_block_share_reads_the_files_tensor_types(tmp_path):
+    import gguf
+    import numpy as np
+
+    from engine import model_store, quantized_weights
+
+    embedded = model_store.embedded_model()
+    assert quantized_weights.gguf_block_share(embedded.path / embedded.gguf_file) > 0.99  # Q4_1 and Q8_0, F32 norms
+    writer = gguf.GGUFWriter(tmp_path / "plain.gguf", "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", np.ones((64, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert quantized_weights.gguf_block_share(tmp_path / "plain.gguf") == 0.0
+
+
+@pytest.mark.parametrize("blocks_win", [True, False])
+def test_auto_serves_a_gguf_model_from_its_blocks_where_they_beat_bfloat16(monkeypatch, blocks_win):
+    """On a CPU with native bfloat16, DTYPE=auto loads a GGUF model of Q4_1/Q8_0 blocks as float32 and keeps it so,
+    multiplying from its blocks with 16-bit activations, where they beat bfloat16 products at decode sizes (the
+    embedded model on the 2-core AMD EPYC: 5x at 1 row, 1.9x at 16); else it loads the model as bfloat16."""
+    from engine import native_kernels, quantized_weights
+
+    if not (native_kernels.load("auto") and native_kernels.active().word_blocks_supported()):
+        pytest.skip("the block product for 16-bit activations needs the native kernels and AVX512_VNNI")
+    monkeypatch.setattr(cpu_layout, "bfloat16_gain", lambda: 3.2)
+    probed = []
+    monkeypatch.setattr(quantized_weights, "beats_bfloat16", lambda model, kernels: probed.append(
+        model.dtype) or blocks_win)
+    loaded = loader.load(EngineConfig(dtype="auto"))
+    assert probed == [torch.float32]
+    formats = {m.block_format for m in loaded.model.modules() if hasattr(m, "block_format")}
+    if blocks_win:
+        assert loaded.dtype == loaded.model.dtype == torch.float32
+        assert formats == set(quantized_weights.WORD_FORMATS)
+    else:
+        assert loaded.dtype == loaded.model.dtype == torch.bfloat16
+        assert not formats
+
+
+def test_the_blocks_must_beat_bfloat16_at_decode_sizes(monkeypatch):
+    from engine import native_kernels, quantized_weights
+    from test_quantized_weights import _tiny_llama
+
+    if not (native_kernels.load("auto") and native_kernels.active().word_blocks_supported()):
+        pytest.skip("the block product for 16-bit activations needs the native kernels and AVX512_VNNI")
+    kernels = native_kernels.active()
+    rivals = []
+
+    def gains(*args):
+        rivals.append(args[-1])
+        return measured
+
+    monkeypatch.setattr(quantized_weights, "_gains", gains)
+    measured = {1: 3.0, 16: 1.5, 64: 1.1, 256: 0.8}  # slower at prefill sizes: decode steps decide
+    assert quantized_weights.beats_bfloat16(_tiny_llama(exact_blocks=True), kernels)
+    assert rivals == [torch.bfloat16]
+    measured = {1: 3.0, 16: 0.9, 64: 0.8, 256: 0.8}
+    assert not quantized_weights.beats_bfloat16(_tiny_llama(exact_blocks=True), kernels)
+    assert not quantized_weights.beats_bfloat16(_tiny_llama(exact_blocks=False), kernels)  # no blocks: not timed
+    assert len(rivals) == 2
