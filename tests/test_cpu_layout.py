@@ -1,6 +1,7 @@
 """The CPU weight layouts (engine/cpu_layout.py): the same model, the same outputs; column-major adds no memory."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import cpu_layout, fusion
@@ -39,10 +40,14 @@ def test_column_major_weights_keep_outputs_and_memory(tmp_path):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_packed_products_keep_outputs_and_run_from_their_batch_size(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_products_keep_outputs_and_run_from_their_batch_size(tmp_path, monkeypatch, dtype):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(build_small_model(tmp_path), dtype=torch.float32).eval()
+    if dtype == torch.bfloat16 and not cpu_layout.bfloat16_is_native():
+        pytest.skip("bfloat16 products are not native here")
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bfloat16 rounds to 8 bits in either summation order
+    model = AutoModelForCausalLM.from_pretrained(build_small_model(tmp_path), dtype=dtype).eval()
     model.requires_grad_(False)
     short, long = torch.tensor([[1, 5, 9]]), torch.tensor([[1, 5, 9, 30, 7, 64, 3, 11]])
     with torch.inference_mode():
@@ -61,8 +66,24 @@ def test_packed_products_keep_outputs_and_run_from_their_batch_size(tmp_path, mo
     # the fused products (2 per layer), o_proj and down_proj, and the output head
     assert layers == 4 * len(model.model.layers) + 1
     assert packed_rows == [8] * layers
-    torch.testing.assert_close(got_short, expected[0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_long, expected[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_short, expected[0], rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(got_long, expected[1], rtol=tolerance, atol=tolerance)
+
+
+def test_bfloat16_weights_are_timed_packed_too(tmp_path):
+    """Where bfloat16 is native (DTYPE=auto then loads most models as bfloat16), the probe times oneDNN's packed
+    product for bfloat16 weights as for float32 ones."""
+    from transformers import AutoModelForCausalLM
+
+    if not cpu_layout.bfloat16_is_native():
+        pytest.skip("bfloat16 products are not native here")
+    model = AutoModelForCausalLM.from_pretrained(build_small_model(tmp_path), dtype=torch.bfloat16).eval()
+    model.requires_grad_(False)
+    with torch.inference_mode():
+        fusion.apply(model)
+        _, gains, packs = cpu_layout._packed_from(model)
+    assert set(gains) == set(cpu_layout._PACKED_ROWS)
+    assert packs and all(p.dtype == torch.bfloat16 for p in packs.values())
 
 
 def test_the_probe_names_the_layouts_it_chose(tmp_path):
