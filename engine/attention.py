@@ -105,18 +105,23 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
         if single:
             return o[:, :, 0].unsqueeze(0)
         out[0, span] = o[:, :, 0]
-    prefill = native if (native is not None and query.dtype == torch.float32
-                         and key_dim == value_dim and key_dim in (64, 128)
+    prefill = native if (native is not None and key_dim == value_dim and key_dim in (64, 128)
                          and native.prefill_attention_supported()) else None
+    # The prefill kernel multiplies float32 queries (16-bit pools widen as it reads them): a 16-bit model's chunk
+    # goes in widened and its output rounds to the model's type once.
+    wide = query.dtype != torch.float32
     for index, seg in enumerate(layout.segments):
         span = slice(seg.offset, seg.offset + seg.length)
         q = query[:, :, span]
         if prefill is not None and seg.length >= NATIVE_PREFILL_MIN_TOKENS:
             # Straight from the cache's blocks in register tiles, over only the keys each token reads
             # (engine/native/prefill_attention.cpp): no gathered copy, no mask, no masked scores computed.
-            o = query.new_empty((seg.length, query.shape[1], value_dim)) if single else out[0, span]
-            prefill.paged_prefill_attention(q[0].transpose(0, 1), k_pool, v_pool, seg.blocks, seg.start, window or 0,
-                                            native_scale, o)
+            o = (query.new_empty((seg.length, query.shape[1], value_dim), dtype=torch.float32)
+                 if single or wide else out[0, span])
+            prefill.paged_prefill_attention(q[0].transpose(0, 1).float(), k_pool, v_pool, seg.blocks, seg.start,
+                                            window or 0, native_scale, o)
+            if wide:
+                o = o.to(query.dtype) if single else out[0, span].copy_(o)
             if single:
                 return o.unsqueeze(0)
             continue

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import AsyncEngine, EngineConfig, SamplingParams, native_kernels
+from test_model_families import tokenizer_folder  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -385,3 +386,41 @@ def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(
     assert prefills["off"] == 0
     if native_kernels._active.prefill_attention_supported():
         assert prefills["auto"] > 0 and prefills["words"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prompt_chunks_of_a_16_bit_model_attend_through_the_prefill_kernel(tmp_path, tokenizer_folder, monkeypatch,
+                                                                           dtype):
+    """A bfloat16 model's prompt chunks (one from position 0, one continuing its sequence) take the prefill kernel
+    with widened queries, as float32 ones do, and give the logits SDPA gives in the model's type (bfloat16: within
+    its rounding; the kernel accumulates in float32)."""
+    from engine import attention, loader
+    from engine.runner import ModelRunner, PrefillChunk
+    from test_model_families import build_model
+
+    if not (native_kernels.load("auto", dtype) and native_kernels.active().prefill_attention_supported()):
+        pytest.skip("the prefill kernel needs the native kernels and AVX-512")
+    build_model("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+                tmp_path, tokenizer_folder)
+    loaded = loader.load(EngineConfig(model=str(tmp_path), dtype=str(dtype).removeprefix("torch.")))
+    counting = _Counting(native_kernels.active(), "paged_prefill_attention")
+    monkeypatch.setattr(native_kernels, "active", lambda: counting)
+    runner = ModelRunner(loaded.model, loaded.device, loaded.dtype, kv_budget_bytes=16 * 2**20)
+    ids = [(37 * i) % 900 + 50 for i in range(150)]
+    blocks = list(range(20, 30))
+
+    def chunks():
+        return [runner.execute([], [PrefillChunk(ids[:80], 0, blocks, "all")]),
+                runner.execute([], [PrefillChunk(ids[80:], 80, blocks, "all")])]
+
+    counting.calls = 0
+    through_kernel = chunks()
+    assert counting.calls == 2 * loaded.model.config.num_hidden_layers
+    monkeypatch.setattr(attention, "NATIVE_PREFILL_MIN_TOKENS", 10**6)
+    through_sdpa = chunks()
+    assert counting.calls == 2 * loaded.model.config.num_hidden_layers
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    for got, expected in zip(through_kernel, through_sdpa):
+        assert got.dtype == dtype
+        scale = expected.float().abs().max()
+        assert (got.float() - expected.float()).abs().max() <= tolerance * scale
