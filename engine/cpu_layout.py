@@ -46,6 +46,16 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def packed_product(weight: torch.Tensor):
+    """x -> F.linear(x, weight) through oneDNN's packed layout, or None where this torch build has none for the
+    weight's type (other probes time it as what a model of that type would run)."""
+    try:
+        packed = _pack(weight)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+    return lambda x: _packed_linear(x, packed, None)
+
+
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
     if self.weight_packed is not None and x.numel() >= self.packed_from * x.shape[-1]:
         return _packed_linear(x, self.weight_packed, self.bias)

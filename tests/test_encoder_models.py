@@ -150,7 +150,8 @@ def _router(folder):
     from openai_compat.jobs import JobRouter
     from openai_compat.serving import OpenAIServing
 
-    engine = AsyncEngine(EngineConfig(model=str(folder), cache_dir=folder.parent / "cache"))
+    # float32, as the references below: DTYPE=auto picks bfloat16 on CPUs with native bfloat16 products
+    engine = AsyncEngine(EngineConfig(model=str(folder), cache_dir=folder.parent / "cache", dtype="float32"))
     return engine, JobRouter(OpenAIServing(engine, ServingConfig()), ServingConfig())
 
 

@@ -21,6 +21,16 @@ def _kernels_or_skip() -> None:
         pytest.skip(f"no native kernels here: {native_kernels.reason()}")
 
 
+@pytest.fixture
+def float32_under_auto(monkeypatch):
+    """DTYPE=auto's float16 cache is for float32 models. On a CPU with native bfloat16 products (the 2-core AMD
+    EPYC) DTYPE=auto loads a tiny safetensors model as bfloat16 (tests/test_dtype.py covers that choice): the
+    probe reads here as on a CPU without them, so that these models load as float32."""
+    from engine import cpu_layout
+
+    monkeypatch.setattr(cpu_layout, "bfloat16_gain", lambda: 0.0)
+
+
 def _kv(engine: AsyncEngine):
     return engine._engine.runner.kv
 
@@ -49,6 +59,7 @@ def test_auto_keeps_float16_keys_and_values_on_cpu(worker):
     ("auto", "float16", torch.float16),
     ("float32", "bfloat16", torch.bfloat16),
 ])
+@pytest.mark.usefixtures("float32_under_auto")
 def test_other_choices_are_honoured_and_serve(tmp_path, tokenizer_folder, caplog, dtype, kv_cache_dtype,  # noqa: F811
                                               expected):
     """A tiny Llama: the cache takes the type asked for (logged), and serves transformers' greedy tokens (a
@@ -69,6 +80,7 @@ def test_other_choices_are_honoured_and_serve(tmp_path, tokenizer_folder, caplog
         engine.close()
 
 
+@pytest.mark.usefixtures("float32_under_auto")
 def test_a_model_whose_values_overflow_float16_keeps_float32(tmp_path, tokenizer_folder, caplog):  # noqa: F811
     """Values past float16's range would saturate at 65504 in the cache: the start-up probe sees the logits move,
     keeps the model's own type and says why; the model then serves transformers' own greedy tokens."""
@@ -90,6 +102,7 @@ def test_a_model_whose_values_overflow_float16_keeps_float32(tmp_path, tokenizer
         engine.close()
 
 
+@pytest.mark.usefixtures("float32_under_auto")
 def test_a_float16_cache_serves_a_tiny_model_as_transformers_does(tmp_path, tokenizer_folder):  # noqa: F811
     """The same tiny Llama without the outlying values keeps the float16 cache, and greedy tokens stay those of
     transformers' float32 forward."""
