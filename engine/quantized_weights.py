@@ -33,7 +33,7 @@ _PROBE_ROWS = (1, 16, 32, 64)  # batch sizes timed; the blocks serve up to the l
 # its ceiling; the larger sizes are timed on a quarter of the weights (products that size are compute-bound).
 _WORD_PROBE_ROWS = (1, 16, 64, 256)
 _LARGE_ROWS = 128
-_DECODE_ROWS = (1, 16)  # where the blocks must beat bfloat16 products for DTYPE=auto to keep float32 weights
+_DECODE_ROWS = (1, 16)  # where the blocks must keep up with bfloat16 for DTYPE=auto to keep float32 weights
 _GAIN_NEEDED = 1.05
 EVERY_SIZE = 2**62
 
@@ -149,8 +149,8 @@ def gguf_block_share(path) -> float:
 def beats_bfloat16(model: torch.nn.Module, kernels) -> bool:
     """Whether a float32 model's exact blocks with 16-bit integer activations run decode steps (1 and 16 rows, in
     geometric mean) at least as fast as bfloat16 products of the same weights (plain or packed), which DTYPE=auto
-    serves otherwise on a CPU with native bfloat16. The blocks read a third of bfloat16's bytes, which bounds a decode step at few rows;
-    prefill sizes are timed for the log."""
+    serves otherwise on a CPU with native bfloat16. The blocks read a third of bfloat16's bytes, which bounds a
+    decode step at few rows; prefill sizes are timed for the log."""
     if kernels is None or not kernels.word_blocks_supported():
         return False
     with torch.inference_mode():
