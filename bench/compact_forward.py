@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import handler  # noqa: E402
+from worker import handler  # noqa: E402
 from engine import SamplingParams, native_kernels, quantized_weights  # noqa: E402
 from engine.compact_decoder import CompactDecoder  # noqa: E402
 from engine.runner import DecodeRow, PrefillChunk  # noqa: E402

@@ -33,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from engine import AsyncEngine, SamplingParams
-    from settings import load_settings
+    from worker.settings import load_settings
 
     engine = AsyncEngine(load_settings().engine_config())
     asyncio.run(engine.start())

@@ -65,7 +65,7 @@ def main() -> None:
     from engine import AsyncEngine
     from engine.loader import model_folder
     from engine.speculative import SpeculativeConfig
-    from settings import load_settings
+    from worker.settings import load_settings
 
     base = load_settings().engine_config()
     specs = {

@@ -101,7 +101,7 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    import settings
+    from worker import settings
     from engine import AsyncEngine
     from engine.structured import GrammarCompiler
 

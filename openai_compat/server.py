@@ -34,7 +34,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-import worker_logging
+from worker import logs as worker_logging
 from engine.redaction import redact
 
 from .errors import error_body, status_of

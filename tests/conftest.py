@@ -29,7 +29,7 @@ def free_port() -> int:
 
 def run_job(job_input, job_id: str = "test") -> list:
     """Every part the real handler yields for one job."""
-    import handler
+    from worker import handler
 
     async def collect():
         return [part async for part in handler.handler({"id": job_id, "input": job_input})]
@@ -89,7 +89,7 @@ def async_client(gateway_url):
 @pytest.fixture(scope="session")
 def worker():
     """The in-process worker with its model loaded."""
-    import handler
+    from worker import handler
     w = handler.get_worker()
     asyncio.run(w.engine.start())
     return w

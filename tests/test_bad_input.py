@@ -479,7 +479,7 @@ def test_internal_error_keeps_its_traceback_in_the_log_only(worker, caplog):
 
 def test_concurrent_bad_and_good_jobs_do_not_disturb_each_other(worker):
     # Bad jobs fail fast beside a generating one, which finishes intact.
-    import handler
+    from worker import handler
 
     async def collect(job_input, job_id):
         return [part async for part in handler.handler({"id": job_id, "input": job_input})]

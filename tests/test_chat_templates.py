@@ -46,7 +46,7 @@ class Worker:
         from engine import AsyncEngine
         from openai_compat.jobs import JobRouter
         from openai_compat.serving import OpenAIServing
-        from settings import load_settings
+        from worker.settings import load_settings
 
         monkeypatch.delenv("CUSTOM_CHAT_TEMPLATE", raising=False)
         monkeypatch.setenv("BASE_PATH", str(tmp_path))
@@ -125,7 +125,7 @@ def test_model_without_template_serves_completions_and_refuses_chat(plain_model,
 
 
 def test_invalid_custom_template_stops_start_up(monkeypatch):
-    from settings import SettingsError, load_settings
+    from worker.settings import SettingsError, load_settings
 
     monkeypatch.setenv("CUSTOM_CHAT_TEMPLATE", "{% for m in messages %}{{ m['content'] }")
     with pytest.raises(SettingsError) as failure:

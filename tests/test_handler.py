@@ -216,7 +216,7 @@ def test_rp_serve_api_runsync_returns_output():
 def test_deploy_mode_starts_sdk_with_async_generator_handler(worker, monkeypatch):
     import inspect
 
-    import handler
+    from worker import handler
     import runpod
 
     captured = {}

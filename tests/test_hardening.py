@@ -576,7 +576,7 @@ def test_lazy_gateway_with_a_bad_setting_exits_before_serving(tmp_path):
 
 
 def test_torch_threads_are_bounded_by_the_machine(monkeypatch):
-    from settings import SettingsError, load_settings
+    from worker.settings import SettingsError, load_settings
     monkeypatch.setenv("TORCH_NUM_THREADS", "99999")
     with pytest.raises(SettingsError, match="TORCH_NUM_THREADS: must be at most the"):
         load_settings()
@@ -601,7 +601,7 @@ def test_empty_chat_template_output_is_the_callers_400(monkeypatch, tmp_path, ca
 
 def test_engine_log_lines_carry_the_job_id(worker, caplog, monkeypatch):
     """A request failing on the engine thread (a fault injected into its sampling) is logged with its job id."""
-    import worker_logging
+    from worker import logs as worker_logging
     from engine import GenerationError, SamplingParams
     from engine.sampling import Sampler
 
@@ -628,7 +628,7 @@ def test_engine_log_lines_carry_the_job_id(worker, caplog, monkeypatch):
 
 
 def test_platform_job_error_is_the_openai_error_json(worker, monkeypatch):
-    import handler
+    from worker import handler
     import runpod
     from runpod.serverless.modules import rp_job
 

@@ -152,7 +152,7 @@ def test_a_memory_failure_fails_only_its_request(small, monkeypatch):
     ({"MAX_NUM_SEQS": "64", "MAX_NUM_BATCHED_TOKENS": "32"}, "MAX_NUM_BATCHED_TOKENS"),
 ])
 def test_memory_settings_are_checked_at_start(monkeypatch, env, named):
-    from settings import SettingsError, load_settings
+    from worker.settings import SettingsError, load_settings
 
     for key, value in env.items():
         monkeypatch.setenv(key, value)

@@ -119,7 +119,7 @@ def test_a_float16_cache_serves_a_tiny_model_as_transformers_does(tmp_path, toke
 
 @pytest.mark.parametrize("value", ["fp8", "half", "int8"])
 def test_a_type_the_worker_does_not_have_is_refused_at_start(monkeypatch, value):
-    from settings import SettingsError, load_settings
+    from worker.settings import SettingsError, load_settings
 
     monkeypatch.setenv("KV_CACHE_DTYPE", value)
     with pytest.raises(SettingsError, match="KV_CACHE_DTYPE"):

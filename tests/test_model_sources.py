@@ -160,7 +160,7 @@ def block_network(monkeypatch) -> list:
 
 def test_model_name_s3_loads_and_generates_like_the_local_copy(s3, small_model, local_completion, tmp_path,
                                                                monkeypatch):
-    from settings import load_settings
+    from worker.settings import load_settings
 
     monkeypatch.setenv("MODEL_NAME", URI)
     monkeypatch.setenv("BASE_PATH", str(tmp_path / "cache"))

@@ -11,7 +11,7 @@ def readme() -> str:
 
 
 def test_configuration_table_lists_every_setting():
-    from settings import WorkerSettings
+    from worker.settings import WorkerSettings
 
     section = readme().split("## Configuration", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"^\| `([A-Z0-9_]+)` \|", section, flags=re.MULTILINE))

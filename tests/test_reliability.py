@@ -60,7 +60,7 @@ def test_cancellation_storm_leaves_nothing_behind(gateway_url, client):
 
 _DEVICE_FAILURE = """
 import asyncio, sys, time
-import handler
+from worker import handler
 import engine.runner as runner
 
 def broken(*args, **kwargs):

@@ -111,7 +111,7 @@ def test_sampled_speculation_keeps_the_distribution(worker, ngram_engine):
 
 
 def test_speculative_config_is_validated_at_start_up(monkeypatch):
-    from settings import SettingsError, load_settings
+    from worker.settings import SettingsError, load_settings
     for bad in ('{"method": "ngram"}', '{"method": "eagle", "num_speculative_tokens": 2}', "[1]", "{",
                 '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 5}',
                 '{"num_speculative_tokens": 4, "draft_tensor_parallel_size": 1}'):

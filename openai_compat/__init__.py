@@ -1,0 +1,1 @@
+"""The OpenAI-compatible layer: request models, validation, serving, SSE, errors and the local gateway."""

@@ -1,0 +1,1 @@
+"""The worker process: settings from the environment, logging, the platform entrypoint and its shutdown."""
