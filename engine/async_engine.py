@@ -242,6 +242,18 @@ class AsyncEngine:
     def pooling_config(self) -> PoolingConfig:
         return self._require().pooling
 
+    def stats(self) -> dict | None:
+        """The generation loop's figures (the same keys on the paged and the fallback loop), or None before the
+        model is loaded: what /health, /stats and /metrics read, so none of them reaches into a loop."""
+        engine = self._engine
+        return None if engine is None else engine.stats()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The device failure that stopped the loop, if one did."""
+        engine = self._engine
+        return None if engine is None else engine.dead
+
     @property
     def engine(self) -> Engine:
         self._require()

@@ -211,7 +211,9 @@ class Engine(GenerationLoop):
         its own, not with the others)."""
         return {
             "num_running": self.num_running,
-            "num_waiting": self.num_waiting,
+            # Pooling requests wait in their own queue; /health and /stats both count them as waiting.
+            "num_waiting": self.num_waiting + (self.pooling.num_waiting if self.pooling is not None else 0),
+            "num_requests": self.num_requests,
             "kv_used_tokens": self.blocks.num_used * BLOCK_SIZE,
             "kv_capacity_tokens": self.blocks.num_blocks * BLOCK_SIZE,
             "kv_used_bytes": self.blocks.num_used * self._block_bytes,

@@ -86,7 +86,8 @@ class FallbackEngine(GenerationLoop):
 
     def stats(self) -> dict:
         # No fixed KV pool on this path: its cache figures are zero.
-        return {"num_running": self.num_running, "num_waiting": self.num_waiting, "kv_used_tokens": 0,
+        return {"num_running": self.num_running, "num_waiting": self.num_waiting, "num_requests": self.num_requests,
+                "kv_used_tokens": 0,
                 "kv_capacity_tokens": 0, "kv_used_bytes": 0, "kv_capacity_bytes": 0, "kv_peak_used_tokens": 0,
                 "preemptions": 0, "prefix_cache_hit_tokens": 0, "prompt_tokens_total": self.prompt_tokens_total,
                 "generation_tokens_total": self.generation_tokens_total}

@@ -104,14 +104,6 @@ class ServingMetrics:
     def exposition(self) -> str:
         return generate_latest(self.registry).decode("utf-8")
 
-    def engine_stats(self) -> dict | None:
-        if not self.engine.loaded:
-            return None
-        stats = dict(self.engine.engine.stats())
-        pooling = self.engine.engine.pooling
-        stats["num_waiting"] += pooling.num_waiting if pooling is not None else 0
-        return stats
-
     def stats(self) -> dict:
         now = time.monotonic()
         with self._lock:
@@ -122,7 +114,7 @@ class ServingMetrics:
                       "generation_tokens": self.total_generation_tokens}
         uptime = time.time() - self.started
         span = max(1e-9, min(WINDOW_S, uptime))
-        engine = self.engine_stats()
+        engine = self.engine.stats()
         result = {"object": "stats", "model": self.model_name() if engine is not None else None,
                   "model_loaded": engine is not None, "uptime_s": round(uptime, 3),
                   "running_requests": 0, "waiting_requests": 0,
@@ -169,7 +161,7 @@ class _EngineCollector:
         self.metrics = metrics
 
     def collect(self):
-        stats = self.metrics.engine_stats()
+        stats = self.metrics.engine.stats()
         if stats is None:
             return
         name = self.metrics.model_name()

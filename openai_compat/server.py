@@ -1,6 +1,6 @@
 """A local stand-in for the platform's OpenAI route: `/openai/v1/...` over HTTP, each call run as a job.
 
-    python -m openai_compat.server [--host 127.0.0.1] [--port 8000] [--handler handler:handler] [--lazy]
+    python -m openai_compat.server [--host 127.0.0.1] [--port 8000] [--handler worker.handler:handler] [--lazy]
 
 Like https://api.runpod.ai/v2/<endpoint>/openai/v1, every call becomes
 `{"input": {"openai_route": "/v1/...", "openai_input": <body>}}` for the same handler function the platform
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--handler", default="handler:handler", help="module:function of the job handler")
+    parser.add_argument("--handler", default="worker.handler:handler", help="module:function of the job handler")
     parser.add_argument("--lazy", action="store_true", help="load the model on the first request, not at start")
     parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
                         help="seconds a connection has to send a request's headers (and to stay idle)")

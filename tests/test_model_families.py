@@ -438,10 +438,12 @@ def test_fallback_family_matches_transformers(model_type, tmp_path, tokenizer_fo
     _serve_on_fallback(model_type, tmp_path, tokenizer_folder, caplog, lambda model: type(model).__name__)
 
 
-def test_beam_search_on_the_fallback_path_is_a_400_over_the_api(tmp_path, tokenizer_folder):
+def test_a_fallback_model_over_the_api(tmp_path, tokenizer_folder):
     """Over HTTP with the official client: beam search on a fallback-path model is a 400 naming the parameter
-    and why (never sampled instead), and the worker goes on serving the next request."""
+    and why (never sampled instead), and the worker goes on serving the next request; /health, /stats and
+    /metrics report its loop as they do the paged engine's (they once read a pooling queue it lacks: a 500)."""
     import openai
+    import requests
 
     from conftest import start_gateway
 
@@ -458,6 +460,18 @@ def test_beam_search_on_the_fallback_path_is_a_400_over_the_api(tmp_path, tokeni
         served = client.completions.create(model="tiny-gptj", prompt="one two three", max_tokens=4,
                                            extra_body={"ignore_eos": True})
         assert served.usage.completion_tokens == 4
+        root = url.removesuffix("/openai/v1")
+        health = requests.get(f"{root}/health", timeout=30)
+        assert health.status_code == 200 and health.json()["model_loaded"] is True, health.text
+        for stats_url in (f"{root}/stats", f"{url}/stats"):
+            stats = requests.get(stats_url, timeout=30)
+            assert stats.status_code == 200, stats.text
+            body = stats.json()
+            assert body["model_loaded"] and body["totals"]["generation_tokens"] >= 4, body
+            assert body["waiting_requests"] == health.json()["waiting_requests"] == 0
+        metrics = requests.get(f"{root}/metrics", timeout=30)
+        assert metrics.status_code == 200, metrics.text
+        assert 'vllm:num_requests_running{model_name="tiny-gptj"} 0.0' in metrics.text, metrics.text
     finally:
         process.terminate()
         process.wait(timeout=30)

@@ -90,13 +90,12 @@ async def platform_handler(job: dict[str, Any]) -> AsyncIterator[Any]:
 def health() -> dict[str, Any]:
     """The worker's state, for the local gateway's /health."""
     worker = _worker
-    if worker is None or not worker.engine.loaded:
+    stats = worker.engine.stats() if worker is not None else None
+    if stats is None:
         return {"status": "ok", "model_loaded": False}
-    core = worker.engine.engine
-    stats = core.stats()
-    return {"status": "ok" if core.dead is None else "failed", "model_loaded": True, "model": worker.engine.model_name,
-            "running_sequences": core.num_running, "waiting_requests": core.num_waiting,
-            "requests_in_engine": core.num_requests,
+    return {"status": "ok" if worker.engine.failure is None else "failed", "model_loaded": True,
+            "model": worker.engine.model_name, "running_sequences": stats["num_running"],
+            "waiting_requests": stats["num_waiting"], "requests_in_engine": stats["num_requests"],
             "kv_cache": {key: stats[key] for key in ("kv_used_tokens", "kv_capacity_tokens", "kv_used_bytes",
                                                      "kv_capacity_bytes", "preemptions")}}
 
