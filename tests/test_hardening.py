@@ -420,6 +420,21 @@ def test_sigterm_cuts_what_outlives_the_grace_period_and_says_so(tmp_path):
     assert "0 of 2 running requests finished, 2 cut" in log
 
 
+def processes_marked(marker: str) -> list[int]:
+    """Live processes whose environment carries `marker` (a worker's children inherit it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                environ = (entry / "environ").read_bytes()
+                state = next(line for line in (entry / "status").read_text().splitlines() if line.startswith("State"))
+            except (OSError, StopIteration):
+                continue
+            if f"TEST_PROCESS_MARKER={marker}".encode() in environ.split(b"\0") and "zombie" not in state:
+                found.append(int(entry.name))
+    return found
+
+
 class FakePlatform:
     """The job API the runpod SDK talks to: hands out one job, records what the worker posts back."""
 
@@ -429,6 +444,7 @@ class FakePlatform:
         self.taken = False
         self.streamed: list = []
         self.done: list = []
+        self.pings: list[float] = []
         self.first_stream = threading.Event()
         app = web.Application()
         app.router.add_get("/job-take/{worker}", self._take)
@@ -436,6 +452,7 @@ class FakePlatform:
         app.router.add_get("/job-stop/{worker}", self._stop)
         app.router.add_post("/stream/{job}", self._stream)
         app.router.add_post("/done/{job}", self._done)
+        app.router.add_get("/ping/{worker}", self._ping)
         self.port = free_port()
         self._loop = asyncio.new_event_loop()
         self._runner = web.AppRunner(app)
@@ -447,7 +464,15 @@ class FakePlatform:
         url = f"http://127.0.0.1:{self.port}"
         return {"RUNPOD_WEBHOOK_GET_JOB": f"{url}/job-take/$ID?gpu=none",
                 "RUNPOD_WEBHOOK_POST_OUTPUT": f"{url}/done/$ID?gpu=none",
-                "RUNPOD_WEBHOOK_POST_STREAM": f"{url}/stream/$ID?gpu=none", "RUNPOD_POD_ID": "test-pod"}
+                "RUNPOD_WEBHOOK_POST_STREAM": f"{url}/stream/$ID?gpu=none", "RUNPOD_POD_ID": "test-pod",
+                # The SDK's heartbeat (a child process) runs only with a key and a ping URL, as on the platform.
+                "RUNPOD_WEBHOOK_PING": f"{url}/ping/$RUNPOD_POD_ID", "RUNPOD_AI_API_KEY": "test-key",
+                "RUNPOD_PING_INTERVAL": "1000"}
+
+    async def _ping(self, request):
+        from aiohttp import web
+        self.pings.append(time.monotonic())
+        return web.Response(text="ok")
 
     async def _take(self, request):
         from aiohttp import web
@@ -487,19 +512,30 @@ def test_platform_worker_drains_on_sigterm(tmp_path, grace, max_tokens):
     job = {"id": "job-sigterm", "input": {"openai_route": COMPLETIONS, "openai_input": {
         "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}}}
     platform = FakePlatform(job)
+    marker = f"drain-{grace}-{os.getpid()}-{time.monotonic_ns()}"  # finds the worker's processes, orphans too
     env = {**os.environ, **platform.env(), "SHUTDOWN_GRACE_SECONDS": str(grace), "MIN_BATCH_SIZE": "1",
-           "DEFAULT_BATCH_SIZE": "1", "RUNPOD_DEBUG_LEVEL": "INFO"}
-    process = subprocess.Popen([sys.executable, "handler.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+           "DEFAULT_BATCH_SIZE": "1", "RUNPOD_DEBUG_LEVEL": "INFO", "TEST_PROCESS_MARKER": marker}
+    log_path = tmp_path / "worker.log"  # a file, not a pipe: a leftover child would hold a pipe open
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen([sys.executable, "handler.py"], cwd=ROOT, env=env, stdout=log_file,
+                                   stderr=subprocess.STDOUT, text=True)
     try:
         assert platform.first_stream.wait(timeout=300), "the worker never streamed"
+        assert platform.pings, "the SDK's heartbeat never pinged"
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=grace + 60)
+        process.wait(timeout=grace + 60)
+        output = log_path.read_text()
         assert process.returncode == 0, output[-3000:]
         assert time.monotonic() - signalled < grace + 15
+        # Nothing the worker started outlives it, and the platform hears no more pings from a gone worker.
+        time.sleep(3)
+        assert not processes_marked(marker), f"left running after the worker exited: {processes_marked(marker)}"
+        assert not [t for t in platform.pings if t > time.monotonic() - 2], "pings went on after the worker exited"
     finally:
         stop(process)
+        for pid in processes_marked(marker):
+            os.kill(pid, signal.SIGKILL)
     if grace > 1:
         assert "shutdown: every running job finished" in output, output[-3000:]
         (result,) = platform.done

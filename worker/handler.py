@@ -25,7 +25,7 @@ from openai_compat.errors import status_of
 from openai_compat.jobs import JobRouter
 from openai_compat.serving import OpenAIServing
 from worker import logs as worker_logging
-from worker.shutdown import GracefulShutdown
+from worker.shutdown import GracefulShutdown, children_die_with_the_worker, exit_process
 from worker.settings import SettingsError, WorkerSettings, load_settings
 
 log = logging.getLogger("handler")
@@ -61,7 +61,7 @@ def get_worker() -> Worker:
 def _exit_after_fatal(exc: BaseException) -> None:
     """The device is unusable: let the failed jobs be reported, then exit so the platform replaces the worker."""
     log.critical("device failure, exiting in %.0f s so the worker is replaced: %s", _FATAL_EXIT_DELAY_S, exc)
-    threading.Timer(_FATAL_EXIT_DELAY_S, os._exit, args=(1,)).start()
+    threading.Timer(_FATAL_EXIT_DELAY_S, exit_process, args=(1,)).start()
 
 
 async def handler(job: dict[str, Any]) -> AsyncIterator[Any]:
@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"llm-worker: model load failed: {redact_urls(str(exc))}", file=sys.stderr)
             return 1
         _shutdown = GracefulShutdown(settings.shutdown_grace_seconds)
+    children_die_with_the_worker()  # the SDK forks its heartbeat from this thread as it starts
     runpod.serverless.start({"handler": platform_handler, "concurrency_modifier": concurrency_modifier,
                              "return_aggregate_stream": True})
     if _shutdown is not None:

@@ -5,10 +5,17 @@ poll (up to 90 s) and waits for running jobs without any limit, while the platfo
 ends, cutting whatever is still running without a word. This wraps the SDK's handler: the SDK stops fetching
 as before, and a drain thread waits until the SDK has no job in progress (results posted included) or the grace
 period is over, logs every job it had to cut, and exits 0.
+
+The SDK's heartbeat is a daemon child process (multiprocessing), which Python ends only at a normal interpreter
+exit; the worker leaves through os._exit (here and after a device failure) or a kill, and the child went on
+telling the platform that a gone worker was alive. `exit_process` ends the children first, and
+`children_die_with_the_worker` makes the kernel end them when the worker dies any other way.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -18,6 +25,35 @@ from typing import Callable
 log = logging.getLogger("handler")
 
 _POLL_S = 0.1
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: exit_process still ends the children on the usual paths
+        return
+    if os.getppid() != parent:  # the worker died before the request took effect
+        os._exit(0)
+
+
+def children_die_with_the_worker() -> None:
+    """Every process this one forks from now on gets SIGTERM when the worker's process dies, however it dies.
+    Call it from the main thread: the kernel ties the signal to the thread that forked the child."""
+    parent = os.getpid()
+    os.register_at_fork(after_in_child=lambda: _die_with_parent(parent))
+
+
+def exit_process(code: int) -> None:
+    """os._exit, after ending the processes multiprocessing started (the SDK's heartbeat among them)."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout=2)
+        if child.is_alive():
+            child.kill()
+    os._exit(code)
 
 
 def sdk_jobs_in_progress() -> list[str]:
@@ -33,7 +69,7 @@ def sdk_jobs_in_progress() -> list[str]:
 
 class GracefulShutdown:
     def __init__(self, grace_s: float, jobs: Callable[[], list[str]] = sdk_jobs_in_progress,
-                 exit: Callable[[int], None] = os._exit):
+                 exit: Callable[[int], None] = exit_process):
         self.grace_s = grace_s
         self._jobs = jobs
         self._exit = exit
