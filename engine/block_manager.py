@@ -99,12 +99,14 @@ class BlockManager:
             block = self._block_of.get(previous)
             if block is None or self._key_of[block][1] != part:
                 break
-            self.hold(block)
-            if block in self._cached_free:  # a hit refreshes its place in the LRU order
-                self._cached_free.move_to_end(block)
+            self.hold(block)  # out of the LRU while held; its release puts it back as the most recent
             found.append((block, previous))
-        self.hit_tokens += len(found) * BLOCK_SIZE
         return found
+
+    def count_hits(self, found: list[tuple[int, int]]) -> None:
+        """Count a lookup's blocks as reused, once the request that found them is admitted (a request that
+        waits looks up again every step)."""
+        self.hit_tokens += len(found) * BLOCK_SIZE
 
     def register(self, block: int, key: int, tokens: tuple[int, ...]) -> None:
         """Record that a just-filled block holds the prefix with this key (the first holder of a key wins)."""

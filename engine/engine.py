@@ -84,11 +84,14 @@ class GenerationLoop:
         """Why this engine cannot honour these parameters, or None."""
         return None
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink) -> None:
+    def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped after a device failure: {self._dead}")
         if self._stopping:
             raise EngineDeadError("the engine was shut down")
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink) -> None:
+        self._check_alive()
         if not prompt_ids or len(prompt_ids) >= self.max_model_len:
             raise RequestTooLarge(f"a prompt of {len(prompt_ids)} tokens does not fit a context of "
                                   f"{self.max_model_len} tokens")
@@ -129,6 +132,30 @@ class GenerationLoop:
                 group = self._groups.get(arg)
                 if group is not None:
                     self._finish_group(group)
+
+    # ---- delivery and failure, on the loop's thread; log lines run in the request's context (its job id) ----
+
+    def _deliver(self, group: SequenceGroup, output: RequestOutput) -> None:
+        try:
+            group.sink.deliver(output)
+        except Exception:  # the consumer is gone (its event loop closed): drop the request
+            group.context.run(log.warning, "request %s: output could not be delivered; dropping it",
+                              group.request_id)
+            self._finish_group(group)
+
+    def _fail_group(self, group: SequenceGroup, exc: BaseException) -> None:
+        if group.done:
+            return
+        group.context.run(log.error, "request %s failed in generation: %s", group.request_id, exc, exc_info=exc)
+        self._finish_group(group)
+        self._deliver(group, RequestOutput(group.request_id, [], finished=True, error=exc))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for group in list(self._groups.values()):
+            self._fail_group(group, exc)
+
+    def _finish_group(self, group: SequenceGroup) -> None:
+        raise NotImplementedError
 
     @property
     def num_requests(self) -> int:
@@ -182,10 +209,7 @@ class Engine(GenerationLoop):
                        sink: PoolingSink) -> None:
         """Embeddings, pooled states and scores: engine/pooling.py batches them, the loop runs one batch between
         generation steps."""
-        if self._dead is not None:
-            raise EngineDeadError(f"engine stopped after a device failure: {self._dead}")
-        if self._stopping:
-            raise EngineDeadError("the engine was shut down")
+        self._check_alive()
         if self.pooling is None:
             raise RuntimeError("this engine has no pooling queue")
         self.pooling.add(request_id, inputs, params, sink)
@@ -469,24 +493,8 @@ class Engine(GenerationLoop):
 
     # ---- outputs and leaving ----
 
-    def _deliver(self, group: SequenceGroup, output: RequestOutput) -> None:
-        try:
-            group.sink.deliver(output)
-        except Exception:  # the consumer is gone (its event loop closed): drop the request
-            group.context.run(log.warning, "request %s: output could not be delivered; dropping it",
-                              group.request_id)
-            self._finish_group(group)
-
-    def _fail_group(self, group: SequenceGroup, exc: BaseException) -> None:
-        if group.done:
-            return
-        group.context.run(log.error, "request %s failed in generation: %s", group.request_id, exc, exc_info=exc)
-        self._finish_group(group)
-        self._deliver(group, RequestOutput(group.request_id, [], finished=True, error=exc))
-
     def _fail_all(self, exc: BaseException) -> None:
-        for group in list(self._groups.values()):
-            self._fail_group(group, exc)
+        super()._fail_all(exc)
         if self.pooling is not None:
             self.pooling.fail_all(exc)
 

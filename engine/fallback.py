@@ -189,24 +189,6 @@ class FallbackEngine(GenerationLoop):
                 self._finish_group(group)
             self._deliver(group, output)
 
-    def _deliver(self, group: SequenceGroup, output: RequestOutput) -> None:
-        try:
-            group.sink.deliver(output)
-        except Exception:  # noqa: BLE001 - the consumer is gone
-            log.warning("request %s: output could not be delivered; dropping it", group.request_id)
-            self._finish_group(group)
-
-    def _fail_group(self, group: SequenceGroup, exc: BaseException) -> None:
-        if group.done:
-            return
-        log.error("request %s failed in generation: %s", group.request_id, exc, exc_info=exc)
-        self._finish_group(group)
-        self._deliver(group, RequestOutput(group.request_id, [], finished=True, error=exc))
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for group in list(self._groups.values()):
-            self._fail_group(group, exc)
-
     def _finish_group(self, group: SequenceGroup) -> None:
         if group.done:
             return

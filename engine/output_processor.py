@@ -60,9 +60,6 @@ class OutputProcessor:
             group.metrics.output_tokens = sum(s.num_generated for s in group.seqs)
         return True
 
-    def mark(self, group: SequenceGroup) -> None:
-        self._dirty[group] = None
-
     def take_outputs(self) -> list[tuple[SequenceGroup, RequestOutput]]:
         """What each group with news has to deliver now (groups whose outputs are held back are skipped)."""
         dirty, self._dirty = self._dirty, {}

@@ -215,16 +215,14 @@ class Scheduler:
             hits.append(found)
             need += blocks_for(seq.prefill_target) - len(found)
         forks = len(members) - 1 if fresh else 0  # each further choice gets its own copy of the last block
-        headroom = self.num_running_seqs + len(members)
-        if need + forks + headroom > self.blocks.num_free and self.running:
-            for found in hits:
-                self.blocks.release([b for b, _ in found])
-            return False
-        if need + forks > self.blocks.num_free:  # alone in the pool it must fit (check_fits), so this is rare
+        # Running requests keep a block of growth room each; alone in the pool it must fit (check_fits).
+        headroom = self.num_running_seqs + len(members) if self.running else 0
+        if need + forks + headroom > self.blocks.num_free:
             for found in hits:
                 self.blocks.release([b for b, _ in found])
             return False
         for seq, found in zip(prefilling, hits):
+            self.blocks.count_hits(found)
             seq.blocks = [b for b, _ in found]
             seq.block_keys = [k for _, k in found]
             seq.num_computed = len(found) * BLOCK_SIZE

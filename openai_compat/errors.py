@@ -20,6 +20,11 @@ class OpenAIError(Exception):
         return error_body(self.message, self.status, self.param, self.type)
 
 
+def context_exceeded(limit: int, detail: str, remedy: str) -> str:
+    """vLLM's wording for a request over the context, which clients match on: `detail` says what is over it."""
+    return f"This model's maximum context length is {limit} tokens. However, {detail}. Please reduce {remedy}."
+
+
 def error_body(message: str, status: int = 400, param: str | None = None, type: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type or _TYPES.get(status, "BadRequestError"), "param": param,
                       "code": status}}

@@ -19,7 +19,9 @@ from .errors import OpenAIError, error_body
 from .legacy import LegacyJob, run_legacy
 from .metrics import METRICS_CONTENT_TYPE
 from .pooling import EmbeddingRequest, PoolingRequest, PoolingServing, RerankRequest, ScoreRequest
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from . import routes
+from .routes import CHAT_ROUTE
 from .serving import OpenAIServing
 from .tokenization import DetokenizeRequest, TokenizationServing, TokenizeRequest
 from .streaming import DONE, BatchSize, batched, carries_tokens, sse
@@ -27,43 +29,13 @@ from .validation import check_json, parse
 
 log = logging.getLogger("openai_compat.jobs")
 
-CHAT_ROUTE = "/v1/chat/completions"
-COMPLETIONS_ROUTE = "/v1/completions"
-MODELS_ROUTE = "/v1/models"
-EMBEDDINGS_ROUTE = "/v1/embeddings"
-# vLLM serves these at the root (and /v1/rerank, /v2/rerank); the platform forwards /openai/v1/<path> as
-# /v1/<path>, so each is also accepted under /v1.
-TOKENIZE_ROUTE = "/tokenize"
-DETOKENIZE_ROUTE = "/detokenize"
-POOLING_ROUTE = "/pooling"
-SCORE_ROUTE = "/score"
-RERANK_ROUTE = "/rerank"
-METRICS_ROUTE = "/metrics"
-STATS_ROUTE = "/stats"
-ROUTES = (CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, EMBEDDINGS_ROUTE, TOKENIZE_ROUTE, DETOKENIZE_ROUTE,
-          POOLING_ROUTE, SCORE_ROUTE, RERANK_ROUTE, "/v2/rerank", METRICS_ROUTE, STATS_ROUTE)
-
-
-def extra_route(route: str) -> str | None:
-    """The route name of a path outside chat, completions and models (`/v1/tokenize` -> `/tokenize`), or None."""
-    for prefix in ("/v1", "/v2"):
-        if route.startswith(prefix + "/"):
-            name = route[len(prefix):]
-            if name == RERANK_ROUTE or (prefix == "/v1" and name in _EXTRA_ROUTES):
-                return name
-            return None
-    return route if route in _EXTRA_ROUTES and route != "/embeddings" else None
-
-
-_EXTRA_ROUTES = ("/embeddings", TOKENIZE_ROUTE, DETOKENIZE_ROUTE, POOLING_ROUTE, SCORE_ROUTE, RERANK_ROUTE,
-                 METRICS_ROUTE, STATS_ROUTE)
 
 class JobRouter:
     def __init__(self, serving: OpenAIServing, config: ServingConfig):
         self.serving = serving
         self.config = config
         self.tokenization = TokenizationServing(serving)
-        self.pooling = PoolingServing(serving)
+        self.pooling_serving = PoolingServing(serving)
 
     async def run(self, job_input: Any, job_id: str | None = None) -> AsyncIterator[Any]:
         try:
@@ -103,28 +75,21 @@ class JobRouter:
 
     # ---------------------------------------------------------------- OpenAI routes
 
-    async def _openai(self, route: Any, body: Any) -> AsyncIterator[Any]:
-        if not isinstance(route, str):
-            raise OpenAIError(f"openai_route must be a string such as {CHAT_ROUTE!r}, got {type(route).__name__}",
-                              param="openai_route")
-        route = route.removeprefix("/openai")
-        if route == MODELS_ROUTE:
-            yield (await self.serving.list_models()).model_dump(mode="json")
-            return
-        extra = extra_route(route)
-        if route not in (CHAT_ROUTE, COMPLETIONS_ROUTE) and extra is None:
-            raise OpenAIError(f"unknown openai_route {ascii(route)[:200]}; supported: {', '.join(ROUTES)}",
-                              status=404, param="openai_route")
-        await self.serving.ready()  # the limits depend on the model
-        limits = self.serving.request_limits()
-        if route == CHAT_ROUTE:
-            request = await asyncio.to_thread(parse, ChatCompletionRequest, body, limits)
-            result = await self.serving.create_chat_completion(request)
-        elif route == COMPLETIONS_ROUTE:
-            request = await asyncio.to_thread(parse, CompletionRequest, body, limits)
-            result = await self.serving.create_completion(request)
+    async def _openai(self, route_name: Any, body: Any) -> AsyncIterator[Any]:
+        if not isinstance(route_name, str):
+            raise OpenAIError(f"openai_route must be a string such as {CHAT_ROUTE!r}, got "
+                              f"{type(route_name).__name__}", param="openai_route")
+        route = routes.find(route_name)
+        if route is None:
+            raise OpenAIError(f"unknown openai_route {ascii(route_name)[:200]}; supported: "
+                              f"{', '.join(routes.names())}", status=404, param="openai_route")
+        await self.serving.ready()  # the request limits depend on the model
+        if route.request is None:
+            result = await getattr(self, route.endpoint)()
         else:
-            result = await self._extra(extra, body)
+            limits = self.serving.request_limits() if route.limited else None
+            request = await asyncio.to_thread(parse, route.request, body, limits)
+            result = await getattr(self, route.endpoint)(request)
         if isinstance(result, BaseModel):
             yield result.model_dump(mode="json")
             return
@@ -134,23 +99,41 @@ class JobRouter:
         async for part in self._stream(result):
             yield part
 
-    async def _extra(self, name: str, body: Any) -> BaseModel | dict:
-        if name == METRICS_ROUTE:  # the Prometheus text, wrapped so that a job output stays JSON
-            return {"object": "metrics", "content_type": METRICS_CONTENT_TYPE,
-                    "text": self.serving.metrics.exposition()}
-        if name == STATS_ROUTE:
-            return self.serving.metrics.stats()
-        if name == TOKENIZE_ROUTE:
-            return await self.tokenization.tokenize(await asyncio.to_thread(parse, TokenizeRequest, body))
-        if name == DETOKENIZE_ROUTE:
-            return await self.tokenization.detokenize(await asyncio.to_thread(parse, DetokenizeRequest, body))
-        if name == "/embeddings":
-            return await self.pooling.create_embedding(await asyncio.to_thread(parse, EmbeddingRequest, body))
-        if name == POOLING_ROUTE:
-            return await self.pooling.create_pooling(await asyncio.to_thread(parse, PoolingRequest, body))
-        if name == SCORE_ROUTE:
-            return await self.pooling.create_score(await asyncio.to_thread(parse, ScoreRequest, body))
-        return await self.pooling.create_rerank(await asyncio.to_thread(parse, RerankRequest, body))
+    # ---- the endpoints the route table names ----
+
+    async def chat(self, request: ChatCompletionRequest):
+        return await self.serving.create_chat_completion(request)
+
+    async def completions(self, request: CompletionRequest):
+        return await self.serving.create_completion(request)
+
+    async def models(self) -> ModelList:
+        return await self.serving.list_models()
+
+    async def embeddings(self, request: EmbeddingRequest):
+        return await self.pooling_serving.create_embedding(request)
+
+    async def tokenize(self, request: TokenizeRequest):
+        return await self.tokenization.tokenize(request)
+
+    async def detokenize(self, request: DetokenizeRequest):
+        return await self.tokenization.detokenize(request)
+
+    async def pooling(self, request: PoolingRequest):
+        return await self.pooling_serving.create_pooling(request)
+
+    async def score(self, request: ScoreRequest):
+        return await self.pooling_serving.create_score(request)
+
+    async def rerank(self, request: RerankRequest):
+        return await self.pooling_serving.create_rerank(request)
+
+    async def metrics(self) -> dict:
+        # The Prometheus text, wrapped so that a job output stays JSON.
+        return {"object": "metrics", "content_type": METRICS_CONTENT_TYPE, "text": self.serving.metrics.exposition()}
+
+    async def stats(self) -> dict:
+        return self.serving.metrics.stats()
 
     async def _stream(self, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[Any]:
         raw = self.config.raw_openai_output

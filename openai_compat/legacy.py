@@ -51,6 +51,7 @@ class LegacyJob(BaseModel):
 async def run_legacy(serving: OpenAIServing, job: LegacyJob, batch_size: BatchSize) -> AsyncIterator[dict]:
     """Generate for a legacy job: one output with the whole text, or growing batches of text pieces."""
     await serving.ready()
+    serving.check_generation(job.sampling_params, "completions", 1)
     if job.messages is not None:
         prompt = await serving.chat_prompt(ChatCompletionRequest(messages=job.messages))
     elif job.apply_chat_template:

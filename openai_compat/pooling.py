@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, field_validator
 from engine import GenerationError
 from engine.pooling import PoolingInput, PoolingOutput, PoolingParams
 
-from .errors import OpenAIError
+from .errors import OpenAIError, context_exceeded
 from .protocol import RequestModel, TokenId, UsageInfo, random_id
 from .serving import OpenAIServing
 
@@ -194,8 +194,8 @@ class PoolingServing:
         if not ids:
             raise OpenAIError(f"{param} is empty after tokenization", param=param)
         if len(ids) > limit:
-            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, {param} has "
-                              f"{len(ids)} tokens. Please reduce the length of the input.", param=param)
+            raise OpenAIError(context_exceeded(limit, f"{param} has {len(ids)} tokens", "the length of the input"),
+                              param=param)
 
     async def _inputs(self, items: list[str | list[int]], add_special_tokens: bool, param: str
                       ) -> list[PoolingInput]:

@@ -16,6 +16,8 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_serializer,
                       model_validator)
 
+from .errors import context_exceeded
+
 # Accepted for compatibility with OpenAI clients; they have no effect here.
 IGNORED_FIELDS = frozenset({
     "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
@@ -68,9 +70,8 @@ def check_messages_size(value: Any, limits: RequestLimits | None) -> None:
         return
     max_chars = limits.context_tokens * limits.max_token_chars
     if len(value) > limits.context_tokens:
-        raise ValueError(f"This model's maximum context length is {limits.context_tokens} tokens. However, there "
-                         f"are {len(value)} messages, and each takes at least one token. Please reduce the number "
-                         f"of messages.")
+        raise ValueError(context_exceeded(limits.context_tokens, f"there are {len(value)} messages, and each takes "
+                                          f"at least one token", "the number of messages"))
     chars = 0
     for message in value:
         content = message.get("content") if isinstance(message, dict) else None
@@ -84,10 +85,10 @@ def check_messages_size(value: Any, limits: RequestLimits | None) -> None:
         if chars > max_chars:
             break
     if chars > max_chars:
-        raise ValueError(f"This model's maximum context length is {limits.context_tokens} tokens. However, the "
-                         f"messages have {chars} characters of content, which is more than {limits.context_tokens} "
-                         f"tokens for this model's tokenizer (no token spans more than {limits.max_token_chars} "
-                         f"characters). Please reduce the length of the messages.")
+        raise ValueError(context_exceeded(
+            limits.context_tokens, f"the messages have {chars} characters of content, which is more than "
+            f"{limits.context_tokens} tokens for this model's tokenizer (no token spans more than "
+            f"{limits.max_token_chars} characters)", "the length of the messages"))
 
 
 def random_id(prefix: str) -> str:

@@ -38,7 +38,7 @@ from worker import logs as worker_logging
 from engine.redaction import redact
 
 from .errors import error_body, status_of
-from .jobs import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE
+from .routes import MODELS_ROUTE, ROUTES
 from .streaming import sse
 
 log = logging.getLogger("openai_compat.server")
@@ -47,10 +47,6 @@ Handler = Callable[[dict[str, Any]], AsyncIterator[Any]]
 
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_CHARS = 128
-# POST routes beyond chat and completions, under /openai/v1 and /v1, and where vLLM also has them at the root.
-_PREFIXED_POSTS = ("/embeddings", "/tokenize", "/detokenize", "/pooling", "/score", "/rerank")
-_ROOT_POSTS = ("/tokenize", "/detokenize", "/pooling", "/score", "/rerank", "/v2/rerank")
-_GETS = ("/metrics", "/stats")
 MAX_BODY_BYTES = 64 * 2**20  # room for a full context of token ids or text many times over
 # Parsing JSON holds the interpreter for the whole parse, on any thread: a body of millions of tiny values would
 # stall every other request for seconds. Each value but the first in a container follows a comma, so counting
@@ -194,15 +190,6 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None, state
         response.force_close()  # the unread body must not be taken for the next request
         return response
 
-    async def models(request: web.Request) -> web.StreamResponse:
-        return await run_job(request, MODELS_ROUTE, {})
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        return await post(request, CHAT_ROUTE)
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await post(request, COMPLETIONS_ROUTE)
-
     async def health_check(request: web.Request) -> web.Response:
         state_now = health() if health is not None else {"status": "ok"}
         if state.draining:
@@ -215,10 +202,10 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None, state
     def job_route(path: str) -> str:
         return path.removeprefix("/openai")  # as the platform forwards /openai/v1/<path>
 
-    async def post_extra(request: web.Request) -> web.StreamResponse:
+    async def post_route(request: web.Request) -> web.StreamResponse:
         return await post(request, job_route(request.path))
 
-    async def get_extra(request: web.Request) -> web.StreamResponse:
+    async def get_route(request: web.Request) -> web.StreamResponse:
         return await run_job(request, job_route(request.path), None)
 
     @web.middleware
@@ -248,18 +235,12 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None, state
             return _error("internal error in the gateway; see the worker log", 500)
 
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[echo_request_id, openai_errors])
-    for prefix in ("/openai/v1", "/v1"):
-        app.router.add_get(f"{prefix}/models", models)
-        app.router.add_post(f"{prefix}/chat/completions", chat)
-        app.router.add_post(f"{prefix}/completions", completions)
-        for path in _PREFIXED_POSTS:
-            app.router.add_post(prefix + path, post_extra)
-        for path in _GETS:
-            app.router.add_get(prefix + path, get_extra)
-    for path in _ROOT_POSTS:
-        app.router.add_post(path, post_extra)
-    for path in _GETS:
-        app.router.add_get(path, get_extra)
+    for route in ROUTES:  # the job router's own table (routes.py)
+        for path in route.http_paths():
+            if route.method == "POST":
+                app.router.add_post(path, post_route)
+            else:
+                app.router.add_get(path, get_route)
     app.router.add_get("/health", health_check)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app

@@ -21,7 +21,7 @@ from engine.redaction import redact
 from . import reasoning, tool_parsers
 from .chat_output import ChatOutputParser
 from .config import ServingConfig
-from .errors import OpenAIError
+from .errors import OpenAIError, context_exceeded
 from .metrics import ServingMetrics
 from .protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
@@ -98,6 +98,11 @@ class OpenAIServing:
                              context_tokens=self.engine.max_model_len,
                              max_token_chars=self.engine.tokenizer.max_token_chars)
 
+    def check_generation(self, request: SamplingFields, endpoint: str, num_prompts: int) -> None:
+        """What a generation request is checked for before any work on its prompts (once per request)."""
+        self.check_generates(endpoint)
+        self._check_sequences(request, num_prompts)
+
     def _check_sequences(self, request: SamplingFields, num_prompts: int) -> None:
         """Bound the sequences one request generates: every prompt runs max(n, best_of) of them."""
         sequences = max(request.n, request.best_of or 1)
@@ -124,13 +129,12 @@ class OpenAIServing:
                             grammar: GrammarSpec | None = None, with_special_tokens: bool = False
                             ) -> list[SamplingParams]:
         """The SamplingParams of each prompt of a request. What does not depend on the prompt is checked and built
-        once (a logit_bias can name every token of the vocabulary), so this is linear in the request's size."""
-        self.check_generates("chat completions" if isinstance(request, ChatCompletionRequest) else "completions")
+        once (a logit_bias can name every token of the vocabulary), so this is linear in the request's size. The
+        caller has run `check_generation`."""
         max_logprobs = self.engine.config.max_logprobs
         for name, value in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and value > max_logprobs:
                 raise OpenAIError(f"{name} must be at most {max_logprobs}, got {value}", param=name)
-        self._check_sequences(request, len(prompt_lens))
         prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
         resolved = [self._max_tokens(request, n, max_tokens, prompt_param, max_tokens_param) for n in prompt_lens]
         sequences = max(request.n, request.best_of or 1)
@@ -186,9 +190,9 @@ class OpenAIServing:
         if max_tokens is None:
             max_tokens = limit - prompt_len
         elif prompt_len + max_tokens > limit:
-            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                              f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-                              f"completion). Please reduce the length of the prompt or {max_tokens_param}.",
+            raise OpenAIError(context_exceeded(limit, f"you requested {prompt_len + max_tokens} tokens ({prompt_len} "
+                                                      f"in the prompt, {max_tokens} for the completion)",
+                                               f"the length of the prompt or {max_tokens_param}"),
                               param=max_tokens_param)
         if request.min_tokens > max_tokens:
             raise OpenAIError(f"min_tokens ({request.min_tokens}) must be at most max_tokens ({max_tokens})",
@@ -244,17 +248,16 @@ class OpenAIServing:
         limit = self.engine.max_model_len
         per_token = self.engine.tokenizer.max_token_chars
         if len(text) > limit * per_token:
-            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, your prompt is "
-                              f"{len(text)} characters long, which is more than {limit} tokens for this model's "
-                              f"tokenizer (no token spans more than {per_token} characters). Please reduce the "
-                              f"length of the prompt.", param=param)
+            raise OpenAIError(context_exceeded(limit, f"your prompt is {len(text)} characters long, which is more than "
+                                                      f"{limit} tokens for this model's tokenizer (no token spans "
+                                                      f"more than {per_token} characters)", "the length of the prompt"),
+                              param=param)
 
     def _check_prompt_len(self, prompt_len: int, param: str) -> None:
         limit = self.engine.max_model_len
         if prompt_len >= limit:
-            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                              f"{prompt_len} tokens, leaving no room for a completion. Please reduce the length of "
-                              f"the prompt.", param=param)
+            raise OpenAIError(context_exceeded(limit, f"your prompt has {prompt_len} tokens, leaving no room for a "
+                                                      f"completion", "the length of the prompt"), param=param)
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         self._check_prompt_len(len(ids), param)  # before walking (and decoding) millions of ids
@@ -346,7 +349,7 @@ class OpenAIServing:
                                      ) -> ChatCompletionResponse | AsyncIterator[ChatCompletionStreamResponse]:
         await self.ready()
         self.check_model(request.model)
-        self.check_generates("chat completions")
+        self.check_generation(request, "chat completions", 1)
         prompt = await self.chat_prompt(request)
         plan = await self._chat_plan(request, prompt)
         top = request.top_logprobs or 0
@@ -536,8 +539,7 @@ class OpenAIServing:
                                 ) -> CompletionResponse | AsyncIterator[CompletionStreamResponse]:
         await self.ready()
         self.check_model(request.model)
-        self.check_generates("completions")
-        self._check_sequences(request, len(request.prompts))  # before any work on the prompts
+        self.check_generation(request, "completions", len(request.prompts))
         prompts = await asyncio.to_thread(self._completion_prompts, request)
         # echo with logprobs scores the prompt too
         prompt_logprobs = request.logprobs if request.echo else None

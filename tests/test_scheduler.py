@@ -1,0 +1,80 @@
+"""The scheduler and the block manager on their own: real sequences over a small pool, no model."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from engine.block_manager import BLOCK_SIZE, BlockManager, chain_key
+from engine.config import EngineConfig
+from engine.loader import model_folder
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceGroup
+from engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    hf = AutoTokenizer.from_pretrained(model_folder(EngineConfig()))
+    return Tokenizer(hf, None, frozenset({hf.eos_token_id}), len(hf))
+
+
+class _Sink:
+    def deliver(self, output) -> None:
+        pass
+
+
+def group(tokenizer, request_id: str, prompt: list[int]) -> SequenceGroup:
+    g = SequenceGroup(request_id, prompt, SamplingParams(max_tokens=4, temperature=0.0), _Sink())
+    g.seqs = [Sequence(g, 0, tokenizer, tokenizer.vocab_size, torch.device("cpu"))]
+    return g
+
+
+def cache_prefix(blocks: BlockManager, tokens: list[int]) -> None:
+    """Leave `tokens` (whole blocks) in the prefix cache, as a finished request does."""
+    key, held = 0, []
+    for start in range(0, len(tokens), BLOCK_SIZE):
+        part = tuple(tokens[start:start + BLOCK_SIZE])
+        key = chain_key(key, part)
+        block = blocks.allocate()
+        blocks.register(block, key, part)
+        held.append(block)
+    blocks.release(held)
+
+
+def test_prefix_cache_hits_count_once_when_the_request_is_admitted(tokenizer):
+    """A request that finds its prefix cached but cannot be admitted yet (the pool is full) retries every step;
+    its hits counted each time made prefix_cache_hit_tokens grow with the wait, not with the tokens reused."""
+    blocks = BlockManager(num_blocks=8, max_cached_blocks=8)
+    scheduler = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=512)
+    prefix = list(range(100, 100 + 2 * BLOCK_SIZE))
+    cache_prefix(blocks, prefix)
+    crowd = group(tokenizer, "crowd", list(range(1000, 1000 + 5 * BLOCK_SIZE - 4)))  # 5 of the 8 blocks
+    scheduler.add(crowd)
+    scheduler.schedule()
+    assert crowd in scheduler.running
+    waiter = group(tokenizer, "waiter", prefix + list(range(500, 500 + 2 * BLOCK_SIZE)))  # 2 cached + 2 new
+    scheduler.add(waiter)
+    for _ in range(5):
+        scheduler.schedule()
+        assert waiter not in scheduler.running
+    assert blocks.hit_tokens == 0, "hits counted for a request that was not admitted"
+    scheduler.remove(crowd)
+    scheduler.schedule()
+    assert waiter in scheduler.running and waiter.seqs[0].num_computed == 2 * BLOCK_SIZE
+    assert blocks.hit_tokens == 2 * BLOCK_SIZE
+
+
+def test_the_prefix_cache_evicts_the_block_released_longest_ago(tokenizer):
+    """Cached blocks leave in the order their last holder let go: a prefix reused later outlives one that was
+    not."""
+    blocks = BlockManager(num_blocks=3, max_cached_blocks=2)
+    first, second = list(range(10, 10 + BLOCK_SIZE)), list(range(40, 40 + BLOCK_SIZE))
+    cache_prefix(blocks, first)
+    cache_prefix(blocks, second)
+    found = blocks.lookup(first, BLOCK_SIZE)  # reused, then released again: now the most recent
+    blocks.release([block for block, _ in found])
+    cache_prefix(blocks, list(range(70, 70 + BLOCK_SIZE)))  # a third cached block pushes the oldest out
+    assert len(blocks.lookup(first, BLOCK_SIZE)) == 1
+    assert blocks.lookup(second, BLOCK_SIZE) == []
