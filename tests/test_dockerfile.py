@@ -18,8 +18,9 @@ import pytest
 
 from conftest import ROOT
 
-# RUN lines that administer the image's users: they need a real image's root, and start nothing of ours.
-_USER_ADMIN = re.compile(r"^(useradd|chown)\b")
+# RUN lines that administer the image's users and system packages: they need a real image's root, and start
+# nothing of ours (the compiler they install is this machine's own here).
+_USER_ADMIN = re.compile(r"^(useradd|chown|apt-get)\b")
 
 
 def instructions(text: str | None = None) -> list[tuple[str, str]]:
