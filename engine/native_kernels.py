@@ -263,6 +263,7 @@ def _compile(variant: Variant, root: Path, wait_s: float):
                                extra_cflags=[*_COMMON_FLAGS, *variant.flags], extra_ldflags=["-fopenmp"],
                                build_directory=str(work), verbose=False)
             os.replace(work / f"{name}.so", target)  # whole or absent: a reader never sees a partial file
+            module.__file__ = str(target)  # where it lives now (its folder goes below)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return module
