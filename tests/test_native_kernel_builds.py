@@ -88,6 +88,22 @@ def test_the_avx2_build_has_no_avx512_instructions_and_passes_its_check():
     assert native_kernels.self_check(kernels) == ""
 
 
+@x86_only
+@pytest.mark.skipif(not shutil.which("qemu-x86_64"), reason="needs qemu-user (Debian: apt-get install qemu-user)")
+def test_an_emulated_cpu_without_avx512_loads_and_checks_the_avx2_build():
+    """A real run on a CPU without AVX-512: qemu's Haswell (AVX2, no AVX-512; /proc/cpuinfo still shows this
+    machine's flags, torch's CPUID probe sees the emulated CPU). The start loads the avx2 build and its check passes
+    there (the -march=native build this machine made before died of SIGILL on it)."""
+    native_kernels.build(AVX2)  # natively, as the image or a first start would have: compiling emulated is slow
+    probe = ("from engine import native_kernels as n; ok = n.load('auto'); "
+             "print(ok, n.active().__file__ if ok else n.reason())")
+    result = subprocess.run(["qemu-x86_64", "-cpu", "Haswell", sys.executable, "-c", probe], cwd=ROOT,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ok, loaded = result.stdout.split()
+    assert ok == "True" and loaded.endswith(f"{native_kernels.build_name(AVX2)}.so"), result.stdout
+
+
 def _start(env: dict, **kwargs) -> subprocess.Popen:
     """A start that builds (or finds) this CPU's kernels and checks them, as scripts/install.sh runs it."""
     return subprocess.Popen([sys.executable, "-m", "engine.native_kernels"], cwd=ROOT, env=env, text=True,
