@@ -131,8 +131,9 @@ def build_name(variant: Variant) -> str:
     compiler: a build from another compiler of the same sources is as valid, and the runtime image may have none
     to ask."""
     digest = hashlib.sha256()
-    parts = [variant.name, *variant.flags, *_COMMON_FLAGS, torch.__version__, str(sysconfig.get_config_var("EXT_SUFFIX")),
-             str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")), platform.machine()]
+    parts = [variant.name, *variant.flags, *_COMMON_FLAGS, torch.__version__,
+             str(sysconfig.get_config_var("EXT_SUFFIX")), str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")),
+             platform.machine()]
     for part in parts:
         digest.update(part.encode() + b"\0")
     for source in (SOURCE, QUANTIZED_SOURCE, PREFILL_SOURCE):
