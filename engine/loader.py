@@ -228,11 +228,11 @@ def load(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError(f"model {config.model or source.name}: loading failed: "
                              f"{_one_line(exc)}") from exc
     if task == "generate" and device.type == "cpu":
-        native_kernels.load(config.native_kernels, dtype)
+        native_kernels.load(config.native_kernels, dtype, config.cache_dir)
         if try_blocks and not quantized_weights.beats_bfloat16(model, native_kernels.active()):
             dtype, model = torch.bfloat16, None  # the float32 copy goes before the bfloat16 one loads
             model = causal_lm(dtype)
-            native_kernels.load(config.native_kernels, dtype)
+            native_kernels.load(config.native_kernels, dtype, config.cache_dir)
         cpu_layout.apply(model)
         # DTYPE=auto lets GGUF blocks take 16-bit integer activations (quantized_weights); an explicit
         # float32 keeps float32 activations.

