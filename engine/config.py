@@ -21,7 +21,8 @@ class EngineConfig:
 
     max_model_len: int | None = None  # None: the model's own limit
     dtype: str = "auto"  # auto: bfloat16 on CUDA; CPU: README (bfloat16 where native, GGUF blocks 16-bit activations)
-    device: str = "auto"  # auto: cuda when available
+    device: str = "auto"  # auto: cuda when available; cuda-sim: the CUDA path on the CPU (engine/devices.py)
+    simulated_device_memory: int | None = None  # cuda-sim: bytes of the simulated device (None: 4 GiB)
 
     # Bounds on what runs at once. Requests beyond them wait in a queue.
     max_num_seqs: int = 32  # sequences decoding together

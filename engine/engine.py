@@ -143,7 +143,8 @@ class GenerationLoop:
 class Engine(GenerationLoop):
     def __init__(self, runner: ModelRunner | None, tokenizer: Tokenizer, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, prefix_cache_bytes: int,
-                 pooling: PoolingQueue | None = None, speculator: Speculator | None = None):
+                 pooling: PoolingQueue | None = None, speculator: Speculator | None = None,
+                 release_host_memory: bool = True):
         self.runner = runner  # None for models that only pool (encoders, classifiers): they never generate
         self.pooling = pooling  # embeddings and scores, run between generation steps (engine/pooling.py)
         self.tokenizer = tokenizer
@@ -166,7 +167,10 @@ class Engine(GenerationLoop):
                                       tokenizer.eos_token_ids, tokenizer.vocab_size, max_model_len)
         self._finished_beams: list[tuple[SequenceGroup, RequestOutput]] = []
         self.speculator = speculator
-        self._idle_release = host_memory.IdleRelease(on_idle=self._give_back_free_blocks)
+        # Idle trimming gives host memory back: a CPU fast path, never taken on the CUDA path (the KV cache is
+        # device memory there, and trimming the host's heap would only cost time).
+        self._idle_release = host_memory.IdleRelease(on_idle=self._give_back_free_blocks) if release_host_memory \
+            else None
         self._zeroed_blocks = 0  # blocks [0, this) have been cleared once (see PagedKVCache.zero_blocks)
         self._start_loop("engine-loop")
 
@@ -234,7 +238,8 @@ class Engine(GenerationLoop):
 
     def _run(self) -> None:
         while not self._stopping:
-            self._idle_release.tick(self.steps)
+            if self._idle_release is not None:
+                self._idle_release.tick(self.steps)
             if not self._groups and not self._pooling_pending():
                 self._wake.wait(timeout=1.0)
             self._wake.clear()

@@ -52,6 +52,7 @@ class WorkerSettings(BaseSettings):
     max_model_len: int | None = Field(default=None, gt=0)
     dtype: str = "auto"
     device: str = "auto"
+    simulated_device_memory: int | None = Field(default=None, ge=2**20)  # bytes; DEVICE=cuda-sim only
     max_num_seqs: int = Field(default=32, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=512, ge=16)
     prefix_cache_mb: int = Field(default=256, ge=0)
@@ -98,8 +99,10 @@ class WorkerSettings(BaseSettings):
     def _device(cls, value: str) -> str:
         text = str(value).strip().lower()
         head, _, index = text.partition(":")
+        if text == "cuda-sim":  # the CUDA path run on the CPU (engine/devices.py)
+            return text
         if head not in ("auto", "cpu", "cuda", "mps") or (index and (head != "cuda" or not index.isdigit())):
-            raise ValueError(f"must be auto, cpu, cuda, cuda:N or mps (got {value!r})")
+            raise ValueError(f"must be auto, cpu, cuda, cuda:N, mps or cuda-sim (got {value!r})")
         return text
 
     @field_validator("custom_chat_template")
@@ -158,6 +161,8 @@ class WorkerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _batch_sizes(self) -> "WorkerSettings":
+        if self.simulated_device_memory is not None and self.device != "cuda-sim":
+            raise ValueError(f"SIMULATED_DEVICE_MEMORY applies only with DEVICE=cuda-sim (DEVICE is {self.device})")
         if self.min_batch_size > self.default_batch_size:
             raise ValueError("MIN_BATCH_SIZE must not exceed DEFAULT_BATCH_SIZE")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -179,6 +184,7 @@ class WorkerSettings(BaseSettings):
             max_model_len=self.max_model_len,
             dtype=self.dtype,
             device=self.device,
+            simulated_device_memory=self.simulated_device_memory,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             prefix_cache_bytes=self.prefix_cache_mb * 2**20,
