@@ -34,7 +34,7 @@ class EngineConfig:
     # The KV cache's type: auto (the model's; float16 under DTYPE=auto on CPU with the native kernels, where a
     # start-up probe confirms it) | float32 | float16 | bfloat16.
     kv_cache_dtype: str = "auto"
-    tensor_parallel_size: int = 1  # GPUs the model's layers are split over
+    layer_split_devices: int = 1  # GPUs whole layers are placed over (one computes at a time; not tensor parallel)
     gpu_memory_utilization: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     native_kernels: str = "auto"  # CPU decode kernels (native_kernels.py): auto (where they build and check) | off

@@ -161,20 +161,21 @@ def _model_max_len(config) -> int:
 
 
 def _placement(config: EngineConfig, platform: devices.Platform) -> dict:
-    """Where the weights load: straight onto the device (no full copy in host memory first), or split by layers
-    over the first TENSOR_PARALLEL_SIZE GPUs (accelerate's device map; the KV cache follows each layer)."""
-    size = config.tensor_parallel_size
+    """Where the weights load: straight onto the device (no full copy in host memory first), or whole layers over
+    the first LAYER_SPLIT_DEVICES GPUs (accelerate's device map; the KV cache follows each layer). That is layer
+    placement, not tensor parallelism: a step runs through the GPUs in turn, one computing at a time."""
+    size = config.layer_split_devices
     device = platform.device
     if size == 1:
         return {"device_map": {"": device}}
     if platform.simulated:
         # The CPU is one torch device: the simulated GPUs would all be it, and per-GPU KV sizing would see one.
-        raise ModelLoadError(f"TENSOR_PARALLEL_SIZE={size} cannot be simulated with DEVICE={devices.SIMULATED}")
+        raise ModelLoadError(f"LAYER_SPLIT_DEVICES={size} cannot be simulated with DEVICE={devices.SIMULATED}")
     if device.type != "cuda":
-        raise ModelLoadError(f"TENSOR_PARALLEL_SIZE={size} needs CUDA devices; this worker runs on {device.type}")
+        raise ModelLoadError(f"LAYER_SPLIT_DEVICES={size} needs CUDA devices; this worker runs on {device.type}")
     available = torch.cuda.device_count()
     if available < size:
-        raise ModelLoadError(f"TENSOR_PARALLEL_SIZE={size} but only {available} CUDA devices are visible")
+        raise ModelLoadError(f"LAYER_SPLIT_DEVICES={size} but only {available} CUDA devices are visible")
     return {"device_map": "auto", "max_memory": {i: torch.cuda.mem_get_info(i)[0] for i in range(size)}}
 
 

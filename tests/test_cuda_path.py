@@ -13,6 +13,7 @@ import torch
 
 from engine import AsyncEngine, EngineConfig, cpu_layout, host_memory, native_kernels, quantized_weights
 from engine.kv_cache import PagedKVCache
+from engine.loader import ModelLoadError
 from test_dtype import BFLOAT16_NEAR_TIE
 from test_model_families import _choices, build_model, greedy, prompts, reference, tokenizer_folder  # noqa: F401
 
@@ -169,6 +170,8 @@ def test_nothing_cpu_only_runs_on_the_cuda_path(model_folder, monkeypatch):
     ({"DEVICE": "cuda-sim", "SIMULATED_DEVICE_MEMORY": "lots"}, "SIMULATED_DEVICE_MEMORY"),
     ({"DEVICE": "cuda-sim", "SIMULATED_DEVICE_MEMORY": "1000"}, "SIMULATED_DEVICE_MEMORY"),
     ({"DEVICE": "cpu", "SIMULATED_DEVICE_MEMORY": str(2**30)}, "SIMULATED_DEVICE_MEMORY"),
+    ({"TENSOR_PARALLEL_SIZE": "2"}, "TENSOR_PARALLEL_SIZE.*LAYER_SPLIT_DEVICES=2"),
+    ({"LAYER_SPLIT_DEVICES": "0"}, "LAYER_SPLIT_DEVICES"),
 ])
 def test_device_settings_are_checked_at_start(monkeypatch, env, named):
     from worker.settings import SettingsError, load_settings
@@ -182,7 +185,17 @@ def test_device_settings_are_checked_at_start(monkeypatch, env, named):
 def test_device_settings_reach_the_engine(monkeypatch):
     from worker.settings import load_settings
 
-    for key, value in {"DEVICE": "CUDA-SIM", "SIMULATED_DEVICE_MEMORY": str(2**30)}.items():
+    for key, value in {"DEVICE": "CUDA-SIM", "SIMULATED_DEVICE_MEMORY": str(2**30), "TENSOR_PARALLEL_SIZE": "1",
+                       "LAYER_SPLIT_DEVICES": "2"}.items():
         monkeypatch.setenv(key, value)
     config = load_settings().engine_config()
-    assert (config.device, config.simulated_device_memory) == ("cuda-sim", 2**30)
+    assert (config.device, config.simulated_device_memory, config.layer_split_devices) == ("cuda-sim", 2**30, 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda-sim"])
+def test_layer_split_devices_needs_several_gpus(model_folder, device):
+    """Whole layers on several GPUs need several torch devices; the CPU (or a simulation on it) is one."""
+    engine = AsyncEngine(sim_config(model_folder, device=device, layer_split_devices=2,
+                                    simulated_device_memory=64 * MIB if device == "cuda-sim" else None))
+    with pytest.raises(ModelLoadError, match="LAYER_SPLIT_DEVICES=2"):
+        asyncio.run(engine.start())

@@ -59,7 +59,8 @@ class WorkerSettings(BaseSettings):
     kv_cache_memory: int | None = Field(default=None, ge=1)
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)  # only 1: see _no_tensor_parallelism
+    layer_split_devices: int = Field(default=1, ge=1, le=64)
     torch_num_threads: int | None = Field(default=None, ge=1)
     native_kernels: Literal["auto", "off"] = "auto"
     speculative_config: str | None = None  # JSON, vLLM's --speculative-config terms
@@ -104,6 +105,16 @@ class WorkerSettings(BaseSettings):
         if head not in ("auto", "cpu", "cuda", "mps") or (index and (head != "cuda" or not index.isdigit())):
             raise ValueError(f"must be auto, cpu, cuda, cuda:N, mps or cuda-sim (got {value!r})")
         return text
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _no_tensor_parallelism(cls, value: int) -> int:
+        # The worker used to take this name for what is layer placement: whole layers on several GPUs, which run
+        # one at a time. A vLLM user's TENSOR_PARALLEL_SIZE=4 expects four GPUs computing together; refuse it.
+        if value != 1:
+            raise ValueError(f"this worker has no tensor parallelism (got {value}); LAYER_SPLIT_DEVICES={value} "
+                             f"places whole layers on {value} GPUs, one GPU computing at a time")
+        return value
 
     @field_validator("custom_chat_template")
     @classmethod
@@ -191,7 +202,7 @@ class WorkerSettings(BaseSettings):
             kv_cache_memory=self.kv_cache_memory,
             kv_cache_dtype=self.kv_cache_dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            tensor_parallel_size=self.tensor_parallel_size,
+            layer_split_devices=self.layer_split_devices,
             num_threads=self.torch_num_threads,
             native_kernels=self.native_kernels,
             max_logprobs=self.max_logprobs,
