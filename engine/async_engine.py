@@ -213,6 +213,11 @@ class AsyncEngine:
         return self._model
 
     @property
+    def loaded_model(self) -> LoadedModel:
+        """The model as loaded: its device, platform, dtype (engine/device_check.py reports them)."""
+        return self._require()
+
+    @property
     def tokenizer(self) -> Tokenizer:
         return self._require().tokenizer
 

@@ -6,11 +6,15 @@ reach a CPU-only path (native kernels, oneDNN packing, GGUF blocks, host-memory 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
+from conftest import ROOT
 from engine import AsyncEngine, EngineConfig, cpu_layout, host_memory, native_kernels, quantized_weights
 from engine.kv_cache import PagedKVCache
 from engine.loader import ModelLoadError
@@ -199,3 +203,19 @@ def test_layer_split_devices_needs_several_gpus(model_folder, device):
                                     simulated_device_memory=64 * MIB if device == "cuda-sim" else None))
     with pytest.raises(ModelLoadError, match="LAYER_SPLIT_DEVICES=2"):
         asyncio.run(engine.start())
+
+
+def test_the_device_check_prints_the_path_and_a_benchmark(model_folder):
+    env = {**os.environ, "MODEL_NAME": str(model_folder), "DEVICE": "cuda-sim", "SIMULATED_DEVICE_MEMORY": str(
+        64 * MIB), "MAX_NUM_BATCHED_TOKENS": "64", "MAX_NUM_SEQS": "4", "DTYPE": "auto"}
+    result = subprocess.run([sys.executable, "-m", "engine.device_check", "--prompt-tokens", "64",
+                             "--decode-tokens", "8", "--batch", "4"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    for line in ("device: cuda-sim (the CUDA path on the CPU, 64 MiB simulated)", "dtype: bfloat16",
+                 "attention: PyTorch SDPA", "KV cache: ", "GPU_MEMORY_UTILIZATION=0.9",
+                 "CPU fast paths (native kernels, oneDNN packing, host-memory trimming): off"):
+        assert line in out, out
+    for phase in ("prefill", "decode"):
+        assert any(line.startswith(f"{phase}: ") and line.endswith(" tok/s") for line in out.splitlines()), out
