@@ -167,7 +167,7 @@ class AsyncEngine:
                                 max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes,
                                 pooling=pooling,
                                 speculator=self._speculator(model, runner) if runner is not None else None,
-                                release_host_memory=model.platform.cpu_fast_paths)
+                                release_host_memory=not model.platform.accelerator)
             engine.on_fatal = self._fatal
             self._model, self._engine = model, engine
             host_memory.freeze_long_lived()
