@@ -154,7 +154,8 @@ class AsyncEngine:
                 log.info("serving path: fallback (transformers' cache, requests take turns): %s",
                          model.fallback_reason)
                 engine = FallbackEngine(model.model, model.device, model.tokenizer,
-                                        max_num_seqs=self.config.max_num_seqs, max_model_len=model.max_model_len)
+                                        max_num_seqs=self.config.max_num_seqs, max_model_len=model.max_model_len,
+                                        cpu_fast_paths=model.platform.cpu_fast_paths)
             else:
                 if runner is not None:
                     log.info("serving path: paged (batched engine)")
@@ -167,7 +168,7 @@ class AsyncEngine:
                                 max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes,
                                 pooling=pooling,
                                 speculator=self._speculator(model, runner) if runner is not None else None,
-                                release_host_memory=not model.platform.accelerator)
+                                platform=model.platform)
             engine.on_fatal = self._fatal
             self._model, self._engine = model, engine
             host_memory.freeze_long_lived()

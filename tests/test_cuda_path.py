@@ -11,11 +11,14 @@ import subprocess
 import sys
 import time
 
+import re
+
 import pytest
 import torch
 
 from conftest import ROOT
-from engine import AsyncEngine, EngineConfig, cpu_layout, host_memory, native_kernels, quantized_weights
+from engine import (AsyncEngine, EngineConfig, SamplingParams, cpu_layout, host_memory, native_kernels,
+                    quantized_weights, sampling, structured)
 from engine.kv_cache import PagedKVCache
 from engine.loader import ModelLoadError
 from test_dtype import BFLOAT16_NEAR_TIE
@@ -130,7 +133,8 @@ def test_a_simulated_device_too_small_for_the_weights_and_a_step_stops_the_load(
 
 CPU_ONLY = [(native_kernels, "load"), (native_kernels, "active"), (cpu_layout, "apply"),
             (cpu_layout, "bfloat16_gain"), (quantized_weights, "apply"), (quantized_weights, "beats_bfloat16"),
-            (host_memory, "release"), (PagedKVCache, "give_back")]
+            (host_memory, "release"), (PagedKVCache, "give_back"), (sampling, "chunked_argmax"),
+            (structured, "forbidden_on_host")]
 
 
 def _record_cpu_only_calls(monkeypatch) -> list[str]:
@@ -145,9 +149,25 @@ def _record_cpu_only_calls(monkeypatch) -> list[str]:
     return calls
 
 
-def _serve_then_idle(engine: AsyncEngine) -> None:
+DIGITS = r"[0-9]{3}-[0-9]{4}"
+
+
+def _serve_then_idle(engine: AsyncEngine) -> str:
+    """Greedy rows, a drawn one and a constrained one (the grammar's bitmask), then an idle moment; the
+    constrained row's text."""
     served(engine, prompts(3))
+    tokenizer = engine.tokenizer
+    grammar = structured.GrammarCompiler(tokenizer.hf, tokenizer.eos_token_ids, tokenizer.vocab_size).compile(
+        "regex", DIGITS)
+    drawn = SamplingParams(max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=16, temperature=0.0, grammar=grammar)
+
+    async def both():
+        return await asyncio.gather(_choices(engine, "drawn", prompts(4)[0], drawn),
+                                    _choices(engine, "constrained", prompts(4)[1], constrained))
+    text = tokenizer.hf.decode(asyncio.run(both())[1][0], skip_special_tokens=True)
     time.sleep(host_memory.IDLE_BEFORE_TRIM_S + 1.5)  # the loop ticks once a second when idle
+    return text
 
 
 def test_nothing_cpu_only_runs_on_the_cuda_path(model_folder, monkeypatch):
@@ -156,18 +176,31 @@ def test_nothing_cpu_only_runs_on_the_cuda_path(model_folder, monkeypatch):
     cpu = started(EngineConfig(model=str(model_folder), max_num_batched_tokens=BATCHED_TOKENS, max_num_seqs=8,
                                kv_cache_memory=8 * MIB, native_kernels="off"))
     try:
-        _serve_then_idle(cpu)
+        assert re.fullmatch(DIGITS, _serve_then_idle(cpu))
     finally:
         cpu.close()
-    assert {"native_kernels.load", "cpu_layout.apply", "cpu_layout.bfloat16_gain",
-            "host_memory.release"} <= set(calls)
+    assert {"native_kernels.load", "cpu_layout.apply", "cpu_layout.bfloat16_gain", "host_memory.release",
+            "sampling.chunked_argmax", "structured.forbidden_on_host"} <= set(calls)
     calls.clear()
     engine = started(sim_config(model_folder))
     try:
-        _serve_then_idle(engine)
+        assert re.fullmatch(DIGITS, _serve_then_idle(engine))  # the bitmask unpacked by shifts, as on CUDA
     finally:
         engine.close()
     assert calls == []
+
+
+def test_the_cuda_paths_bitmask_and_argmax_equal_the_cpu_paths():
+    """The CUDA path's ways (shifting the bitmask's words on the device, torch's argmax) give what the CPU path's
+    give, so cuda-sim runs them where the tensors are on the CPU."""
+    generator = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 40), dtype=torch.int32, generator=generator)
+    bitmask[0, 0] = -2**31  # the sign bit is token 31
+    device_way = structured._forbidden(bitmask, torch.device("cpu"), cpu_fast_path=False)
+    assert torch.equal(device_way, structured.forbidden_on_host(bitmask))
+    logits = torch.randn(5, 3000, generator=generator)
+    logits[1, [7, 2900]] = 50.0  # a tie: both take the first
+    assert torch.equal(sampling.argmax(logits, cpu_fast_path=False), sampling.chunked_argmax(logits))
 
 
 @pytest.mark.parametrize("env, named", [
