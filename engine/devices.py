@@ -59,9 +59,9 @@ class Platform:
         return torch.cuda.get_device_properties(device).total_memory
 
     @contextlib.contextmanager
-    def peak_memory(self, devices: list[torch.device], resident: torch.nn.Module) -> Iterator[dict]:
+    def peak_memory(self, devices: list[torch.device], resident: list[torch.Tensor]) -> Iterator[dict]:
         """The most memory allocated on each device while the block runs, everything already allocated there
-        (the weights) included: filled in when the block ends."""
+        included (`resident`: the weights, recurrent states): filled in when the block ends."""
         peaks: dict[torch.device, int] = {}
         if self.simulated:
             with _LiveBytes(resident) as live:
@@ -94,15 +94,15 @@ def resolve(name: str, simulated_memory: int | None = None) -> Platform:
 
 
 class _LiveBytes(TorchDispatchMode):
-    """Counts the bytes of tensor storages alive (the simulated device's allocator): the module's parameters and
-    buffers from the start, then each storage an operation returns until its last tensor is collected."""
+    """Counts the bytes of tensor storages alive (the simulated device's allocator): the resident tensors' from
+    the start, then each storage an operation returns until its last tensor is collected."""
 
-    def __init__(self, resident: torch.nn.Module):
+    def __init__(self, resident: list[torch.Tensor]):
         super().__init__()
         self._refs: dict[int, int] = {}  # storage address -> tensors holding it that are being watched
         self._sizes: dict[int, int] = {}
         self.live = 0
-        for t in [*resident.parameters(), *resident.buffers()]:
+        for t in resident:
             storage = t.untyped_storage()
             if storage.data_ptr() not in self._sizes:  # tied weights count once
                 self._sizes[storage.data_ptr()] = storage.nbytes()

@@ -271,7 +271,8 @@ class ModelRunner:
         step needs there (measured by running one on a provisional cache)."""
         devices = sorted({s.device for s in self.layer_shapes.values()}, key=str)
         provisional = -(-profile_tokens // BLOCK_SIZE)
-        with self.platform.peak_memory(devices, self.model) as peaks:
+        resident = [*self.model.parameters(), *self.model.buffers(), *(self.states.tensors() if self.states else ())]
+        with self.platform.peak_memory(devices, resident) as peaks:
             self.kv = self._cache(self.kv_dtype, provisional)
             self.execute([], [PrefillChunk([0] * profile_tokens, 0, list(range(provisional)), "last",
                                            state_slot=0 if self.states else None)])

@@ -22,7 +22,8 @@ from engine import (AsyncEngine, EngineConfig, SamplingParams, cpu_layout, host_
 from engine.kv_cache import PagedKVCache
 from engine.loader import ModelLoadError
 from test_dtype import BFLOAT16_NEAR_TIE
-from test_model_families import _choices, build_model, greedy, prompts, reference, tokenizer_folder  # noqa: F401
+from test_model_families import (HYBRID_FAMILIES, _choices, build_model, greedy, prompts, reference,  # noqa: F401
+                                 tokenizer_folder)
 
 MIB = 2**20
 BATCHED_TOKENS = 32  # the longest prompt prefills in chunks
@@ -123,6 +124,26 @@ def test_kv_capacity_follows_simulated_memory_utilization_and_the_profiled_step(
         assert abs(results[key][0] - blocks - extra // per_block) <= 1, (key, results[key][0], blocks)
     # The profiled step is measured: 512-token steps need more activation memory than 32-token ones.
     assert results[128, 0.9, 512][0] < results[128, 0.9, 32][0]
+
+
+def test_a_hybrid_model_keeps_its_state_slots_in_the_simulated_memory(tmp_path, tokenizer_folder):  # noqa: F811
+    """LFM2 (convolution and attention layers) is served exactly on the simulated CUDA path, and its recurrent-state
+    slots (one per MAX_NUM_SEQS) come out of the device's memory before the KV cache does."""
+    model = build_model("lfm2", HYBRID_FAMILIES["lfm2"], tmp_path, tokenizer_folder)
+    sizes = {}
+    for seqs in (8, 64):
+        engine = started(sim_config(tmp_path, dtype="float32", max_num_seqs=seqs, max_num_batched_tokens=64))
+        try:
+            runner = engine.engine.runner
+            sizes[seqs] = runner.kv.num_blocks, runner.kv.nbytes // runner.kv.num_blocks, runner.states.nbytes // seqs
+            if seqs == 8:
+                rows = prompts(5)
+                assert served(engine, rows) == [reference(model, ids) for ids in rows]
+        finally:
+            engine.close()
+    (few_seqs, per_block, per_slot), (many_seqs, _, _) = sizes[8], sizes[64]
+    assert 56 * per_slot // per_block >= 2
+    assert few_seqs - many_seqs >= 56 * per_slot // per_block
 
 
 def test_a_simulated_device_too_small_for_the_weights_and_a_step_stops_the_load(model_folder):
