@@ -70,10 +70,6 @@ def _generation_defaults(model) -> dict:
     return {key: explicit[key] for key in _GENERATION_DEFAULT_KEYS if explicit.get(key) is not None}
 
 
-def resolve_device(name: str) -> torch.device:
-    return resolve_platform(name).device
-
-
 def resolve_platform(name: str, simulated_memory: int | None = None) -> devices.Platform:
     try:
         return devices.resolve(name, simulated_memory)
