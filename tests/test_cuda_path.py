@@ -22,8 +22,8 @@ from engine import (AsyncEngine, EngineConfig, SamplingParams, cpu_layout, host_
 from engine.kv_cache import PagedKVCache
 from engine.loader import ModelLoadError
 from test_dtype import BFLOAT16_NEAR_TIE
-from test_model_families import (HYBRID_FAMILIES, _choices, build_model, greedy, prompts, reference,  # noqa: F401
-                                 tokenizer_folder)
+from test_model_families import (FALLBACK_FAMILIES, HYBRID_FAMILIES, _choices, build_model, greedy,  # noqa: F401
+                                 prompts, reference, tokenizer_folder)
 
 MIB = 2**20
 BATCHED_TOKENS = 32  # the longest prompt prefills in chunks
@@ -144,6 +144,19 @@ def test_a_hybrid_model_keeps_its_state_slots_in_the_simulated_memory(tmp_path, 
     (few_seqs, per_block, per_slot), (many_seqs, _, _) = sizes[8], sizes[64]
     assert 56 * per_slot // per_block >= 2
     assert few_seqs - many_seqs >= 56 * per_slot // per_block
+
+
+def test_a_fallback_model_on_the_simulated_cuda_path(tmp_path, tokenizer_folder):  # noqa: F811
+    """BLOOM (its attention does not dispatch through the engine's) is served by the fallback path on the
+    simulated CUDA path too, exactly, with the sampler's CUDA ways."""
+    model = build_model("bloom", FALLBACK_FAMILIES["bloom"], tmp_path, tokenizer_folder)
+    engine = started(sim_config(tmp_path, dtype="float32"))
+    try:
+        assert engine.loaded_model.fallback_reason and not engine.engine.sampler.cpu_fast_paths
+        rows = prompts(6)
+        assert served(engine, rows) == [reference(model, ids) for ids in rows]
+    finally:
+        engine.close()
 
 
 def test_a_simulated_device_too_small_for_the_weights_and_a_step_stops_the_load(model_folder):
