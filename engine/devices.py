@@ -1,11 +1,12 @@
 """Where the engine runs, decided once: the paths that differ between CUDA and the CPU branch on a `Platform`,
 never on a tensor's device type.
 
-Three platforms: the CPU (its fast paths: native kernels, oneDNN-packed weights, host-memory trimming), a CUDA
-device (bfloat16, PyTorch attention, a KV cache sized from GPU_MEMORY_UTILIZATION after a profiled step), and
-`DEVICE=cuda-sim`, the CUDA path run with tensors on the CPU. No GPU is at hand where this worker is built and
-tested, so cuda-sim is how CI runs every branch the CUDA path takes: its device memory is SIMULATED_DEVICE_MEMORY,
-and the profiled step's peak is measured by counting the bytes of the tensors alive during it.
+Three platforms: the CPU (its fast paths: native kernels, oneDNN-packed weights, GGUF blocks, host-memory
+trimming, the chunked argmax and the host-side grammar bitmask), a CUDA device (bfloat16, PyTorch attention, a KV
+cache sized from GPU_MEMORY_UTILIZATION after a profiled step), and `DEVICE=cuda-sim`, the CUDA path run with
+tensors on the CPU. No GPU is at hand where this worker is built and tested, so cuda-sim is how CI runs the
+branches a single GPU takes (not LAYER_SPLIT_DEVICES > 1: the CPU is one torch device): its device memory is
+SIMULATED_DEVICE_MEMORY, and the profiled step's peak is measured by counting the bytes of the tensors alive.
 """
 from __future__ import annotations
 

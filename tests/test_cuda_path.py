@@ -2,7 +2,8 @@
 these tests are how its branches run at all. A real engine on a tiny model takes every decision CUDA takes
 (bfloat16, PyTorch attention, the KV cache sized by GPU_MEMORY_UTILIZATION from the device's memory after a
 profiled step) and must serve transformers' greedy tokens, size its cache from the simulated memory, and never
-reach a CPU-only path (native kernels, oneDNN packing, GGUF blocks, host-memory trimming)."""
+reach a CPU-only path (native kernels, oneDNN packing, GGUF blocks, host-memory trimming, the sampler's chunked
+argmax and host-side bitmask)."""
 from __future__ import annotations
 
 import asyncio
