@@ -71,7 +71,7 @@ def kv_cache_dtype(config: EngineConfig, model: LoadedModel) -> tuple[torch.dtyp
     embedded model's greedy tokens stay those of float32 (README, Performance)."""
     if config.kv_cache_dtype != "auto":
         return getattr(torch, config.kv_cache_dtype), False
-    if (config.dtype == "auto" and model.device.type == "cpu" and model.dtype == torch.float32
+    if (config.dtype == "auto" and model.platform.cpu_fast_paths and model.dtype == torch.float32
             and native_kernels.active() is not None):
         return torch.float16, True
     return model.dtype, False
@@ -84,9 +84,11 @@ def _generation_runner(model: LoadedModel, config: EngineConfig) -> ModelRunner:
                          kv_budget_bytes=config.kv_cache_memory or default_cpu_kv_budget(),
                          gpu_memory_utilization=config.gpu_memory_utilization,
                          max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                         kv_dtype=kv_dtype, check_kv_dtype=check_kv_dtype)
+                         kv_dtype=kv_dtype, check_kv_dtype=check_kv_dtype, platform=model.platform)
     kv = runner.kv
-    budget = (f"GPU_MEMORY_UTILIZATION={config.gpu_memory_utilization}" if model.device.type == "cuda"
+    memory = (f" of {model.platform.simulated_memory / 2**30:.2f} GiB simulated" if model.platform.simulated
+              else "")
+    budget = (f"GPU_MEMORY_UTILIZATION={config.gpu_memory_utilization}{memory}" if model.platform.accelerator
               else "KV_CACHE_MEMORY")
     if runner.states is not None:
         log.info("recurrent state: %d slots (MAX_NUM_SEQS) in %.1f MB (%.1f KB per sequence) for %d layers; %s",
@@ -152,7 +154,8 @@ class AsyncEngine:
                 log.info("serving path: fallback (transformers' cache, requests take turns): %s",
                          model.fallback_reason)
                 engine = FallbackEngine(model.model, model.device, model.tokenizer,
-                                        max_num_seqs=self.config.max_num_seqs, max_model_len=model.max_model_len)
+                                        max_num_seqs=self.config.max_num_seqs, max_model_len=model.max_model_len,
+                                        cpu_fast_paths=model.platform.cpu_fast_paths)
             else:
                 if runner is not None:
                     log.info("serving path: paged (batched engine)")
@@ -164,7 +167,8 @@ class AsyncEngine:
                                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                                 max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes,
                                 pooling=pooling,
-                                speculator=self._speculator(model, runner) if runner is not None else None)
+                                speculator=self._speculator(model, runner) if runner is not None else None,
+                                platform=model.platform)
             engine.on_fatal = self._fatal
             self._model, self._engine = model, engine
             host_memory.freeze_long_lived()
@@ -208,6 +212,11 @@ class AsyncEngine:
         if self._model is None:
             raise RuntimeError("engine not started")
         return self._model
+
+    @property
+    def loaded_model(self) -> LoadedModel:
+        """The model as loaded: its device, platform, dtype (engine/device_check.py reports them)."""
+        return self._require()
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -77,7 +77,7 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
     # last dimension, no MLA expansion, soft-capping or sinks, and pools of the query's type or 16-bit pools
     # under float32 queries (KV_CACHE_DTYPE).
     native = native_kernels.active() if (
-        expand is None and softcap is None and sinks is None and query.device.type == "cpu"
+        cache.native_kernels and expand is None and softcap is None and sinks is None and query.device.type == "cpu"
         and query.stride(-1) == 1 and k_pool.dtype == v_pool.dtype
         and (k_pool.dtype == query.dtype
              or (query.dtype == torch.float32 and k_pool.dtype in (torch.float16, torch.bfloat16)))) else None

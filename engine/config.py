@@ -21,7 +21,8 @@ class EngineConfig:
 
     max_model_len: int | None = None  # None: the model's own limit
     dtype: str = "auto"  # auto: bfloat16 on CUDA; CPU: README (bfloat16 where native, GGUF blocks 16-bit activations)
-    device: str = "auto"  # auto: cuda when available
+    device: str = "auto"  # auto: cuda when available; cuda-sim: the CUDA path on the CPU (engine/devices.py)
+    simulated_device_memory: int | None = None  # cuda-sim: bytes of the simulated device (None: 4 GiB)
 
     # Bounds on what runs at once. Requests beyond them wait in a queue.
     max_num_seqs: int = 32  # sequences decoding together
@@ -33,7 +34,7 @@ class EngineConfig:
     # The KV cache's type: auto (the model's; float16 under DTYPE=auto on CPU with the native kernels, where a
     # start-up probe confirms it) | float32 | float16 | bfloat16.
     kv_cache_dtype: str = "auto"
-    tensor_parallel_size: int = 1  # GPUs the model's layers are split over
+    layer_split_devices: int = 1  # GPUs whole layers are placed over (one computes at a time; not tensor parallel)
     gpu_memory_utilization: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     native_kernels: str = "auto"  # CPU decode kernels (native_kernels.py): auto (where they build and check) | off

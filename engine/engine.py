@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from . import host_memory
+from . import devices, host_memory
 from .beam_search import BeamSearch
 from .block_manager import BLOCK_SIZE, BlockManager
 from .output_processor import OutputProcessor
@@ -170,7 +170,9 @@ class GenerationLoop:
 class Engine(GenerationLoop):
     def __init__(self, runner: ModelRunner | None, tokenizer: Tokenizer, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, prefix_cache_bytes: int,
-                 pooling: PoolingQueue | None = None, speculator: Speculator | None = None):
+                 pooling: PoolingQueue | None = None, speculator: Speculator | None = None,
+                 platform: devices.Platform | None = None):
+        platform = platform or devices.Platform(torch.device("cpu"))
         self.runner = runner  # None for models that only pool (encoders, classifiers): they never generate
         self.pooling = pooling  # embeddings and scores, run between generation steps (engine/pooling.py)
         self.tokenizer = tokenizer
@@ -186,14 +188,17 @@ class Engine(GenerationLoop):
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, states=self.states,
                                    whole_prompts=runner is not None and not runner.prefill_continues)
-        self.sampler = Sampler(tokenizer.eos_token_ids, tokenizer.vocab_size)
+        self.sampler = Sampler(tokenizer.eos_token_ids, tokenizer.vocab_size, platform.cpu_fast_paths)
         self.outputs = OutputProcessor(tokenizer.eos_token_ids, max_model_len)
         self.beam_search = BeamSearch(self.blocks, runner.kv.copy_block if runner is not None else None,
                                       self.scheduler.free, self.states.copy if self.states else None,
                                       tokenizer.eos_token_ids, tokenizer.vocab_size, max_model_len)
         self._finished_beams: list[tuple[SequenceGroup, RequestOutput]] = []
         self.speculator = speculator
-        self._idle_release = host_memory.IdleRelease(on_idle=self._give_back_free_blocks)
+        # Idle trimming gives host memory back: a CPU fast path, never taken on the CUDA path (the KV cache is
+        # device memory there, and trimming the host's heap would only cost time).
+        self._idle_release = None if platform.accelerator else \
+            host_memory.IdleRelease(on_idle=self._give_back_free_blocks)
         self._zeroed_blocks = 0  # blocks [0, this) have been cleared once (see PagedKVCache.zero_blocks)
         self._start_loop("engine-loop")
 
@@ -260,7 +265,8 @@ class Engine(GenerationLoop):
 
     def _run(self) -> None:
         while not self._stopping:
-            self._idle_release.tick(self.steps)
+            if self._idle_release is not None:
+                self._idle_release.tick(self.steps)
             if not self._groups and not self._pooling_pending():
                 self._wake.wait(timeout=1.0)
             self._wake.clear()

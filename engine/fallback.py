@@ -54,13 +54,13 @@ class FallbackEngine(GenerationLoop):
     """The Engine interface (submit/abort/shutdown/stats...) over transformers' own cache."""
 
     def __init__(self, model, device: torch.device, tokenizer: Tokenizer, *, max_num_seqs: int,
-                 max_model_len: int):
+                 max_model_len: int, cpu_fast_paths: bool = True):
         self.model = model
         self.device = device
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.sampler = Sampler(tokenizer.eos_token_ids, tokenizer.vocab_size)
+        self.sampler = Sampler(tokenizer.eos_token_ids, tokenizer.vocab_size, cpu_fast_paths)
         self.outputs = OutputProcessor(tokenizer.eos_token_ids, max_model_len)
         self._waiting: list[SequenceGroup] = []
         self._running: list[_Running] = []

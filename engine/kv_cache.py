@@ -30,8 +30,11 @@ class LayerShape:
 
 
 class PagedKVCache:
-    def __init__(self, device: torch.device, dtype: torch.dtype, layers: dict[int, LayerShape], num_blocks: int):
+    def __init__(self, device: torch.device, dtype: torch.dtype, layers: dict[int, LayerShape], num_blocks: int,
+                 native_kernels: bool = True):
         self.device = device
+        # Whether attention over it may take the native CPU kernels: not on the CUDA path, even simulated on the CPU.
+        self.native_kernels = native_kernels
         self.dtype = dtype
         self.layers = layers
         self.num_blocks = num_blocks

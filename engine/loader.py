@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import attention, cpu_layout, fallback, fusion, model_store, native_kernels, quantized_weights, windows
+from . import attention, cpu_layout, devices, fallback, fusion, model_store, native_kernels, quantized_weights, windows
 from .config import EngineConfig
 from .pooling import PoolingConfig, Task, pooling_config
 from .tokenizer import Tokenizer
@@ -32,6 +32,11 @@ class LoadedModel:
     task: Task = "generate"  # generate (a causal LM), embed (a plain encoder or decoder), classify (a cross-encoder)
     pooling: PoolingConfig | None = None  # how embeddings are pooled from its hidden states
     fallback_reason: str | None = None  # why the paged engine cannot run it (engine/fallback.py serves it), or None
+    platform: devices.Platform | None = None  # None: the plain platform of `device`
+
+    def __post_init__(self):
+        if self.platform is None:
+            self.platform = devices.Platform(self.device)
 
 
 _GENERATING_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
@@ -65,22 +70,21 @@ def _generation_defaults(model) -> dict:
     return {key: explicit[key] for key in _GENERATION_DEFAULT_KEYS if explicit.get(key) is not None}
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"DEVICE={name} but no CUDA device is available")
-    return device
+def resolve_platform(name: str, simulated_memory: int | None = None) -> devices.Platform:
+    try:
+        return devices.resolve(name, simulated_memory)
+    except devices.DeviceUnavailable as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 _BFLOAT16_GAIN_NEEDED = 1.5
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device | devices.Platform) -> torch.dtype:
+    platform = device if isinstance(device, devices.Platform) else devices.Platform(device)
     if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if platform.accelerator:
+            return torch.bfloat16 if platform.bfloat16_supported() else torch.float16
         # bfloat16 halves the bytes every decode step reads and, where the CPU has native bfloat16 products,
         # multiplies several times faster; a probe confirms the gain on this machine before it is used.
         gain = cpu_layout.bfloat16_gain()
@@ -152,17 +156,22 @@ def _model_max_len(config) -> int:
     return limit
 
 
-def _placement(config: EngineConfig, device: torch.device) -> dict:
-    """Where the weights load: straight onto the device (no full copy in host memory first), or split by layers
-    over the first TENSOR_PARALLEL_SIZE GPUs (accelerate's device map; the KV cache follows each layer)."""
-    size = config.tensor_parallel_size
+def _placement(config: EngineConfig, platform: devices.Platform) -> dict:
+    """Where the weights load: straight onto the device (no full copy in host memory first), or whole layers over
+    the first LAYER_SPLIT_DEVICES GPUs (accelerate's device map; the KV cache follows each layer). That is layer
+    placement, not tensor parallelism: a step runs through the GPUs in turn, one computing at a time."""
+    size = config.layer_split_devices
+    device = platform.device
     if size == 1:
         return {"device_map": {"": device}}
+    if platform.simulated:
+        # The CPU is one torch device: the simulated GPUs would all be it, and per-GPU KV sizing would see one.
+        raise ModelLoadError(f"LAYER_SPLIT_DEVICES={size} cannot be simulated with DEVICE={devices.SIMULATED}")
     if device.type != "cuda":
-        raise ModelLoadError(f"TENSOR_PARALLEL_SIZE={size} needs CUDA devices; this worker runs on {device.type}")
+        raise ModelLoadError(f"LAYER_SPLIT_DEVICES={size} needs CUDA devices; this worker runs on {device.type}")
     available = torch.cuda.device_count()
     if available < size:
-        raise ModelLoadError(f"TENSOR_PARALLEL_SIZE={size} but only {available} CUDA devices are visible")
+        raise ModelLoadError(f"LAYER_SPLIT_DEVICES={size} but only {available} CUDA devices are visible")
     return {"device_map": "auto", "max_memory": {i: torch.cuda.mem_get_info(i)[0] for i in range(size)}}
 
 
@@ -173,14 +182,16 @@ def load(config: EngineConfig) -> LoadedModel:
     started = time.perf_counter()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    platform = resolve_platform(config.device, config.simulated_device_memory)
+    device = platform.device
+    dtype = resolve_dtype(config.dtype, platform)
+    placement = _placement(config, platform)
     source = model_store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir,
                                  baked_dir=config.baked_model_dir)
     folder = local_folder(source, config.cache_dir, config.baked_model_dir)
     # A GGUF model held mostly in Q4_1/Q8_0 blocks may serve faster from its blocks (float32 weights, 16-bit
     # integer activations) than as bfloat16: DTYPE=auto loads it as float32 and a probe on its weights decides.
-    try_blocks = (config.dtype == "auto" and dtype == torch.bfloat16 and device.type == "cpu"
+    try_blocks = (config.dtype == "auto" and dtype == torch.bfloat16 and platform.cpu_fast_paths
                   and source.gguf_file is not None and config.native_kernels != "off"
                   and quantized_weights.gguf_block_share(source.path / source.gguf_file) >= 0.5)
     if try_blocks:
@@ -203,7 +214,7 @@ def load(config: EngineConfig) -> LoadedModel:
 
             def causal_lm(dtype: torch.dtype) -> torch.nn.Module:
                 model = AutoModelForCausalLM.from_pretrained(
-                    folder, dtype=dtype, trust_remote_code=config.trust_remote_code, **_placement(config, device),
+                    folder, dtype=dtype, trust_remote_code=config.trust_remote_code, **placement,
                     # The fallback path runs the model with transformers' own attention and cache.
                     **({} if fallback_reason else {"attn_implementation": attention.ATTENTION_IMPLEMENTATION}))
                 model.eval()
@@ -221,13 +232,13 @@ def load(config: EngineConfig) -> LoadedModel:
             auto_class = AutoModelForSequenceClassification if task == "classify" else AutoModel
             model = auto_class.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
                                                trust_remote_code=config.trust_remote_code,
-                                               **_placement(config, device))
+                                               **placement)
             model.eval()
             model.requires_grad_(False)
     except Exception as exc:
         raise ModelLoadError(f"model {config.model or source.name}: loading failed: "
                              f"{_one_line(exc)}") from exc
-    if task == "generate" and device.type == "cpu":
+    if task == "generate" and platform.cpu_fast_paths:  # never on CUDA, real or simulated
         native_kernels.load(config.native_kernels, dtype, config.cache_dir)
         if try_blocks and not quantized_weights.beats_bfloat16(model, native_kernels.active()):
             dtype, model = torch.bfloat16, None  # the float32 copy goes before the bfloat16 one loads
@@ -245,11 +256,11 @@ def load(config: EngineConfig) -> LoadedModel:
     max_model_len = config.max_model_len or limit
     vocab_size = model.get_input_embeddings().num_embeddings
     tokenizer = Tokenizer(hf_tokenizer, config.chat_template, _eos_ids(hf_tokenizer, model), vocab_size)
-    log.info("loaded %s on %s (%s, max_model_len %d, task %s, pooling %s%s from %s) in %.1f s", source.name, device,
-             str(dtype).removeprefix("torch."), max_model_len, task, pooling.pooling_type,
+    log.info("loaded %s on %s (%s, max_model_len %d, task %s, pooling %s%s from %s) in %.1f s", source.name,
+             platform.name, str(dtype).removeprefix("torch."), max_model_len, task, pooling.pooling_type,
              " normalized" if pooling.normalize else "", pooling.source, time.perf_counter() - started)
     return LoadedModel(model, tokenizer, device, dtype, max_model_len, source.name, _generation_defaults(model),
-                       task, pooling, fallback_reason)
+                       task, pooling, fallback_reason, platform)
 
 
 def _fallback_reason(model_config) -> str | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native_kernels, quantized_weights
+from . import devices, native_kernels, quantized_weights
 from .block_manager import BLOCK_SIZE
 from .compact_decoder import CompactDecoder
 from .kv_cache import DecodeBucket, ForwardCache, LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
@@ -122,9 +122,11 @@ KV_ROUNDING_TOLERANCE = 2e-3
 class ModelRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, kv_budget_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
-                 kv_dtype: torch.dtype | None = None, check_kv_dtype: bool = False):
+                 kv_dtype: torch.dtype | None = None, check_kv_dtype: bool = False,
+                 platform: devices.Platform | None = None):
         self.model = model
         self.device = device
+        self.platform = platform or devices.Platform(device)
         self.dtype = dtype
         # The KV cache's own type (KV_CACHE_DTYPE): the model's, or 16-bit under a float32 model. One chosen by
         # DTYPE=auto (check_kv_dtype) must first give the model's logits on a probe (_kv_rounding_differs).
@@ -158,12 +160,16 @@ class ModelRunner:
         """The paged KV cache in kv_dtype, as many blocks as the budget holds."""
         if not self.layer_shapes:
             num_blocks = _STATELESS_BLOCKS
-        elif self.device.type == "cuda":
+        elif self.platform.accelerator:
             num_blocks = self._cuda_blocks(gpu_memory_utilization, max_num_batched_tokens)
         else:
             budget = kv_budget_bytes - (self.states.nbytes if self.states else 0)
             num_blocks = budget // (PagedKVCache.bytes_per_token(self.layer_shapes, self.kv_dtype) * BLOCK_SIZE)
-        return PagedKVCache(self.device, self.kv_dtype, self.layer_shapes, max(1, num_blocks))
+        return self._cache(self.kv_dtype, max(1, num_blocks))
+
+    def _cache(self, dtype: torch.dtype, num_blocks: int) -> PagedKVCache:
+        return PagedKVCache(self.device, dtype, self.layer_shapes, num_blocks,
+                            native_kernels=self.platform.cpu_fast_paths)
 
     def _probe_steps(self) -> list[tuple[list[DecodeRow], list[PrefillChunk]]]:
         """Two steps over blocks 0 to 3 that cover each attention path: prompts from position 0, a decode row, a
@@ -184,7 +190,7 @@ class ModelRunner:
             return "the KV cache is too small to check it"
         steps = self._probe_steps()
         rounded = [self.execute(*step) for step in steps]
-        kept, self.kv = self.kv, PagedKVCache(self.device, self.dtype, self.layer_shapes, 4)
+        kept, self.kv = self.kv, self._cache(self.dtype, 4)
         try:
             exact = [self.execute(*step) for step in steps]
         finally:
@@ -226,7 +232,7 @@ class ModelRunner:
         through the paged cache: two steps covering each attention path (prompts from position 0, a decode row,
         a chunk continuing its sequence) run with the model's own forward, then again with the compact one. On
         CPU it first tries the compact forward through the native kernels (native_kernels.py), then without."""
-        kernels = native_kernels.active() if self.device.type == "cpu" else None
+        kernels = native_kernels.active() if self.platform.cpu_fast_paths else None
         decoder, why = CompactDecoder.build(self.model, kernels)
         if decoder is None:
             return None, why
@@ -264,18 +270,17 @@ class ModelRunner:
         """Blocks that fit each GPU's share (GPU_MEMORY_UTILIZATION) after its weights and the peak a full-size
         step needs there (measured by running one on a provisional cache)."""
         devices = sorted({s.device for s in self.layer_shapes.values()}, key=str)
-        for d in devices:
-            torch.cuda.reset_peak_memory_stats(d)
         provisional = -(-profile_tokens // BLOCK_SIZE)
-        self.kv = PagedKVCache(self.device, self.kv_dtype, self.layer_shapes, provisional)
-        self.execute([], [PrefillChunk([0] * profile_tokens, 0, list(range(provisional)), "last",
-                                       state_slot=0 if self.states else None)])
+        resident = [*self.model.parameters(), *self.model.buffers(), *(self.states.tensors() if self.states else ())]
+        with self.platform.peak_memory(devices, resident) as peaks:
+            self.kv = self._cache(self.kv_dtype, provisional)
+            self.execute([], [PrefillChunk([0] * profile_tokens, 0, list(range(provisional)), "last",
+                                           state_slot=0 if self.states else None)])
         blocks = None
         for d in devices:
-            torch.cuda.synchronize(d)
             per_block = PagedKVCache.bytes_per_token(self.layer_shapes, self.kv_dtype, d) * BLOCK_SIZE
-            peak = torch.cuda.max_memory_allocated(d) - per_block * provisional
-            total = torch.cuda.get_device_properties(d).total_memory
+            peak = peaks[d] - per_block * provisional
+            total = self.platform.total_memory(d)
             budget = int(total * utilization) - peak
             if budget < per_block:
                 raise RuntimeError(f"no memory left for the KV cache on {d}: the weights and a step of "
@@ -283,7 +288,7 @@ class ModelRunner:
                                    f"{total / 2**30:.1f} GiB allowed (GPU_MEMORY_UTILIZATION)")
             blocks = budget // per_block if blocks is None else min(blocks, budget // per_block)
         del self.kv
-        torch.cuda.empty_cache()
+        self.platform.release_cached()
         return blocks
 
     @torch.inference_mode()

@@ -13,14 +13,20 @@ _GREEDY_BELOW = 1e-5
 _ARGMAX_CHUNK = 1024
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=-1)` of a [rows, vocab] tensor, the same indices (first of equal maxima) 5x faster on CPU,
-    whose argmax runs unvectorised (1.3 ms for 32 rows of a 49k vocabulary): each chunk's maximum (a vectorised
-    reduction), the first chunk holding the row's maximum, then argmax within that chunk only."""
+def argmax(x: torch.Tensor, cpu_fast_path: bool = True) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of a [rows, vocab] tensor; on the CPU path (not under DEVICE=cuda-sim, which runs what
+    CUDA runs) the chunked argmax below."""
+    if not cpu_fast_path or x.device.type != "cpu" or x.shape[-1] // _ARGMAX_CHUNK < 2:
+        return x.argmax(dim=-1)
+    return chunked_argmax(x)
+
+
+def chunked_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)`, the same indices (first of equal maxima) 5x faster on CPU, whose argmax runs
+    unvectorised (1.3 ms for 32 rows of a 49k vocabulary): each chunk's maximum (a vectorised reduction), the first
+    chunk holding the row's maximum, then argmax within that chunk only. At least two chunks wide."""
     vocab = x.shape[-1]
     chunks = vocab // _ARGMAX_CHUNK
-    if x.device.type != "cpu" or chunks < 2:
-        return x.argmax(dim=-1)
     maxima = x[:, :chunks * _ARGMAX_CHUNK].unflatten(1, (chunks, _ARGMAX_CHUNK)).amax(dim=-1)
     if chunks * _ARGMAX_CHUNK < vocab:
         maxima = torch.cat([maxima, x[:, chunks * _ARGMAX_CHUNK:].amax(dim=-1, keepdim=True)], dim=1)
@@ -136,9 +142,10 @@ class Sampler:
     p), so each seeded row only needs its own noise vector from its own generator.
     """
 
-    def __init__(self, eos_token_ids: frozenset[int], vocab_size: int):
+    def __init__(self, eos_token_ids: frozenset[int], vocab_size: int, cpu_fast_paths: bool = True):
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
+        self.cpu_fast_paths = cpu_fast_paths  # the platform's (engine/devices.py): False on the CUDA path
 
     def sample(self, logits: torch.Tensor, states: list[SequenceSamplingState],
                num_generated: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -159,17 +166,17 @@ class Sampler:
             bitmask = allocate_bitmask(len(constrained), self.vocab_size)
             for slot, row in enumerate(constrained):
                 states[row].matcher.fill_bitmask(bitmask, slot)
-            apply_bitmask(logits, bitmask, constrained)
+            apply_bitmask(logits, bitmask, constrained, self.cpu_fast_paths)
 
         tokens = torch.empty(rows, dtype=torch.long, device=device)
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
         if len(greedy) == rows:
-            tokens = argmax(logits)
+            tokens = argmax(logits, self.cpu_fast_paths)
         elif greedy:
-            tokens[greedy] = argmax(logits[greedy])
+            tokens[greedy] = argmax(logits[greedy], self.cpu_fast_paths)
         drawn = [i for i, s in enumerate(states) if not s.params.greedy]
         if drawn:
-            tokens[drawn] = self._draw(logits[drawn], [states[i] for i in drawn])
+            tokens[drawn] = self._draw(logits[drawn], [states[i] for i in drawn], self.cpu_fast_paths)
 
         # One transfer for the chosen tokens and every logprob asked for.
         parts = [tokens.double()]
@@ -241,7 +248,7 @@ class Sampler:
         return self._probabilities(row.view(1, -1), [state])[0]
 
     @staticmethod
-    def _draw(logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
+    def _draw(logits: torch.Tensor, states: list[SequenceSamplingState], cpu_fast_path: bool = True) -> torch.Tensor:
         """Temperature, top-k, min-p and top-p for the drawn rows at once, then one draw per row."""
         probs = Sampler._probabilities(logits, states)
         device = logits.device
@@ -255,7 +262,7 @@ class Sampler:
             noise.exponential_()
         elif unseeded:
             noise[unseeded] = torch.empty((len(unseeded), vocab), device=device).exponential_()
-        return argmax(probs / noise.clamp_(min=1e-30))
+        return argmax(probs / noise.clamp_(min=1e-30), cpu_fast_path)
 
     @staticmethod
     def _probabilities(logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:

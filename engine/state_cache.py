@@ -60,6 +60,9 @@ class RecurrentStates:
     def bytes_per_slot(shapes: dict[StateKey, StateShape]) -> int:
         return sum(s.nbytes for s in shapes.values())
 
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._pools.values())
+
     @property
     def nbytes(self) -> int:
         return self.bytes_per_slot(self.shapes) * self.num_slots

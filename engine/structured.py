@@ -113,13 +113,19 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
-def _forbidden(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """[rows, words * 32] bool: True where the bitmask forbids the token."""
-    if device.type == "cpu":
-        # Bit i of int32 word j is bit i % 8 of byte 4j + i // 8 (little-endian), so unpacking the bytes
-        # little-endian lists the tokens in order; one C loop, far cheaper than shifting a tensor 32 ways.
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-        return torch.from_numpy(bits).logical_not()
+def forbidden_on_host(bitmask: torch.Tensor) -> torch.Tensor:
+    """[rows, words * 32] bool of a CPU bitmask: True where it forbids the token (the CPU path's way)."""
+    # Bit i of int32 word j is bit i % 8 of byte 4j + i // 8 (little-endian), so unpacking the bytes
+    # little-endian lists the tokens in order; one C loop, far cheaper than shifting a tensor 32 ways.
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits).logical_not()
+
+
+def _forbidden(bitmask: torch.Tensor, device: torch.device, cpu_fast_path: bool = True) -> torch.Tensor:
+    """[rows, words * 32] bool on `device`: True where the bitmask forbids the token. Off the CPU path (CUDA, or
+    DEVICE=cuda-sim, which runs what CUDA runs) the words are shifted on the device."""
+    if device.type == "cpu" and cpu_fast_path:
+        return forbidden_on_host(bitmask)
     shifts = _BIT_SHIFTS.get(device)
     if shifts is None:
         shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
@@ -127,12 +133,12 @@ def _forbidden(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
     return ((words.unsqueeze(-1) >> shifts) & 1 == 0).view(bitmask.shape[0], -1)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], cpu_fast_path: bool = True) -> None:
     """Set to -inf, in place, the logits of tokens the bitmask forbids; bitmask row i masks logits row rows[i]."""
     if not rows:
         return
     vocab = logits.shape[1]
-    forbidden = _forbidden(bitmask[:len(rows)], logits.device)
+    forbidden = _forbidden(bitmask[:len(rows)], logits.device, cpu_fast_path)
     if forbidden.shape[1] < vocab:  # tokens past the grammar's vocabulary are never allowed
         forbidden = torch.nn.functional.pad(forbidden, (0, vocab - forbidden.shape[1]), value=True)
     forbidden = forbidden[:, :vocab]

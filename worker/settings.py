@@ -52,13 +52,15 @@ class WorkerSettings(BaseSettings):
     max_model_len: int | None = Field(default=None, gt=0)
     dtype: str = "auto"
     device: str = "auto"
+    simulated_device_memory: int | None = Field(default=None, ge=2**20)  # bytes; DEVICE=cuda-sim only
     max_num_seqs: int = Field(default=32, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=512, ge=16)
     prefix_cache_mb: int = Field(default=256, ge=0)
     kv_cache_memory: int | None = Field(default=None, ge=1)
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)  # only 1: see _no_tensor_parallelism
+    layer_split_devices: int = Field(default=1, ge=1, le=64)
     torch_num_threads: int | None = Field(default=None, ge=1)
     native_kernels: Literal["auto", "off"] = "auto"
     speculative_config: str | None = None  # JSON, vLLM's --speculative-config terms
@@ -98,9 +100,21 @@ class WorkerSettings(BaseSettings):
     def _device(cls, value: str) -> str:
         text = str(value).strip().lower()
         head, _, index = text.partition(":")
+        if text == "cuda-sim":  # the CUDA path run on the CPU (engine/devices.py)
+            return text
         if head not in ("auto", "cpu", "cuda", "mps") or (index and (head != "cuda" or not index.isdigit())):
-            raise ValueError(f"must be auto, cpu, cuda, cuda:N or mps (got {value!r})")
+            raise ValueError(f"must be auto, cpu, cuda, cuda:N, mps or cuda-sim (got {value!r})")
         return text
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _no_tensor_parallelism(cls, value: int) -> int:
+        # The worker used to take this name for what is layer placement: whole layers on several GPUs, which run
+        # one at a time. A vLLM user's TENSOR_PARALLEL_SIZE=4 expects four GPUs computing together; refuse it.
+        if value != 1:
+            raise ValueError(f"this worker has no tensor parallelism (got {value}); LAYER_SPLIT_DEVICES={value} "
+                             f"places whole layers on {value} GPUs, one GPU computing at a time")
+        return value
 
     @field_validator("custom_chat_template")
     @classmethod
@@ -158,6 +172,8 @@ class WorkerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _batch_sizes(self) -> "WorkerSettings":
+        if self.simulated_device_memory is not None and self.device != "cuda-sim":
+            raise ValueError(f"SIMULATED_DEVICE_MEMORY applies only with DEVICE=cuda-sim (DEVICE is {self.device})")
         if self.min_batch_size > self.default_batch_size:
             raise ValueError("MIN_BATCH_SIZE must not exceed DEFAULT_BATCH_SIZE")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -179,13 +195,14 @@ class WorkerSettings(BaseSettings):
             max_model_len=self.max_model_len,
             dtype=self.dtype,
             device=self.device,
+            simulated_device_memory=self.simulated_device_memory,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             prefix_cache_bytes=self.prefix_cache_mb * 2**20,
             kv_cache_memory=self.kv_cache_memory,
             kv_cache_dtype=self.kv_cache_dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            tensor_parallel_size=self.tensor_parallel_size,
+            layer_split_devices=self.layer_split_devices,
             num_threads=self.torch_num_threads,
             native_kernels=self.native_kernels,
             max_logprobs=self.max_logprobs,
