@@ -7,6 +7,13 @@ cd "$(dirname "$0")/.."
 extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
 
+# The tests run the CPU kernels on an emulated CPU without AVX-512 (qemu-user): installed with the test tools
+# where Debian's apt is at hand and we are root, else that one test is skipped.
+if [ -n "$extras" ] && ! command -v qemu-x86_64 >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && apt-get install -y -qq --no-install-recommends qemu-user >/dev/null) \
+        || echo "install.sh: qemu-user not installed; the emulated-CPU test will be skipped" >&2
+fi
+
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
