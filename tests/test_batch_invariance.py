@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import sys
 
+import pytest
+import torch
+
 from conftest import ROOT
 from engine import SamplingParams
 from test_engine import chat_ids, generate
@@ -54,3 +57,48 @@ def test_mixed_concurrent_requests_equal_solo_runs_exactly(worker):
         assert _exact(a) == _exact(b), f"request {i} differs: {a['choices'][0]['text']!r} alone, " \
                                        f"{b['choices'][0]['text']!r} batched"
         assert len(a["choices"][0]["ids"]) == 16
+
+
+def test_a_decode_rows_attention_does_not_depend_on_the_other_rows():
+    """The decode kernel splits long rows' keys into parts for idle threads; the split must follow the row's own
+    length, so a long row attends bitwise alike alone and beside others (it used to split only when alone)."""
+    from engine import native_kernels
+    assert native_kernels.load("auto"), native_kernels.reason()
+    kernels = native_kernels.active()
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, block, width = 9, 3, 64, 16, 80
+    k_pool = torch.randn(8 * width, block, kv_heads, dim, generator=gen)
+    v_pool = torch.randn(8 * width, block, kv_heads, dim, generator=gen)
+    lengths = torch.tensor([1200, 40, 700, 9, 1279, 300, 17, 5])
+    blocks = torch.randperm(8 * width, generator=gen)
+    query = torch.randn(8, heads, dim, generator=gen)
+    together = torch.empty(8, heads, dim)
+    kernels.paged_decode_attention(query, k_pool, v_pool, blocks, lengths, 0, 0.125, together)
+    for r in range(8):
+        alone = torch.empty(1, heads, dim)
+        kernels.paged_decode_attention(query[r:r + 1], k_pool, v_pool, blocks[r * width:(r + 1) * width],
+                                       lengths[r:r + 1], 0, 0.125, alone)
+        assert torch.equal(alone[0], together[r]), r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_linear_product_does_not_depend_on_the_batch(tmp_path, dtype):
+    """With batch invariance each linear layer multiplies a row alike at any number of rows, one included."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import cpu_layout, fusion
+    from source_fixtures import build_small_model
+
+    if dtype == torch.bfloat16 and not cpu_layout.bfloat16_is_native():
+        pytest.skip("bfloat16 products are not native here")
+    model = AutoModelForCausalLM.from_pretrained(build_small_model(tmp_path), dtype=dtype).eval()
+    with torch.inference_mode():
+        fusion.apply(model)
+        cpu_layout.apply(model, batch_invariant=True)
+        gen = torch.Generator().manual_seed(1)
+        for module in (model.model.layers[0].mlp.down_proj, model.lm_head):
+            x = torch.randn(40, module.in_features, generator=gen).to(dtype)
+            batched = {rows: module(x[:rows]) for rows in (1, 2, 7, 40)}
+            for i in range(40):
+                alone = module(x[i:i + 1])[0]
+                assert all(torch.equal(alone, out[i]) for rows, out in batched.items() if i < rows), i
