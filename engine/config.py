@@ -38,6 +38,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     native_kernels: str = "auto"  # CPU decode kernels (native_kernels.py): auto (where they build and check) | off
+    # A request's tokens do not depend on what else is batched with it (greedy: the same tokens; seeded: the same
+    # samples): each row takes the same kernels and reduction order whatever the step's rows and chunks.
+    batch_invariant: bool = True
     max_logprobs: int = 20
     # Embeddings: None takes the model's sentence-transformers config, else last token (decoders) or first
     # token (encoders), normalised.

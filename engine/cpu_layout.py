@@ -62,6 +62,32 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
+def _invariant_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """BATCH_INVARIANT: the packed product at every batch size, a single row multiplied as two. oneDNN sums a row
+    in the same order at any number of rows from 2 (measured here, float32 and bfloat16), but a single row takes
+    another kernel that rounds differently, so a request decoding alone would not match itself in a batch."""
+    if x.numel() != x.shape[-1]:
+        return self.dense_product(x)
+    return self.dense_product(x.reshape(1, -1).expand(2, -1).contiguous())[:1].view(*x.shape[:-1], -1)
+
+
+def use_invariant(model: torch.nn.Module) -> int:
+    """Make every linear layer's product independent of the batch (BATCH_INVARIANT): oneDNN's packed product
+    at every size where the model has packed copies, a single row padded to two. Float32 weights without packed
+    copies keep MKL's product, whose row sums change with the batch size (bfloat16's do not from 2 rows).
+    Returns how many layers changed."""
+    count = 0
+    for module in model.modules():
+        if type(module) is not torch.nn.Linear or getattr(module, "fused_into", False):
+            continue
+        if getattr(module, "weight_packed", None) is not None:
+            module.packed_from = 1
+        module.dense_product = module.forward
+        module.forward = types.MethodType(_invariant_forward, module)
+        count += 1
+    return count
+
+
 def release_packed(module: torch.nn.Module) -> int:
     """Drop `module`'s packed copy (its products then run on its weight as stored) where another product serves
     every batch size; returns the bytes that held it."""
@@ -212,6 +238,21 @@ def _key(weight: torch.Tensor) -> tuple:
     return weight.data_ptr(), tuple(weight.shape)
 
 
+def _packable(model: torch.nn.Module) -> bool:
+    """Whether oneDNN can give the model's linear layers packed copies (as `_packed_from` requires, untimed)."""
+    head = model.get_output_embeddings()
+    if not (torch.backends.mkldnn.is_available() and isinstance(head, torch.nn.Linear)
+            and head.weight.dtype in _PACKED_TOLERANCE and head.weight.device.type == "cpu"):
+        return False
+    if sum(p.numel() * p.element_size() for p in model.parameters()) > _MAX_MODEL_BYTES:
+        return False
+    try:
+        _pack(head.weight.detach()[:16])
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return True
+
+
 def _packed_from(model: torch.nn.Module) -> tuple[int | None, dict[int, float], dict[tuple, torch.Tensor]]:
     """The fewest rows from which oneDNN's packed product beats the current one (by `_PACKED_GAIN_NEEDED`) at
     every probed decode size, timed over a step's weights in order; the speed-up at each size; and the packed
@@ -288,7 +329,7 @@ def _probe(model: torch.nn.Module) -> tuple[Layout, str, dict[tuple, torch.Tenso
     return Layout(column_major, packed_from), measured, packed
 
 
-def apply(model: torch.nn.Module) -> Layout:
+def apply(model: torch.nn.Module, batch_invariant: bool = False) -> Layout:
     """Switch the model's linear layers to the layouts this CPU runs fastest, by probes on the model's own
     weights: column-major storage where it beats row-major at decode sizes, then oneDNN's packed product for
     the batch sizes where it beats that. A model with the same weight shapes as one probed before in this
@@ -307,6 +348,12 @@ def apply(model: torch.nn.Module) -> Layout:
             _probed[shapes] = layout, measured
         if layout.packed_from is not None:
             use_packed(model, layout.packed_from, packed)
+        if batch_invariant:
+            if layout.packed_from is None and _packable(model):
+                # Packed at every size even where it is not the fastest: MKL's float32 product is not invariant.
+                layout = layout._replace(packed_from=1)
+                use_packed(model, 1, packed)
+            use_invariant(model)
         log.info("CPU linear layout: %s weights, %s (%s)", "column-major" if layout.column_major else "row-major",
                  f"packed product from {layout.packed_from} rows" if layout.packed_from else "no packed product",
                  measured)

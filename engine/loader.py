@@ -244,10 +244,12 @@ def load(config: EngineConfig) -> LoadedModel:
             dtype, model = torch.bfloat16, None  # the float32 copy goes before the bfloat16 one loads
             model = causal_lm(dtype)
             native_kernels.load(config.native_kernels, dtype, config.cache_dir)
-        cpu_layout.apply(model)
+        cpu_layout.apply(model, batch_invariant=config.batch_invariant)
         # DTYPE=auto lets GGUF blocks take 16-bit integer activations (quantized_weights); an explicit
         # float32 keeps float32 activations.
-        quantized_weights.apply(model, native_kernels.active(), integer_activations=config.dtype == "auto")
+        quantized_weights.apply(model, native_kernels.active(), integer_activations=config.dtype == "auto",
+                                every_size=config.batch_invariant)
+    attention.set_batch_invariant(config.batch_invariant)
     pooling = pooling_config(folder, model.config, task, config.pooling_type, config.embedding_normalize)
 
     limit = _model_max_len(model.config)

@@ -167,10 +167,12 @@ def beats_bfloat16(model: torch.nn.Module, kernels) -> bool:
     return wins
 
 
-def apply(model: torch.nn.Module, kernels, integer_activations: bool = False) -> int:
+def apply(model: torch.nn.Module, kernels, integer_activations: bool = False, every_size: bool = False) -> int:
     """Give every linear layer whose weight is exact Q4_1 or Q8_0 blocks a block product for batches up to the
     size where it wins (`kernels`: engine/native_kernels.active(), or None), with 16-bit integer activations where
-    `integer_activations` allows and the CPU has the product. Returns how many layers got one."""
+    `integer_activations` allows and the CPU has the product. With `every_size` (BATCH_INVARIANT) the blocks serve
+    every batch size: a row's block product does not depend on the other rows, but a row that went to the float32
+    product when the step had more rows would round differently. Returns how many layers got one."""
     if kernels is None or not kernels.blocks_supported():
         return 0
     words = integer_activations and kernels.word_blocks_supported()
@@ -186,12 +188,12 @@ def apply(model: torch.nn.Module, kernels, integer_activations: bool = False) ->
         if gains[rows] < _GAIN_NEEDED:
             break
         until = rows
-    if words and until == sizes[-1]:
+    if (words and until == sizes[-1]) or every_size:
         until = EVERY_SIZE
     formats = ", ".join(f"{sum(b[0] == f for b in blocks)} {name}" for f, name in _FORMATS.items()
                         if any(b[0] == f for b in blocks))
     timed = ", ".join(f"{g:.2f}x at {rows}" for rows, g in gains.items())
-    if not until:
+    if not until and not every_size:
         log.info("linear weights: %d layers hold exact GGUF blocks (%s), but their product is not faster here (%s "
                  "rows over a step's weights); float32 kept", len(modules), formats, timed)
         return 0

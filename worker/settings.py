@@ -63,6 +63,7 @@ class WorkerSettings(BaseSettings):
     layer_split_devices: int = Field(default=1, ge=1, le=64)
     torch_num_threads: int | None = Field(default=None, ge=1)
     native_kernels: Literal["auto", "off"] = "auto"
+    batch_invariant: bool = True  # outputs independent of what is batched with a request (engine/config.py)
     speculative_config: str | None = None  # JSON, vLLM's --speculative-config terms
 
     # Embeddings (unset: the model's sentence-transformers config, else the architecture's usual choice)
@@ -205,6 +206,7 @@ class WorkerSettings(BaseSettings):
             layer_split_devices=self.layer_split_devices,
             num_threads=self.torch_num_threads,
             native_kernels=self.native_kernels,
+            batch_invariant=self.batch_invariant,
             max_logprobs=self.max_logprobs,
             pooling_type=self.pooling_type,
             embedding_normalize=self.embedding_normalize,

@@ -464,10 +464,17 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
   for (int64_t i = 0; i < blocks.numel(); ++i) TORCH_CHECK(bp[i] >= 0 && bp[i] < pool_blocks, "paged_decode_attention: block id out of range");
   // Few rows over long contexts leave threads idle with one task per (row, key head): split each row's keys into
   // parts whose softmax terms are merged afterwards (as flash-decoding does), at least kMinSplitKeys keys a part.
+  // A row's parts follow from its own length alone (as many as it would take decoding alone), never from the
+  // other rows: the split changes the rounding, and a row must attend the same alone or in any batch.
   constexpr int64_t kMinSplitKeys = 256;
   const int64_t wanted = 4 * at::get_num_threads(), pairs = rows * kv_heads;
-  const int64_t parts = pairs >= wanted ? 1 : std::max<int64_t>(1, std::min((wanted + pairs - 1) / pairs,
-                                                                            longest / kMinSplitKeys));
+  const int64_t most_parts = (wanted + kv_heads - 1) / kv_heads;
+  std::vector<int64_t> row_parts(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = window > 0 ? std::min(lp[r], window) : lp[r];
+    row_parts[r] = std::max<int64_t>(1, std::min(most_parts, n / kMinSplitKeys));
+  }
+  const int64_t parts = std::min(most_parts, std::max<int64_t>(1, longest / kMinSplitKeys));  // tasks per pair
   const int64_t q_row = query.stride(0), q_head = query.stride(1), o_row = out.stride(0), o_head = out.stride(1);
   // Each part's terms: top and total [pairs * parts, group], acc [pairs * parts, group, value_dim].
   std::vector<float> tops(pairs * parts * group), totals(pairs * parts * group), accs(pairs * parts * group * value_dim);
@@ -488,7 +495,9 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
         for (int64_t task = begin; task < end; ++task) {
           const int64_t pair = task / parts, part = task % parts, r = pair / kv_heads, kh = pair % kv_heads;
           const int64_t length = lp[r], start = window > 0 ? std::max<int64_t>(0, length - window) : 0;
-          const int64_t n = length - start, p0 = start + n * part / parts, p1 = start + n * (part + 1) / parts;
+          const int64_t own = row_parts[r];  // parts past the row's own are left empty
+          const int64_t n = part < own ? length - start : 0;
+          const int64_t p0 = start + n * part / own, p1 = start + n * (part + 1) / own;
           for (int64_t g = 0; g < group; ++g) {
             const T* src = qp + r * q_row + (kh * group + g) * q_head;
             for (int64_t j = 0; j < dim; ++j) q[g * dim + j] = f32(src[j]) * static_cast<float>(scale);
@@ -515,12 +524,13 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
         const int64_t r = pair / kv_heads, kh = pair % kv_heads;
         for (int64_t g = 0; g < group; ++g) {
           float top = -INFINITY, total = 0.f;
-          for (int64_t part = 0; part < parts; ++part) top = std::max(top, tops[(pair * parts + part) * group + g]);
+          const int64_t own = row_parts[r];
+          for (int64_t part = 0; part < own; ++part) top = std::max(top, tops[(pair * parts + part) * group + g]);
           std::fill(merged.begin(), merged.end(), 0.f);
-          for (int64_t part = 0; part < parts; ++part) {
+          for (int64_t part = 0; part < own; ++part) {
             const int64_t at = (pair * parts + part) * group + g;
             if (totals[at] == 0.f) continue;  // an empty part
-            const float factor = parts == 1 ? 1.f : fast_exp(tops[at] - top);
+            const float factor = own == 1 ? 1.f : fast_exp(tops[at] - top);
             total += totals[at] * factor;
             const float* a = accs.data() + at * value_dim;
             _Pragma("omp simd")
