@@ -84,7 +84,7 @@ def _generation_runner(model: LoadedModel, config: EngineConfig) -> ModelRunner:
                          kv_budget_bytes=config.kv_cache_memory or default_cpu_kv_budget(),
                          gpu_memory_utilization=config.gpu_memory_utilization,
                          max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                         kv_dtype=kv_dtype, check_kv_dtype=check_kv_dtype)
+                         kv_dtype=kv_dtype, check_kv_dtype=check_kv_dtype, verdicts=model.verdicts)
     kv = runner.kv
     budget = (f"GPU_MEMORY_UTILIZATION={config.gpu_memory_utilization}" if model.device.type == "cuda"
               else "KV_CACHE_MEMORY")
@@ -166,6 +166,8 @@ class AsyncEngine:
                                 pooling=pooling,
                                 speculator=self._speculator(model, runner) if runner is not None else None)
             engine.on_fatal = self._fatal
+            if model.verdicts is not None and model.verdicts.path is not None:
+                log.info("start-up verdicts: %s", model.verdicts.summary())
             self._model, self._engine = model, engine
             host_memory.freeze_long_lived()
             future.set_result(None)

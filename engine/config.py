@@ -37,6 +37,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     native_kernels: str = "auto"  # CPU decode kernels (native_kernels.py): auto (where they build and check) | off
+    # Keep the start-up probes' and checks' verdicts in cache_dir (engine/startup_cache.py). Off by default here so
+    # that engines built in code (tests) probe; the worker's settings turn it on (STARTUP_CACHE).
+    startup_cache: bool = False
     max_logprobs: int = 20
     # Embeddings: None takes the model's sentence-transformers config, else last token (decoders) or first
     # token (encoders), normalised.

@@ -61,6 +61,7 @@ class WorkerSettings(BaseSettings):
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     torch_num_threads: int | None = Field(default=None, ge=1)
     native_kernels: Literal["auto", "off"] = "auto"
+    startup_cache: Literal["on", "off"] = "on"  # start-up verdicts kept in BASE_PATH (engine/startup_cache.py)
     speculative_config: str | None = None  # JSON, vLLM's --speculative-config terms
 
     # Embeddings (unset: the model's sentence-transformers config, else the architecture's usual choice)
@@ -188,6 +189,7 @@ class WorkerSettings(BaseSettings):
             tensor_parallel_size=self.tensor_parallel_size,
             num_threads=self.torch_num_threads,
             native_kernels=self.native_kernels,
+            startup_cache=self.startup_cache == "on",
             max_logprobs=self.max_logprobs,
             pooling_type=self.pooling_type,
             embedding_normalize=self.embedding_normalize,
