@@ -167,6 +167,7 @@ class AsyncEngine:
                                 speculator=self._speculator(model, runner) if runner is not None else None)
             engine.on_fatal = self._fatal
             if model.verdicts is not None and model.verdicts.path is not None:
+                model.verdicts.save()
                 log.info("start-up verdicts: %s", model.verdicts.summary())
             self._model, self._engine = model, engine
             host_memory.freeze_long_lived()

@@ -218,7 +218,7 @@ def load(config: EngineConfig) -> LoadedModel:
                 model.requires_grad_(False)
                 if not fallback_reason:  # faster decode steps; the rewrites target decoder layers
                     windows.mark_windows(model)
-                fusion.apply(model)
+                fusion.apply(model, verdicts)
                 return model
 
             model = causal_lm(dtype)

@@ -80,7 +80,7 @@ def model_identity(folder: Path) -> dict[str, Any]:
 
 class Verdicts:
     """The verdicts of one key, read from `folder` (None: kept in this process only). `get(name, compute)`
-    returns the stored value or computes, stores and returns it; values are JSON data."""
+    returns the stored value or computes, keeps and returns it (values are JSON data); `save()` writes them."""
 
     def __init__(self, folder: Path | None, identity: dict[str, Any], label: str, baked: Path | None = None):
         self.identity = {"format": FORMAT, **identity}
@@ -130,13 +130,12 @@ class Verdicts:
         with self._lock:
             self.misses.append(name)
             self._values[name] = value
-            self._write()
         return value
 
-    def _write(self) -> None:
-        """The whole file anew, through a temporary file and a rename; a volume that cannot be written only costs
-        the next start its probes."""
-        if self.path is None:
+    def save(self) -> None:
+        """Write the file anew where something was probed (once, at the end of a load), through a temporary file
+        and a rename; a volume that cannot be written only costs the next start its probes."""
+        if self.path is None or not self.misses:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
