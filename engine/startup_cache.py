@@ -142,6 +142,7 @@ class Verdicts:
             text = json.dumps({"identity": self.identity, "verdicts": self._values}, indent=1, sort_keys=True)
             handle, scratch = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
             try:
+                os.fchmod(handle, 0o644)  # mkstemp's 0600 would hide it from workers running as another user
                 with os.fdopen(handle, "w", encoding="utf-8") as file:
                     file.write(text)
                 os.replace(scratch, self.path)
