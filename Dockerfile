@@ -41,6 +41,9 @@ ARG TOKENIZER_NAME
 ARG TOKENIZER_REVISION
 ARG AWS_ENDPOINT_URL_S3
 ARG AWS_REGION
+# Set (--build-arg BAKE_STARTUP_VERDICTS=1) where the build machine's CPU is the workers': the start-up probes run
+# here once and their verdicts ship in /models, so workers start without them (another CPU simply misses).
+ARG BAKE_STARTUP_VERDICTS
 ENV BAKED_MODEL_DIR=/models \
     MODEL_NAME=${MODEL_NAME} \
     MODEL_REVISION=${MODEL_REVISION} \

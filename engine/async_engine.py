@@ -84,7 +84,8 @@ def _generation_runner(model: LoadedModel, config: EngineConfig) -> ModelRunner:
                          kv_budget_bytes=config.kv_cache_memory or default_cpu_kv_budget(),
                          gpu_memory_utilization=config.gpu_memory_utilization,
                          max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                         kv_dtype=kv_dtype, check_kv_dtype=check_kv_dtype, platform=model.platform)
+                         kv_dtype=kv_dtype, check_kv_dtype=check_kv_dtype, platform=model.platform,
+                         verdicts=model.verdicts)
     kv = runner.kv
     memory = (f" of {model.platform.simulated_memory / 2**30:.2f} GiB simulated" if model.platform.simulated
               else "")
@@ -170,6 +171,9 @@ class AsyncEngine:
                                 speculator=self._speculator(model, runner) if runner is not None else None,
                                 platform=model.platform)
             engine.on_fatal = self._fatal
+            if model.verdicts is not None and model.verdicts.path is not None:
+                model.verdicts.save()
+                log.info("start-up verdicts: %s", model.verdicts.summary())
             self._model, self._engine = model, engine
             host_memory.freeze_long_lived()
             future.set_result(None)

@@ -41,6 +41,9 @@ class EngineConfig:
     # A request's tokens do not depend on what else is batched with it (greedy: the same tokens; seeded: the same
     # samples): each row takes the same kernels and reduction order whatever the step's rows and chunks.
     batch_invariant: bool = True
+    # Keep the start-up probes' and checks' verdicts in cache_dir (engine/startup_cache.py). Off by default here so
+    # that engines built in code (tests) probe; the worker's settings turn it on (STARTUP_CACHE).
+    startup_cache: bool = False
     max_logprobs: int = 20
     # Embeddings: None takes the model's sentence-transformers config, else last token (decoders) or first
     # token (encoders), normalised.

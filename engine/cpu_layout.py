@@ -22,6 +22,7 @@ Results equal `F.linear` up to float summation order.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -329,23 +330,30 @@ def _probe(model: torch.nn.Module) -> tuple[Layout, str, dict[tuple, torch.Tenso
     return Layout(column_major, packed_from), measured, packed
 
 
-def apply(model: torch.nn.Module, batch_invariant: bool = False) -> Layout:
+def apply(model: torch.nn.Module, batch_invariant: bool = False, verdicts=None) -> Layout:
     """Switch the model's linear layers to the layouts this CPU runs fastest, by probes on the model's own
     weights: column-major storage where it beats row-major at decode sizes, then oneDNN's packed product for
     the batch sizes where it beats that. A model with the same weight shapes as one probed before in this
-    process (a reload) takes the same answer without timing again."""
+    process (a reload), or in an earlier process on this machine (`verdicts`, engine/startup_cache.py), takes
+    the same answer without timing again."""
     with torch.inference_mode():
         shapes = (torch.get_num_threads(), sum(p.numel() for p in model.parameters()),
                   tuple((tuple(w.shape), w.dtype) for w in _step_weights(model)))
         packed: dict[tuple, torch.Tensor] = {}
+        name = "cpu_layout:" + hashlib.sha256(repr(shapes[1:]).encode()).hexdigest()[:16]
+        found, stored = verdicts.cached(name) if verdicts is not None else (False, None)
+        if shapes not in _probed and found:
+            _probed[shapes] = Layout(bool(stored[0]), stored[1]), stored[2]
         if shapes in _probed:
-            log.debug("CPU linear layout: these weight shapes were probed before in this process")
+            log.debug("CPU linear layout: these weight shapes were probed before")
             layout, measured = _probed[shapes]
             if layout.column_major:
                 use_column_major(model)
         else:
             layout, measured, packed = _probe(model)
             _probed[shapes] = layout, measured
+            if verdicts is not None:
+                verdicts.get(name, lambda: [layout.column_major, layout.packed_from, measured])
         if layout.packed_from is not None:
             use_packed(model, layout.packed_from, packed)
         if batch_invariant:

@@ -20,7 +20,18 @@ import torch.nn.functional as F
 log = logging.getLogger("engine.fusion")
 
 
+_verdicts = None  # the start-up verdicts of the model being rewritten (engine/startup_cache.py), or None
+_current = ""  # the module's name in the model, naming its verdict
+
+
 def _matches(module: torch.nn.Module, new_forward, hidden: int, dtype: torch.dtype, device) -> bool:
+    if _verdicts is None:
+        return _compare(module, new_forward, hidden, dtype, device)
+    return _verdicts.get(f"fusion:{_current}:{new_forward.__name__}:{dtype}",
+                         lambda: _compare(module, new_forward, hidden, dtype, device))
+
+
+def _compare(module: torch.nn.Module, new_forward, hidden: int, dtype: torch.dtype, device) -> bool:
     x = torch.randn(3, 5, hidden, dtype=dtype, device=device)
     expected = module(x)
     got = new_forward(module, x)
@@ -133,15 +144,21 @@ def _fuse_rms_norm(module: torch.nn.Module) -> bool:
 
 
 @torch.inference_mode()
-def apply(model: torch.nn.Module) -> dict[str, int]:
-    """Rewrite what matches; returns how many modules of each kind were rewritten."""
+def apply(model: torch.nn.Module, verdicts=None) -> dict[str, int]:
+    """Rewrite what matches; returns how many modules of each kind were rewritten. `verdicts` keeps each
+    rewrite's check across starts of the same model, machine and code."""
+    global _verdicts, _current
     counts = {"mlp": 0, "qkv": 0, "rms_norm": 0}
-    for module in list(model.modules()):
-        if _fuse_mlp(module):
-            counts["mlp"] += 1
-        elif _fuse_qkv(module):
-            counts["qkv"] += 1
-        elif _fuse_rms_norm(module):
-            counts["rms_norm"] += 1
+    _verdicts = verdicts
+    try:
+        for _current, module in list(model.named_modules()):
+            if _fuse_mlp(module):
+                counts["mlp"] += 1
+            elif _fuse_qkv(module):
+                counts["qkv"] += 1
+            elif _fuse_rms_norm(module):
+                counts["rms_norm"] += 1
+    finally:
+        _verdicts, _current = None, ""
     log.info("fused projections and norms: %s", counts)
     return counts

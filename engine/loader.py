@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from . import attention, cpu_layout, devices, fallback, fusion, model_store, native_kernels, quantized_weights, windows
+from . import (attention, cpu_layout, devices, fallback, fusion, model_store, native_kernels, quantized_weights,
+               startup_cache, windows)
 from .config import EngineConfig
 from .pooling import PoolingConfig, Task, pooling_config
 from .tokenizer import Tokenizer
@@ -33,6 +34,7 @@ class LoadedModel:
     pooling: PoolingConfig | None = None  # how embeddings are pooled from its hidden states
     fallback_reason: str | None = None  # why the paged engine cannot run it (engine/fallback.py serves it), or None
     platform: devices.Platform | None = None  # None: the plain platform of `device`
+    verdicts: startup_cache.Verdicts | None = None  # the start-up probes' verdicts for this model and machine
 
     def __post_init__(self):
         if self.platform is None:
@@ -80,14 +82,15 @@ def resolve_platform(name: str, simulated_memory: int | None = None) -> devices.
 _BFLOAT16_GAIN_NEEDED = 1.5
 
 
-def resolve_dtype(name: str, device: torch.device | devices.Platform) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device | devices.Platform,
+                  verdicts: startup_cache.Verdicts | None = None) -> torch.dtype:
     platform = device if isinstance(device, devices.Platform) else devices.Platform(device)
     if name == "auto":
         if platform.accelerator:
             return torch.bfloat16 if platform.bfloat16_supported() else torch.float16
         # bfloat16 halves the bytes every decode step reads and, where the CPU has native bfloat16 products,
         # multiplies several times faster; a probe confirms the gain on this machine before it is used.
-        gain = cpu_layout.bfloat16_gain()
+        gain = (verdicts or startup_cache.in_memory()).get("bfloat16_gain", cpu_layout.bfloat16_gain)
         log.info("DTYPE=auto on CPU: bfloat16 products %.2fx float32 here; using %s", gain,
                  "bfloat16" if gain >= _BFLOAT16_GAIN_NEEDED else "float32")
         return torch.bfloat16 if gain >= _BFLOAT16_GAIN_NEEDED else torch.float32
@@ -184,18 +187,24 @@ def load(config: EngineConfig) -> LoadedModel:
         torch.set_num_threads(config.num_threads)
     platform = resolve_platform(config.device, config.simulated_device_memory)
     device = platform.device
-    dtype = resolve_dtype(config.dtype, platform)
     placement = _placement(config, platform)
     source = model_store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir,
                                  baked_dir=config.baked_model_dir)
     folder = local_folder(source, config.cache_dir, config.baked_model_dir)
+    verdicts = (startup_cache.open_verdicts(config.cache_dir, "model", folder, config.baked_model_dir)
+                if config.startup_cache and platform.cpu_fast_paths and folder.is_dir() else startup_cache.in_memory())
+    dtype = resolve_dtype(config.dtype, platform, verdicts)
     # A GGUF model held mostly in Q4_1/Q8_0 blocks may serve faster from its blocks (float32 weights, 16-bit
     # integer activations) than as bfloat16: DTYPE=auto loads it as float32 and a probe on its weights decides.
     try_blocks = (config.dtype == "auto" and dtype == torch.bfloat16 and platform.cpu_fast_paths
                   and source.gguf_file is not None and config.native_kernels != "off"
-                  and quantized_weights.gguf_block_share(source.path / source.gguf_file) >= 0.5)
-    if try_blocks:
+                  and verdicts.get("gguf_block_share", lambda: quantized_weights.gguf_block_share(
+                      source.path / source.gguf_file)) >= 0.5)
+    # A stored verdict that bfloat16 wins loads the model once, as bfloat16, instead of float32 first.
+    if try_blocks and verdicts.cached("beats_bfloat16") != (True, False):
         dtype = torch.float32
+    else:
+        try_blocks = False
     if config.tokenizer:
         tokenizer_source = model_store.resolve(config.tokenizer, revision=config.tokenizer_revision,
                                                cache_dir=config.cache_dir, baked_dir=config.baked_model_dir,
@@ -221,7 +230,7 @@ def load(config: EngineConfig) -> LoadedModel:
                 model.requires_grad_(False)
                 if not fallback_reason:  # faster decode steps; the rewrites target decoder layers
                     windows.mark_windows(model)
-                fusion.apply(model)
+                fusion.apply(model, verdicts)
                 return model
 
             model = causal_lm(dtype)
@@ -239,16 +248,17 @@ def load(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError(f"model {config.model or source.name}: loading failed: "
                              f"{_one_line(exc)}") from exc
     if task == "generate" and platform.cpu_fast_paths:  # never on CUDA, real or simulated
-        native_kernels.load(config.native_kernels, dtype, config.cache_dir)
-        if try_blocks and not quantized_weights.beats_bfloat16(model, native_kernels.active()):
+        native_kernels.load(config.native_kernels, dtype, config.cache_dir, verdicts)
+        if try_blocks and not (native_kernels.active() is not None and verdicts.get(
+                "beats_bfloat16", lambda: quantized_weights.beats_bfloat16(model, native_kernels.active()))):
             dtype, model = torch.bfloat16, None  # the float32 copy goes before the bfloat16 one loads
             model = causal_lm(dtype)
-            native_kernels.load(config.native_kernels, dtype, config.cache_dir)
-        cpu_layout.apply(model, batch_invariant=config.batch_invariant)
+            native_kernels.load(config.native_kernels, dtype, config.cache_dir, verdicts)
+        cpu_layout.apply(model, batch_invariant=config.batch_invariant, verdicts=verdicts)
         # DTYPE=auto lets GGUF blocks take 16-bit integer activations (quantized_weights); an explicit
         # float32 keeps float32 activations.
         quantized_weights.apply(model, native_kernels.active(), integer_activations=config.dtype == "auto",
-                                every_size=config.batch_invariant)
+                                every_size=config.batch_invariant, verdicts=verdicts)
     attention.set_batch_invariant(config.batch_invariant)
     pooling = pooling_config(folder, model.config, task, config.pooling_type, config.embedding_normalize)
 
@@ -262,7 +272,7 @@ def load(config: EngineConfig) -> LoadedModel:
              platform.name, str(dtype).removeprefix("torch."), max_model_len, task, pooling.pooling_type,
              " normalized" if pooling.normalize else "", pooling.source, time.perf_counter() - started)
     return LoadedModel(model, tokenizer, device, dtype, max_model_len, source.name, _generation_defaults(model),
-                       task, pooling, fallback_reason, platform)
+                       task, pooling, fallback_reason, platform, verdicts)
 
 
 def _fallback_reason(model_config) -> str | None:

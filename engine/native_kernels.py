@@ -383,10 +383,12 @@ def self_check(kernels, dtype: torch.dtype = torch.float32) -> str:
     return ""
 
 
-def load(mode: str = "auto", dtype: torch.dtype = torch.float32, cache_dir: Path | str | None = None) -> bool:
+def load(mode: str = "auto", dtype: torch.dtype = torch.float32, cache_dir: Path | str | None = None,
+         verdicts=None) -> bool:
     """Make the kernels active for this process where `mode` allows, a build for this CPU is found or made (in
     build_dir(cache_dir)) and agrees with PyTorch on `dtype` (the model's). Returns whether they are active;
-    `reason()` says why not."""
+    `reason()` says why not. `verdicts` (engine/startup_cache.py) keeps the self-check's verdict for this very
+    build across processes."""
     global _active, _reason
     _active = None
     if mode == "off":
@@ -401,7 +403,13 @@ def load(mode: str = "auto", dtype: torch.dtype = torch.float32, cache_dir: Path
         _reason = f"not built: {' '.join((errors[-1] if errors else str(exc)).split())[:300]}"
         log.warning("CPU decode kernels: %s; using PyTorch operations", _reason)
         return False
-    differs = self_check(kernels, dtype)
+    built = Path(getattr(kernels, "__file__", None) or "/nonexistent")
+    if verdicts is None or not built.is_file():
+        differs = self_check(kernels, dtype)
+    else:  # the verdict holds for this very binary (its file's identity) on this CPU with these sources
+        stat = built.stat()
+        differs = verdicts.get(f"native_self_check:{dtype}:{built}:{stat.st_size}:{stat.st_mtime_ns}",
+                               lambda: self_check(kernels, dtype))
     if differs:
         _reason = f"{differs} differs from PyTorch on this machine"
         log.warning("CPU decode kernels: %s; using PyTorch operations", _reason)

@@ -3,6 +3,9 @@
     python -m engine.prefetch [--into DIR] [--model SOURCE] [--revision REV] [--tokenizer SOURCE]
                               [--tokenizer-revision REV]
 
+With BAKE_STARTUP_VERDICTS set (a build argument), it then loads the model once so the start-up probes' verdicts
+are baked in too (engine/startup_cache.py); worth it where the build machine's CPU is the workers'.
+
 Defaults come from the worker's own variables: BAKED_MODEL_DIR, MODEL_NAME, MODEL_REVISION, TOKENIZER_NAME,
 TOKENIZER_REVISION. The Dockerfile runs it at build time to bake a model into the image. It downloads through
 the same code as the worker (so S3 and Hub sources take the same credentials) and records each source in
@@ -59,7 +62,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prefetch: {source} is in {local.path}", file=sys.stderr)
         else:  # a local path: nothing to download, the worker reads it where it is
             print(f"prefetch: {source} is a local path; nothing to download", file=sys.stderr)
+    if os.environ.get("BAKE_STARTUP_VERDICTS"):
+        _bake_verdicts(args, into)
     return 0
+
+
+def _bake_verdicts(args, into: Path) -> None:
+    """Load the model once with the worker's default settings, so the start-up probes' verdicts
+    (engine/startup_cache.py) land in DIR/startup-verdicts: a worker on a machine like the builder (same CPU,
+    threads and versions) then starts without probing, even on an empty volume. Another CPU simply misses."""
+    import asyncio
+
+    from .async_engine import AsyncEngine
+    from .config import EngineConfig
+
+    engine = AsyncEngine(EngineConfig(model=args.model, revision=args.revision, tokenizer=args.tokenizer,
+                                      tokenizer_revision=args.tokenizer_revision, cache_dir=into,
+                                      baked_model_dir=into, startup_cache=True))
+    asyncio.run(engine.start())
+    engine.close()
+    print(f"prefetch: start-up verdicts baked into {into / 'startup-verdicts'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

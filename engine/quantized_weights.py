@@ -17,6 +17,7 @@ agreement with float32: 100% of greedy tokens on the prompt set, mean KL 7e-8).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import types
@@ -118,10 +119,11 @@ def _gains(modules: list[torch.nn.Linear], blocks: list[tuple[int, torch.Tensor]
     return gains
 
 
-def _exact_blocks(model: torch.nn.Module, kernels, words: bool,
-                  limit: int | None = None) -> list[tuple[torch.nn.Linear, tuple[int, torch.Tensor]]]:
+def _exact_blocks(model: torch.nn.Module, kernels, words: bool, limit: int | None = None,
+                  check: bool = True) -> list[tuple[torch.nn.Linear, tuple[int, torch.Tensor]]]:
     """The candidate layers (up to `limit` bytes of float32 weights, in step order) that hold exact blocks, with their
-    packed blocks; [] where the product disagrees with the float32 one on this machine (logged)."""
+    packed blocks; [] where the product disagrees with the float32 one on this machine (logged). `check=False`
+    skips that comparison, for a verdict an earlier start already reached (engine/startup_cache.py)."""
     found, total = [], 0
     for module in _candidates(model):
         packed = kernels.pack_blocks(module.weight.detach(), words)
@@ -130,7 +132,7 @@ def _exact_blocks(model: torch.nn.Module, kernels, words: bool,
         total += module.weight.numel() * 4
         if limit is not None and total >= limit:
             break
-    if found and not all(_agrees(m, kernels, b) for m, b in {b[0]: (m, b) for m, b in found}.values()):
+    if check and found and not all(_agrees(m, kernels, b) for m, b in {b[0]: (m, b) for m, b in found}.values()):
         log.warning("the block product differs from the float32 one on this machine; not used")
         return []
     return found
@@ -167,33 +169,55 @@ def beats_bfloat16(model: torch.nn.Module, kernels) -> bool:
     return wins
 
 
-def apply(model: torch.nn.Module, kernels, integer_activations: bool = False, every_size: bool = False) -> int:
+def _verdict_name(model: torch.nn.Module, words: bool) -> str:
+    """The stored verdict's name for these candidate layers (their shapes, in order) and activations."""
+    shapes = repr([tuple(m.weight.shape) for m in _candidates(model)])
+    return f"gguf_blocks:{int(words)}:" + hashlib.sha256(shapes.encode()).hexdigest()[:16]
+
+
+def apply(model: torch.nn.Module, kernels, integer_activations: bool = False, every_size: bool = False,
+          verdicts=None) -> int:
     """Give every linear layer whose weight is exact Q4_1 or Q8_0 blocks a block product for batches up to the
     size where it wins (`kernels`: engine/native_kernels.active(), or None), with 16-bit integer activations where
     `integer_activations` allows and the CPU has the product. With `every_size` (BATCH_INVARIANT) the blocks serve
     every batch size: a row's block product does not depend on the other rows, but a row that went to the float32
-    product when the step had more rows would round differently. Returns how many layers got one."""
+    product when the step had more rows would round differently. Returns how many layers got one. `verdicts`
+    (engine/startup_cache.py) keeps the agreement check's and the timing's outcome across starts: the blocks are
+    still recovered from the weights, but neither compared nor timed again."""
     if kernels is None or not kernels.blocks_supported():
         return 0
     words = integer_activations and kernels.word_blocks_supported()
     sizes = _WORD_PROBE_ROWS if words else _PROBE_ROWS
+    name = _verdict_name(model, words) if verdicts is not None else ""
+    stored, value = verdicts.cached(name) if verdicts is not None else (False, None)
+    until, timed = value if stored else (0, "")
+    if stored and not until and not every_size:
+        return 0  # no exact blocks, a product that differs, or one that is not faster here
     with torch.inference_mode():
-        found = _exact_blocks(model, kernels, words)
+        # A stored "no" may have been a product that differs: blocks wanted at every size are checked again.
+        found = _exact_blocks(model, kernels, words, check=not (stored and until))
         if not found:
+            if verdicts is not None:
+                verdicts.get(name, lambda: [0, ""])
             return 0
         modules, blocks = [m for m, _ in found], [b for _, b in found]
-        gains = _gains(modules, blocks, kernels, sizes)
-    until = 0
-    for rows in sizes:
-        if gains[rows] < _GAIN_NEEDED:
-            break
-        until = rows
-    if (words and until == sizes[-1]) or every_size:
+        if not stored:
+            gains = _gains(modules, blocks, kernels, sizes)
+            until = 0
+            for rows in sizes:
+                if gains[rows] < _GAIN_NEEDED:
+                    break
+                until = rows
+            if words and until == sizes[-1]:
+                until = EVERY_SIZE
+            timed = ", ".join(f"{g:.2f}x at {rows}" for rows, g in gains.items())
+            if verdicts is not None:
+                verdicts.get(name, lambda: [until, timed])
+    if every_size:
         until = EVERY_SIZE
     formats = ", ".join(f"{sum(b[0] == f for b in blocks)} {name}" for f, name in _FORMATS.items()
                         if any(b[0] == f for b in blocks))
-    timed = ", ".join(f"{g:.2f}x at {rows}" for rows, g in gains.items())
-    if not until and not every_size:
+    if not until:
         log.info("linear weights: %d layers hold exact GGUF blocks (%s), but their product is not faster here (%s "
                  "rows over a step's weights); float32 kept", len(modules), formats, timed)
         return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -123,8 +124,10 @@ class ModelRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, kv_budget_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  kv_dtype: torch.dtype | None = None, check_kv_dtype: bool = False,
-                 platform: devices.Platform | None = None):
+                 platform: devices.Platform | None = None, verdicts=None):
         self.model = model
+        # The checks' verdicts from earlier starts on this machine, model and code (engine/startup_cache.py).
+        self.verdicts = verdicts
         self.device = device
         self.platform = platform or devices.Platform(device)
         self.dtype = dtype
@@ -146,7 +149,8 @@ class ModelRunner:
         self.prefill_continues = self.states is None or self._probe_continuation()
         if self.states is None and self.layer_shapes:
             if check_kv_dtype and self.kv_dtype != dtype:
-                why = self._kv_rounding_differs()
+                why = self._kept("kv_rounding", self._kv_rounding_differs) if self.kv.num_blocks >= 4 else \
+                    self._kv_rounding_differs()
                 if why:
                     log.warning("KV cache in %s: %s; keeping %s", str(self.kv_dtype).removeprefix("torch."), why,
                                 str(dtype).removeprefix("torch."))
@@ -154,6 +158,18 @@ class ModelRunner:
                     del self.kv
                     self.kv = self._allocate_kv(kv_budget_bytes, gpu_memory_utilization, max_num_batched_tokens)
             self.compact, self.compact_reason = self._compact_decoder()
+
+    def _kept(self, check: str, run):
+        """The verdict of `run` (a check of this model's forward), reused from an earlier start that ran the same
+        forward: the same types, kernels binary and integer activations (the store's key holds the rest)."""
+        if self.verdicts is None:
+            return run()
+        kernels = native_kernels.active() if self.device.type == "cpu" else None
+        built = getattr(kernels, "__file__", None) or ""
+        stamp = os.stat(built).st_mtime_ns if built and os.path.isfile(built) else 0
+        name = (f"{check}:{self.dtype}:{self.kv_dtype}:{built}:{stamp}:"
+                f"{int(quantized_weights.rounds_activations(self.model))}:{len(self.layer_shapes)}")
+        return self.verdicts.get(name, run)
 
     def _allocate_kv(self, kv_budget_bytes: int | None, gpu_memory_utilization: float,
                      max_num_batched_tokens: int) -> PagedKVCache:
@@ -240,14 +256,25 @@ class ModelRunner:
             return None, "its layers are spread over several devices"
         if self.kv.num_blocks < 4:
             return None, "the KV cache is too small to check it"
-        steps = self._probe_steps()
-        own = [self.execute(*step) for step in steps]
-        why = self._differs(decoder, steps, own)
-        if why and decoder.kernels is not None:
-            log.warning("compact forward through the native kernels: %s; trying it without them", why)
-            decoder = CompactDecoder(self.model)
+
+        def check() -> str:
+            """'kernels' or 'plain' for the compact forward that computes the model's logits, else why none does."""
+            steps = self._probe_steps()
+            own = [self.execute(*step) for step in steps]
             why = self._differs(decoder, steps, own)
-        return (None, why) if why else (decoder, "")
+            if not why:
+                return "kernels" if decoder.kernels is not None else "plain"
+            if decoder.kernels is not None:
+                log.warning("compact forward through the native kernels: %s; trying it without them", why)
+                why = self._differs(CompactDecoder(self.model), steps, own)
+            return why or "plain"
+
+        verdict = self._kept(f"compact_forward:{int(decoder.kernels is not None)}", check)
+        if verdict == "kernels":
+            return decoder, ""
+        if verdict == "plain":
+            return (decoder if decoder.kernels is None else CompactDecoder(self.model)), ""
+        return None, verdict
 
     def _differs(self, decoder: CompactDecoder, steps, own: list) -> str:
         """Why `decoder` does not compute the model's own logits `own` on `steps` ('' where it does)."""

@@ -64,6 +64,7 @@ class WorkerSettings(BaseSettings):
     torch_num_threads: int | None = Field(default=None, ge=1)
     native_kernels: Literal["auto", "off"] = "auto"
     batch_invariant: bool = True  # outputs independent of what is batched with a request (engine/config.py)
+    startup_cache: Literal["on", "off"] = "on"  # start-up verdicts kept in BASE_PATH (engine/startup_cache.py)
     speculative_config: str | None = None  # JSON, vLLM's --speculative-config terms
 
     # Embeddings (unset: the model's sentence-transformers config, else the architecture's usual choice)
@@ -207,6 +208,7 @@ class WorkerSettings(BaseSettings):
             num_threads=self.torch_num_threads,
             native_kernels=self.native_kernels,
             batch_invariant=self.batch_invariant,
+            startup_cache=self.startup_cache == "on",
             max_logprobs=self.max_logprobs,
             pooling_type=self.pooling_type,
             embedding_normalize=self.embedding_normalize,
