@@ -52,14 +52,22 @@ def _version(package: str) -> str:
         return ""
 
 
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags (its timings and kernels' results depend on both)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        fields = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        fields = [platform.processor()]
+    return hashlib.sha256("\n".join([*fields, platform.machine()]).encode()).hexdigest()[:12]
+
+
 def machine_identity() -> dict[str, Any]:
     """What every verdict depends on besides the model: the CPU (model name and feature flags), the threads the
     probes ran with, the library versions and the engine's sources."""
     import torch
 
-    from . import native_kernels
-
-    return {"cpu": native_kernels._cpu_fingerprint(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": _cpu_identity(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": _version("transformers"), "python": platform.python_version(),
             "sources": _sources_digest()}
 
