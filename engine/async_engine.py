@@ -247,6 +247,11 @@ class AsyncEngine:
         return self.engine.check_supported(params)
 
     @property
+    def batch_invariant(self) -> bool:
+        """Whether a request's output is independent of what shares its steps (BATCH_INVARIANT, resolved)."""
+        return self._require().batch_invariant
+
+    @property
     def task(self) -> Task:
         """generate, embed or classify: what the served model's architecture can do."""
         return self._require().task

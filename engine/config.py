@@ -39,8 +39,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     native_kernels: str = "auto"  # CPU decode kernels (native_kernels.py): auto (where they build and check) | off
     # A request's tokens do not depend on what else is batched with it (greedy: the same tokens; seeded: the same
-    # samples): each row takes the same kernels and reduction order whatever the step's rows and chunks.
-    batch_invariant: bool = True
+    # samples): each row takes the same kernels and reduction order whatever the step's rows and chunks. "auto":
+    # where that costs nothing measurable (a GGUF model served from its blocks on CPU); True or False: always, never.
+    batch_invariant: bool | str = "auto"
     # Keep the start-up probes' and checks' verdicts in cache_dir (engine/startup_cache.py). Off by default here so
     # that engines built in code (tests) probe; the worker's settings turn it on (STARTUP_CACHE).
     startup_cache: bool = False

@@ -63,7 +63,8 @@ class WorkerSettings(BaseSettings):
     layer_split_devices: int = Field(default=1, ge=1, le=64)
     torch_num_threads: int | None = Field(default=None, ge=1)
     native_kernels: Literal["auto", "off"] = "auto"
-    batch_invariant: bool = True  # outputs independent of what is batched with a request (engine/config.py)
+    # Outputs independent of what is batched with a request (engine/config.py); "auto" where it costs nothing.
+    batch_invariant: Literal["auto"] | bool = "auto"
     startup_cache: Literal["on", "off"] = "on"  # start-up verdicts kept in BASE_PATH (engine/startup_cache.py)
     speculative_config: str | None = None  # JSON, vLLM's --speculative-config terms
 
@@ -107,6 +108,17 @@ class WorkerSettings(BaseSettings):
         if head not in ("auto", "cpu", "cuda", "mps") or (index and (head != "cuda" or not index.isdigit())):
             raise ValueError(f"must be auto, cpu, cuda, cuda:N, mps or cuda-sim (got {value!r})")
         return text
+
+    @field_validator("batch_invariant", mode="before")
+    @classmethod
+    def _auto_or_boolean(cls, value):
+        words = {"auto": "auto", "true": True, "1": True, "on": True, "yes": True,
+                 "false": False, "0": False, "off": False, "no": False}
+        if isinstance(value, str):
+            if value.strip().lower() not in words:
+                raise ValueError(f"must be auto, true or false, got {value!r}")
+            return words[value.strip().lower()]
+        return value
 
     @field_validator("tensor_parallel_size")
     @classmethod
