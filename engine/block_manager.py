@@ -14,6 +14,11 @@ from collections import OrderedDict
 BLOCK_SIZE = 16
 
 
+def blocks_for(tokens: int) -> int:
+    """Blocks that hold `tokens` token slots."""
+    return -(-tokens // BLOCK_SIZE)
+
+
 def chain_key(previous: int, tokens: tuple[int, ...]) -> int:
     return hash((previous, tokens))
 

@@ -186,7 +186,7 @@ class _BuildLock:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                     # A filesystem without locks: build unlocked (each build has its own folder; the last one
                     # moved into place wins), only without clearing others' folders.
-                    log.warning("CPU decode kernels: cannot lock %s (%s); building without the lock", self.path, exc)
+                    log.warning("CPU kernels: cannot lock %s (%s); building without the lock", self.path, exc)
                     os.close(self.fd)
                     self.fd = None
                     return self
@@ -197,7 +197,7 @@ class _BuildLock:
                 self.fd = None
                 raise TimeoutError(f"gave up after {waited:.0f} s waiting for another build ({holder}; {self.path})")
             if time.monotonic() >= next_log:
-                log.warning("CPU decode kernels: waiting %.0f s of at most %.0f s for another process's build "
+                log.warning("CPU kernels: waiting %.0f s of at most %.0f s for another process's build "
                             "(%s; %s)", waited, self.wait_s, self._holder(), self.path)
                 next_log += WAIT_LOG_EVERY_S
             time.sleep(0.25)
@@ -255,7 +255,7 @@ def _compile(variant: Variant, root: Path, wait_s: float):
         work.mkdir()
         try:
             _ninja_on_path()
-            log.info("CPU decode kernels: compiling the %s build %s into %s (about a minute, once)", variant.name,
+            log.info("CPU kernels: compiling the %s build %s into %s (about a minute, once)", variant.name,
                      name, root)
             # -fopenmp links libgomp.so.1 by name: the loader reuses the copy torch already loaded, so the
             # kernels share torch's OpenMP threads instead of starting a second team (which halves decode
@@ -401,7 +401,7 @@ def load(mode: str = "auto", dtype: torch.dtype = torch.float32, cache_dir: Path
     except Exception as exc:  # no compiler, no headers, a failed build, no variant: the PyTorch operations serve
         errors = [line.strip() for line in str(exc).splitlines() if "error" in line.lower()]
         _reason = f"not built: {' '.join((errors[-1] if errors else str(exc)).split())[:300]}"
-        log.warning("CPU decode kernels: %s; using PyTorch operations", _reason)
+        log.warning("CPU kernels: %s; using PyTorch operations", _reason)
         return False
     built = Path(getattr(kernels, "__file__", None) or "/nonexistent")
     if verdicts is None or not built.is_file():
@@ -412,10 +412,10 @@ def load(mode: str = "auto", dtype: torch.dtype = torch.float32, cache_dir: Path
                                lambda: self_check(kernels, dtype))
     if differs:
         _reason = f"{differs} differs from PyTorch on this machine"
-        log.warning("CPU decode kernels: %s; using PyTorch operations", _reason)
+        log.warning("CPU kernels: %s; using PyTorch operations", _reason)
         return False
     _active, _reason = kernels, ""
-    log.info("CPU decode kernels: the %s build (%s) loaded and checked in %.1f s", variant.name,
+    log.info("CPU kernels: the %s build (%s) loaded and checked in %.1f s", variant.name,
              build_name(variant), time.perf_counter() - started)
     return True
 
@@ -437,15 +437,15 @@ def prebuild() -> bool:
                 shutil.copy2(found, partial)
                 os.replace(partial, PREBUILT / f"{name}.so")
         except Exception as exc:
-            log.error("CPU decode kernels: the %s build failed: %s", variant.name, exc)
+            log.error("CPU kernels: the %s build failed: %s", variant.name, exc)
             ok = False
             continue
         if variant.needs <= features:
             differs = self_check(build(variant), torch.float32)
-            log.info("CPU decode kernels: %s %s", name, f"{differs} differs from PyTorch" if differs else "checked")
+            log.info("CPU kernels: %s %s", name, f"{differs} differs from PyTorch" if differs else "checked")
             ok = ok and not differs
         else:
-            log.info("CPU decode kernels: %s built (this CPU cannot run it to check it)", name)
+            log.info("CPU kernels: %s built (this CPU cannot run it to check it)", name)
     return ok
 
 

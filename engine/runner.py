@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from . import devices, native_kernels, quantized_weights
-from .block_manager import BLOCK_SIZE
+from .block_manager import BLOCK_SIZE, blocks_for
 from .compact_decoder import CompactDecoder
 from .kv_cache import DecodeBucket, ForwardCache, LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
 from .state_cache import RecurrentStates, StateKey, StateShape, StateStepCache, with_left_context
@@ -233,7 +233,7 @@ class ModelRunner:
         short convolutions do; Mamba-1's scan starts from zero whatever the cache holds): a prompt computed in
         two chunks must give the logits it gives whole, up to rounding."""
         ids = [1 + (i * 37) % 97 for i in range(24)]
-        blocks = list(range(min(self.kv.num_blocks, -(-len(ids) // BLOCK_SIZE))))
+        blocks = list(range(min(self.kv.num_blocks, blocks_for(len(ids)))))
         if len(blocks) * BLOCK_SIZE < len(ids) and self.layer_shapes:
             return False
         self.prefill_continues = True  # lets the passes below start past position 0
@@ -297,7 +297,7 @@ class ModelRunner:
         """Blocks that fit each GPU's share (GPU_MEMORY_UTILIZATION) after its weights and the peak a full-size
         step needs there (measured by running one on a provisional cache)."""
         devices = sorted({s.device for s in self.layer_shapes.values()}, key=str)
-        provisional = -(-profile_tokens // BLOCK_SIZE)
+        provisional = blocks_for(profile_tokens)
         resident = [*self.model.parameters(), *self.model.buffers(), *(self.states.tensors() if self.states else ())]
         with self.platform.peak_memory(devices, resident) as peaks:
             self.kv = self._cache(self.kv_dtype, provisional)
@@ -351,7 +351,7 @@ class ModelRunner:
         `offset` among a pass's tokens."""
         end = chunk.start + len(chunk.token_ids)
         span = range(chunk.start, end)
-        blocks = torch.tensor(chunk.blocks[:-(-end // BLOCK_SIZE)], device=self.device)
+        blocks = torch.tensor(chunk.blocks[:blocks_for(end)], device=self.device)
         return span, [_slot(chunk.blocks, p) for p in span], PrefillSegment(offset, len(span), chunk.start, blocks)
 
     def _decode_rows(self, decodes: list[DecodeRow]):
@@ -364,7 +364,7 @@ class ModelRunner:
         packed_at = [0] * len(decodes)
         for members in _length_buckets(decodes):
             max_len = decodes[members[-1]].position + 1
-            width = -(-max_len // BLOCK_SIZE)
+            width = blocks_for(max_len)
             table = []
             for i in members:
                 row = decodes[i]

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BLOCK_SIZE, BlockManager, chain_key
+from .block_manager import BLOCK_SIZE, BlockManager, blocks_for, chain_key
 from .sequence import Sequence, SequenceGroup, Status
 from .state_cache import RecurrentStates
 
@@ -42,10 +42,6 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not self.decodes and not self.prefills and not self.verifies
-
-
-def blocks_for(tokens: int) -> int:
-    return -(-tokens // BLOCK_SIZE)
 
 
 class Scheduler:
