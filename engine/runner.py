@@ -164,7 +164,7 @@ class ModelRunner:
         forward: the same types, kernels binary and integer activations (the store's key holds the rest)."""
         if self.verdicts is None:
             return run()
-        kernels = native_kernels.active() if self.device.type == "cpu" else None
+        kernels = native_kernels.active() if self.platform.cpu_fast_paths else None
         built = getattr(kernels, "__file__", None) or ""
         stamp = os.stat(built).st_mtime_ns if built and os.path.isfile(built) else 0
         name = (f"{check}:{self.dtype}:{self.kv_dtype}:{built}:{stamp}:"

@@ -290,7 +290,7 @@ def test_the_check_catches_a_kernel_that_differs(kernels, name):
 
 
 def test_a_kernel_that_differs_is_not_used(kernels, monkeypatch, caplog):
-    monkeypatch.setattr(native_kernels, "build", lambda: _Wrong(kernels, "silu_mul"))
+    monkeypatch.setattr(native_kernels, "build", lambda *args: _Wrong(kernels, "silu_mul"))
     with caplog.at_level("WARNING", logger="engine.native_kernels"):
         assert not native_kernels.load("auto")
     assert native_kernels.active() is None
