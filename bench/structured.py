@@ -74,7 +74,7 @@ def sampler_cost(compiler, vocab: int, rows: int, steps: int = 40) -> float:
     """Milliseconds per step that masking adds for `rows` constrained rows (fill every row, apply once)."""
     import torch
 
-    from engine.structured import allocate_bitmask, apply_bitmask
+    from engine.sampling.structured import allocate_bitmask, apply_bitmask
 
     spec = compiler.compile("json_schema", json.dumps(SCHEMA))
     matchers = [spec.new_matcher() for _ in range(rows)]
@@ -103,7 +103,7 @@ async def main() -> None:
 
     from worker import settings
     from engine import AsyncEngine
-    from engine.structured import GrammarCompiler
+    from engine.sampling.structured import GrammarCompiler
 
     config = settings.load_settings().engine_config()
     engine = AsyncEngine(config)

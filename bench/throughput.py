@@ -102,7 +102,7 @@ def machine_ceilings(threads: int | None) -> dict:
     (read + write), so every report carries the ceiling it is measured against."""
     import torch
 
-    from engine.cpu_layout import best_time as best
+    from engine.cpu.layout import best_time as best
 
     if threads:
         torch.set_num_threads(threads)

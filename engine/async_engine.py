@@ -15,16 +15,20 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from . import host_memory, native_kernels
-from .config import EngineConfig
-from .engine import Engine, RequestOutput
-from .fallback import FallbackEngine
-from .loader import LoadedModel, load
-from .pooling import PoolingConfig, PoolingInput, PoolingModel, PoolingOutput, PoolingParams, PoolingQueue, Task
-from .runner import ModelRunner, PagedPathUnsupported
-from .speculative import Speculator
-from .sampling import SamplingParams
-from .tokenizer import Tokenizer
+from engine.config import EngineConfig
+from engine.core.fallback import FallbackEngine
+from engine.core.interface import GenerationLoop
+from engine.core.loop import Engine
+from engine.core.sequence import RequestOutput
+from engine.core.pooling import (PoolingConfig, PoolingInput, PoolingModel, PoolingOutput, PoolingParams,
+                                 PoolingQueue, Task)
+from engine.core.speculative import Speculator
+from engine.cpu import host_memory
+from engine.cpu import plan as cpu_plan
+from engine.executor.runner import ModelRunner, PagedPathUnsupported
+from engine.loader import LoadedModel, load
+from engine.sampling.sampler import SamplingParams
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
 
@@ -64,22 +68,9 @@ def default_cpu_kv_budget() -> int:
     return min(_DEFAULT_CPU_KV_BYTES, total // 4)
 
 
-def kv_cache_dtype(config: EngineConfig, model: LoadedModel) -> tuple[torch.dtype, bool]:
-    """The KV cache's type (KV_CACHE_DTYPE) and whether the runner's start-up probe must confirm it. Under
-    DTYPE=auto a float32 model on CPU with the native kernels keeps float16 keys and values: decode attention reads
-    half the bytes (it is half of a decode step at 1300-token contexts), the budget holds twice the tokens, and the
-    embedded model's greedy tokens stay those of float32 (README, Performance)."""
-    if config.kv_cache_dtype != "auto":
-        return getattr(torch, config.kv_cache_dtype), False
-    if (config.dtype == "auto" and model.platform.cpu_fast_paths and model.dtype == torch.float32
-            and native_kernels.active() is not None):
-        return torch.float16, True
-    return model.dtype, False
-
-
 def _generation_runner(model: LoadedModel, config: EngineConfig) -> ModelRunner:
     """The forward passes and the KV cache, sized once from the budget (logged in tokens and bytes)."""
-    kv_dtype, check_kv_dtype = kv_cache_dtype(config, model)
+    kv_dtype, check_kv_dtype = cpu_plan.kv_cache_dtype(config, model.dtype, model.platform.cpu_fast_paths)
     runner = ModelRunner(model.model, model.device, model.dtype,
                          kv_budget_bytes=config.kv_cache_memory or default_cpu_kv_budget(),
                          gpu_memory_utilization=config.gpu_memory_utilization,
@@ -97,7 +88,7 @@ def _generation_runner(model: LoadedModel, config: EngineConfig) -> ModelRunner:
                  runner.states.nbytes / runner.states.num_slots / 1024, len({k[1] for k in runner.states.shapes}),
                  "prompts prefill in chunks" if runner.prefill_continues else
                  "each prompt prefills in one pass (its recurrent layers restart a multi-token pass from zero)")
-    log.info("forward pass: %s", "compact (engine/compact_decoder.py%s, checked against the model's own)" % (
+    log.info("forward pass: %s", "compact (engine/executor/compact_decoder.py%s, checked against the model's own)" % (
              ", through the native CPU kernels" if runner.compact.kernels is not None else "")
              if runner.compact is not None else f"the model's own ({runner.compact_reason})")
     if not runner.layer_shapes:
@@ -117,7 +108,7 @@ class AsyncEngine:
         self._loader = loader
         self._lock = threading.Lock()
         self._loading: concurrent.futures.Future | None = None
-        self._engine: Engine | None = None
+        self._engine: GenerationLoop | None = None
         self._model: LoadedModel | None = None
         self.on_fatal: Callable[[BaseException], None] | None = None
 
@@ -273,7 +264,8 @@ class AsyncEngine:
         return None if engine is None else engine.dead
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> GenerationLoop:
+        """The loop itself, for white-box tests and benchmarks; serving code stays on the methods above."""
         self._require()
         return self._engine
 
@@ -308,7 +300,7 @@ class AsyncEngine:
         """One vector per input (embedding or classification scores), computed on the engine thread in batches
         shared with other requests. Cancelling the wait takes the request out of the queue."""
         await self.start()
-        if not hasattr(self._engine, "submit_pooling"):
+        if not self._engine.serves_pooling:
             raise GenerationError("embeddings and scores are not served for models on the fallback path")
         sink = _QueueSink(asyncio.get_running_loop())
         self._engine.submit_pooling(request_id, inputs, params, sink)

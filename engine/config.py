@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .speculative import SpeculativeConfig
+from engine.core.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,7 @@ class EngineConfig:
     chat_template: str | None = None  # replaces the model's own template
     trust_remote_code: bool = False
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "llm-worker")
-    baked_model_dir: Path | None = None  # models downloaded at image build time (python -m engine.prefetch)
+    baked_model_dir: Path | None = None  # models downloaded at image build time (python -m engine.sources.prefetch)
 
     max_model_len: int | None = None  # None: the model's own limit
     dtype: str = "auto"  # auto: bfloat16 on CUDA; CPU: README (bfloat16 where native, GGUF blocks 16-bit activations)

@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from . import native_kernels
-from .async_engine import AsyncEngine
-from .attention import NATIVE_PREFILL_MIN_TOKENS
-from .sampling import SamplingParams
+from engine.cpu import native_kernels
+from engine.async_engine import AsyncEngine
+from engine.executor.attention import NATIVE_PREFILL_MIN_TOKENS
+from engine.sampling.sampler import SamplingParams
 
 
 def _size(n: int) -> str:

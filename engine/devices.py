@@ -11,8 +11,10 @@ SIMULATED_DEVICE_MEMORY, and the profiled step's peak is measured by counting th
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -21,6 +23,24 @@ from torch.utils._pytree import tree_leaves
 
 SIMULATED = "cuda-sim"
 DEFAULT_SIMULATED_MEMORY = 4 * 2**30  # small enough for the pool to be reserved on a CI machine's CPU
+
+
+@functools.cache
+def cpuinfo() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo ("model name", "flags", ...); empty where there is none. Start-up
+    verdicts key on it and the kernel variant is chosen from its flags."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, sep, value = line.partition(":")
+            if not sep:
+                if fields:
+                    break  # the first processor's block ended
+                continue
+            fields.setdefault(name.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
 
 
 class DeviceUnavailable(RuntimeError):

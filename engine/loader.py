@@ -8,11 +8,16 @@ from pathlib import Path
 
 import torch
 
-from . import (attention, cpu_layout, devices, fallback, fusion, model_store, native_kernels, quantized_weights,
-               startup_cache, windows)
-from .config import EngineConfig
-from .pooling import PoolingConfig, Task, pooling_config
-from .tokenizer import Tokenizer
+from engine import devices, startup_cache
+from engine.core import fallback
+from engine.cpu import fusion
+from engine.cpu import plan as cpu_plan
+from engine.executor import attention, windows
+from engine.sources import store
+from engine.sources.gguf import local_folder
+from engine.config import EngineConfig
+from engine.core.pooling import PoolingConfig, Task, pooling_config
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine.loader")
 
@@ -32,7 +37,7 @@ class LoadedModel:
     generation_defaults: dict  # sampling defaults from the model's generation_config.json
     task: Task = "generate"  # generate (a causal LM), embed (a plain encoder or decoder), classify (a cross-encoder)
     pooling: PoolingConfig | None = None  # how embeddings are pooled from its hidden states
-    fallback_reason: str | None = None  # why the paged engine cannot run it (engine/fallback.py serves it), or None
+    fallback_reason: str | None = None  # why the paged engine cannot run it (engine/core/fallback.py serves it), or None
     platform: devices.Platform | None = None  # None: the plain platform of `device`
     verdicts: startup_cache.Verdicts | None = None  # the start-up probes' verdicts for this model and machine
     batch_invariant: bool = False  # a request's output does not depend on what is batched with it
@@ -80,60 +85,20 @@ def resolve_platform(name: str, simulated_memory: int | None = None) -> devices.
         raise ModelLoadError(str(exc)) from None
 
 
-_BFLOAT16_GAIN_NEEDED = 1.5
-
-
 def resolve_dtype(name: str, device: torch.device | devices.Platform,
                   verdicts: startup_cache.Verdicts | None = None) -> torch.dtype:
     platform = device if isinstance(device, devices.Platform) else devices.Platform(device)
-    if name == "auto":
-        if platform.accelerator:
-            return torch.bfloat16 if platform.bfloat16_supported() else torch.float16
-        # bfloat16 halves the bytes every decode step reads and, where the CPU has native bfloat16 products,
-        # multiplies several times faster; a probe confirms the gain on this machine before it is used.
-        gain = (verdicts or startup_cache.in_memory()).get("bfloat16_gain", cpu_layout.bfloat16_gain)
-        log.info("DTYPE=auto on CPU: bfloat16 products %.2fx float32 here; using %s", gain,
-                 "bfloat16" if gain >= _BFLOAT16_GAIN_NEEDED else "float32")
-        return torch.bfloat16 if gain >= _BFLOAT16_GAIN_NEEDED else torch.float32
-    return getattr(torch, name)
-
-
-def _converted_gguf(source: model_store.LocalModel, cache_dir: Path, baked_dir: Path | None) -> Path:
-    """A safetensors copy of a GGUF model, made once: GGUF dequantization takes tens of seconds, reloading the
-    copy about one. A copy baked into the image (`python -m engine.prefetch`) is used before the cache."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = source.path / source.gguf_file
-    name = f"{gguf.stem}-{gguf.stat().st_size}"
-    if baked_dir is not None and (baked_dir / "converted" / name / "config.json").is_file():
-        return baked_dir / "converted" / name
-    target = cache_dir / "converted" / name
-    with model_store.building(target) as scratch:
-        if scratch is not None:
-            started = time.perf_counter()
-            log.info("converting %s to safetensors in %s (once)", gguf, target)
-            model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
-                                                         dtype=torch.float32)
-            # The dequantized weights are plain tensors; drop the GGUF marker so they save as safetensors.
-            model.hf_quantizer = None
-            model.is_quantized = False
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.save_pretrained(scratch)
-            AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file).save_pretrained(scratch)
-            log.info("converted in %.1f s", time.perf_counter() - started)
-    return target
-
-
-def local_folder(source: model_store.LocalModel, cache_dir: Path, baked_dir: Path | None = None) -> Path:
-    """The transformers-layout folder of resolved model files (GGUF files converted once)."""
-    return _converted_gguf(source, cache_dir, baked_dir) if source.gguf_file else source.path
+    if name != "auto":
+        return getattr(torch, name)
+    if platform.accelerator:
+        return torch.bfloat16 if platform.bfloat16_supported() else torch.float16
+    return cpu_plan.weights_dtype(verdicts or startup_cache.in_memory())
 
 
 def model_folder(config: EngineConfig) -> Path:
     """The transformers-layout folder the configured model loads from (fetched or converted if needed)."""
-    source = model_store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir,
-                                 baked_dir=config.baked_model_dir)
+    source = store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir,
+                           baked_dir=config.baked_model_dir)
     return local_folder(source, config.cache_dir, config.baked_model_dir)
 
 
@@ -156,7 +121,7 @@ def _model_max_len(config) -> int:
             break
     else:
         limit = 2048
-    # Sliding-window layers attend over their own window in the engine (engine/windows.py): no cap.
+    # Sliding-window layers attend over their own window in the engine (engine/executor/windows.py): no cap.
     return limit
 
 
@@ -189,27 +154,20 @@ def load(config: EngineConfig) -> LoadedModel:
     platform = resolve_platform(config.device, config.simulated_device_memory)
     device = platform.device
     placement = _placement(config, platform)
-    source = model_store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir,
-                                 baked_dir=config.baked_model_dir)
+    source = store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir,
+                           baked_dir=config.baked_model_dir)
     folder = local_folder(source, config.cache_dir, config.baked_model_dir)
     verdicts = (startup_cache.open_verdicts(config.cache_dir, "model", folder, config.baked_model_dir)
                 if config.startup_cache and platform.cpu_fast_paths and folder.is_dir() else startup_cache.in_memory())
     dtype = resolve_dtype(config.dtype, platform, verdicts)
-    # A GGUF model held mostly in Q4_1/Q8_0 blocks may serve faster from its blocks (float32 weights, 16-bit
-    # integer activations) than as bfloat16: DTYPE=auto loads it as float32 and a probe on its weights decides.
-    try_blocks = (config.dtype == "auto" and dtype == torch.bfloat16 and platform.cpu_fast_paths
-                  and source.gguf_file is not None and config.native_kernels != "off"
-                  and verdicts.get("gguf_block_share", lambda: quantized_weights.gguf_block_share(
-                      source.path / source.gguf_file)) >= 0.5)
-    # A stored verdict that bfloat16 wins loads the model once, as bfloat16, instead of float32 first.
-    if try_blocks and verdicts.cached("beats_bfloat16") != (True, False):
+    gguf = source.path / source.gguf_file if source.gguf_file else None
+    gguf_blocks = platform.cpu_fast_paths and cpu_plan.try_gguf_blocks(config, dtype, gguf, verdicts)
+    if gguf_blocks:
         dtype = torch.float32
-    else:
-        try_blocks = False
     if config.tokenizer:
-        tokenizer_source = model_store.resolve(config.tokenizer, revision=config.tokenizer_revision,
-                                               cache_dir=config.cache_dir, baked_dir=config.baked_model_dir,
-                                               role="tokenizer")
+        tokenizer_source = store.resolve(config.tokenizer, revision=config.tokenizer_revision,
+                                         cache_dir=config.cache_dir, baked_dir=config.baked_model_dir,
+                                         role="tokenizer")
         tokenizer_folder = local_folder(tokenizer_source, config.cache_dir, config.baked_model_dir)
     else:
         tokenizer_folder = folder
@@ -250,21 +208,12 @@ def load(config: EngineConfig) -> LoadedModel:
                              f"{_one_line(exc)}") from exc
     invariant = config.batch_invariant is True
     if task == "generate" and platform.cpu_fast_paths:  # never on CUDA, real or simulated
-        native_kernels.load(config.native_kernels, dtype, config.cache_dir, verdicts)
-        if try_blocks and not (native_kernels.active() is not None and verdicts.get(
-                "beats_bfloat16", lambda: quantized_weights.beats_bfloat16(model, native_kernels.active()))):
+        cpu_plan.load_kernels(config, dtype, verdicts)
+        if gguf_blocks and not cpu_plan.gguf_blocks_win(model, verdicts):
             dtype, model = torch.bfloat16, None  # the float32 copy goes before the bfloat16 one loads
             model = causal_lm(dtype)
-            native_kernels.load(config.native_kernels, dtype, config.cache_dir, verdicts)
-        # "auto": a GGUF model served from its blocks pays nothing measurable for invariance (its rows are
-        # independent in the block product); a dense 16-bit model paid 15% at 1 stream (a lone row padded to two).
-        invariant = invariant or (config.batch_invariant == "auto" and source.gguf_file is not None
-                                  and dtype == torch.float32 and native_kernels.active() is not None)
-        cpu_layout.apply(model, batch_invariant=invariant, verdicts=verdicts)
-        # DTYPE=auto lets GGUF blocks take 16-bit integer activations (quantized_weights); an explicit
-        # float32 keeps float32 activations.
-        quantized_weights.apply(model, native_kernels.active(), integer_activations=config.dtype == "auto",
-                                every_size=invariant, verdicts=verdicts)
+            cpu_plan.load_kernels(config, dtype, verdicts)
+        invariant = cpu_plan.apply(model, dtype, config, from_gguf=gguf is not None, verdicts=verdicts)
     attention.set_batch_invariant(invariant)
     log.info("batch invariance: %s (BATCH_INVARIANT=%s)", "on" if invariant else "off",
              str(config.batch_invariant).lower())
@@ -284,7 +233,7 @@ def load(config: EngineConfig) -> LoadedModel:
 
 
 def _fallback_reason(model_config) -> str | None:
-    """Why the paged engine cannot run a model of this configuration (see engine/fallback.py), or None."""
+    """Why the paged engine cannot run a model of this configuration (see engine/core/fallback.py), or None."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:

@@ -25,6 +25,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
+from engine import devices
+
 log = logging.getLogger("engine.startup_cache")
 
 FORMAT = 1
@@ -39,8 +41,8 @@ def _sources_digest() -> str:
     with _digest_lock:
         if _sources is None:
             digest = hashlib.sha256()
-            for path in sorted([*_ENGINE.glob("*.py"), *_ENGINE.glob("native/*.cpp"), *_ENGINE.glob("native/*.h")]):
-                digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+            for path in sorted(p for p in _ENGINE.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
+                digest.update(str(path.relative_to(_ENGINE)).encode() + b"\0" + path.read_bytes() + b"\0")
             _sources = digest.hexdigest()[:16]
         return _sources
 
@@ -54,11 +56,8 @@ def _version(package: str) -> str:
 
 def _cpu_identity() -> str:
     """The CPU's model name and feature flags (its timings and kernels' results depend on both)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        fields = [line for line in lines if line.startswith(("model name", "flags"))][:2]
-    except OSError:
-        fields = [platform.processor()]
+    info = devices.cpuinfo()
+    fields = [f"{name}\t: {info[name]}" for name in ("model name", "flags") if name in info] or [platform.processor()]
     return hashlib.sha256("\n".join([*fields, platform.machine()]).encode()).hexdigest()[:12]
 
 
@@ -99,7 +98,7 @@ class Verdicts:
         digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:24]
         name = f"{label}-{digest}.json"
         self.path = None if folder is None else folder / "startup-verdicts" / name
-        # Verdicts baked into the image (python -m engine.prefetch) serve where the volume has none yet.
+        # Verdicts baked into the image (python -m engine.sources.prefetch) serve where the volume has none yet.
         self._values: dict[str, Any] = self._read(self.path)
         if not self._values and baked is not None and self.path is not None:
             self._values = self._read(baked / "startup-verdicts" / name)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
 
 
 class ChatTemplateError(ValueError):

@@ -1,7 +1,7 @@
 """Embeddings (`/v1/embeddings`, OpenAI's shape), pooled hidden states (`/pooling`), and scores of text pairs
 (`/score`, and `/rerank` in the Jina / Cohere shape), as vLLM serves them.
 
-All run on the engine's pooling path (engine/pooling.py): one forward pass per batch of whole inputs, no
+All run on the engine's pooling path (engine/core/pooling.py): one forward pass per batch of whole inputs, no
 decoding. Scores come from the model's classification head when it is a cross-encoder (a sequence-
 classification model with one label: its sigmoid), otherwise from the cosine similarity of the two texts'
 embeddings.
@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, Field, field_validator
 
 from engine import GenerationError
-from engine.pooling import PoolingInput, PoolingOutput, PoolingParams
+from engine.core.pooling import PoolingInput, PoolingOutput, PoolingParams
 
 from .errors import OpenAIError, context_exceeded
 from .protocol import RequestModel, TokenId, UsageInfo, random_id

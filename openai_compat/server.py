@@ -35,7 +35,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from worker import logs as worker_logging
-from engine.redaction import redact
+from engine.sources.redaction import redact
 
 from .errors import error_body, status_of
 from .routes import MODELS_ROUTE, ROUTES

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from engine import AsyncEngine, ChatTemplateError, GenerationError, RequestOutput, SamplingParams, TokenLogprob
-from engine.structured import AnswerGate, GrammarSpec
-from engine.redaction import redact
+from engine.sampling.structured import AnswerGate, GrammarSpec
+from engine.sources.redaction import redact
 
 from . import reasoning, tool_parsers
 from .chat_output import ChatOutputParser

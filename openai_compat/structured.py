@@ -8,7 +8,7 @@ import json
 import threading
 from typing import Any
 
-from engine.structured import AnswerGate, GrammarCompiler, GrammarError, GrammarSpec
+from engine.sampling.structured import AnswerGate, GrammarCompiler, GrammarError, GrammarSpec
 
 from .errors import OpenAIError
 from .protocol import ChatCompletionRequest, Constraint, NamedToolChoice

@@ -28,4 +28,4 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # Build the CPU decode kernels for this CPU's variant now (about a minute, once per sources and variant) into the
 # build folder (<BASE_PATH>/native-kernels, or NATIVE_KERNELS_DIR), rather than at the worker's first start.
 # Without a compiler the worker runs PyTorch's operations instead; the build says why.
-.venv/bin/python -m engine.native_kernels || echo "install.sh: CPU decode kernels not built; PyTorch operations serve instead" >&2
+.venv/bin/python -m engine.cpu.native_kernels || echo "install.sh: CPU decode kernels not built; PyTorch operations serve instead" >&2

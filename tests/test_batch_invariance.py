@@ -62,7 +62,7 @@ def test_mixed_concurrent_requests_equal_solo_runs_exactly(worker):
 def test_a_decode_rows_attention_does_not_depend_on_the_other_rows():
     """The decode kernel splits long rows' keys into parts for idle threads; the split must follow the row's own
     length, so a long row attends bitwise alike alone and beside others (it used to split only when alone)."""
-    from engine import native_kernels
+    from engine.cpu import native_kernels
     assert native_kernels.load("auto"), native_kernels.reason()
     kernels = native_kernels.active()
     gen = torch.Generator().manual_seed(3)
@@ -86,7 +86,8 @@ def test_a_rows_linear_product_does_not_depend_on_the_batch(tmp_path, dtype):
     """With batch invariance each linear layer multiplies a row alike at any number of rows, one included."""
     from transformers import AutoModelForCausalLM
 
-    from engine import cpu_layout, fusion
+    from engine.cpu import layout as cpu_layout
+    from engine.cpu import fusion
     from source_fixtures import build_small_model
 
     if dtype == torch.bfloat16 and not cpu_layout.bfloat16_is_native():

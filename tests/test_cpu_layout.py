@@ -1,10 +1,11 @@
-"""The CPU weight layouts (engine/cpu_layout.py): the same model, the same outputs; column-major adds no memory."""
+"""The CPU weight layouts (engine/cpu/layout.py): the same model, the same outputs; column-major adds no memory."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine import cpu_layout, fusion
+from engine.cpu import layout as cpu_layout
+from engine.cpu import fusion
 from source_fixtures import build_small_model
 
 

@@ -18,9 +18,14 @@ import pytest
 import torch
 
 from conftest import ROOT
-from engine import (AsyncEngine, EngineConfig, SamplingParams, cpu_layout, host_memory, native_kernels,
-                    quantized_weights, sampling, structured)
-from engine.kv_cache import PagedKVCache
+from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine.cpu import layout as cpu_layout
+from engine.cpu import host_memory
+from engine.cpu import native_kernels
+from engine.cpu import quantized_weights
+from engine.sampling import sampler as sampling
+from engine.sampling import structured
+from engine.executor.kv_cache import PagedKVCache
 from engine.loader import ModelLoadError
 from test_dtype import BFLOAT16_NEAR_TIE
 from test_model_families import (FALLBACK_FAMILIES, HYBRID_FAMILIES, _choices, build_model, greedy,  # noqa: F401

@@ -171,10 +171,10 @@ def test_the_base_image_is_a_pinned_cuda_pytorch_build():
 def test_the_image_holds_the_cpu_kernels_of_every_variant_and_its_start_compiles_none(rehearsed):
     """The image runs on CPUs other than its builder's: it carries a build of every variant of the architecture,
     found by name at start, where the command loads one without compiling."""
-    from engine import native_kernels
+    from engine.cpu import native_kernels
 
     rehearsal, results = rehearsed
-    staged = {path.name for path in rehearsal.root.rglob("engine/native/prebuilt/*.so")}
+    staged = {path.name for path in rehearsal.root.rglob("engine/cpu/native/prebuilt/*.so")}
     assert {f"{native_kernels.build_name(v)}.so" for v in native_kernels.variants()} <= staged, staged
     cmd = next(result for (keyword, _), result in results.items() if keyword == "CMD")
     log = cmd.stdout + cmd.stderr

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine import AsyncEngine, EngineConfig
-from engine import cpu_layout, loader
+from engine import loader
+from engine.cpu import layout as cpu_layout
 from test_engine import PROMPTS, chat_ids, generate, greedy
 
 # bfloat16 keeps 8 bits of mantissa: logits move by ~1e-2, so greedy choices within this gap (in float32's own
@@ -61,7 +62,8 @@ def test_gguf_block_share_reads_the_files_tensor_types(tmp_path):
     import gguf
     import numpy as np
 
-    from engine import model_store, quantized_weights
+    from engine.sources import store as model_store
+    from engine.cpu import quantized_weights
 
     embedded = model_store.embedded_model()
     assert quantized_weights.gguf_block_share(embedded.path / embedded.gguf_file) > 0.99  # Q4_1 and Q8_0, F32 norms
@@ -79,7 +81,8 @@ def test_auto_serves_a_gguf_model_from_its_blocks_where_they_beat_bfloat16(monke
     """On a CPU with native bfloat16, DTYPE=auto loads a GGUF model of Q4_1/Q8_0 blocks as float32 and keeps it so,
     multiplying from its blocks with 16-bit activations, where they beat bfloat16 products at decode sizes (the
     embedded model on the 2-core AMD EPYC: 5x at 1 row, 1.9x at 16); else it loads the model as bfloat16."""
-    from engine import native_kernels, quantized_weights
+    from engine.cpu import native_kernels
+    from engine.cpu import quantized_weights
 
     if not (native_kernels.load("auto") and native_kernels.active().word_blocks_supported()):
         pytest.skip("the block product for 16-bit activations needs the native kernels and AVX512_VNNI")
@@ -99,7 +102,8 @@ def test_auto_serves_a_gguf_model_from_its_blocks_where_they_beat_bfloat16(monke
 
 
 def test_the_blocks_must_keep_up_with_bfloat16_at_decode_sizes(monkeypatch):
-    from engine import native_kernels, quantized_weights
+    from engine.cpu import native_kernels
+    from engine.cpu import quantized_weights
     from test_quantized_weights import _tiny_llama
 
     if not (native_kernels.load("auto") and native_kernels.active().word_blocks_supported()):

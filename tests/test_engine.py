@@ -234,7 +234,7 @@ def test_prefix_cache_reuses_prompt_blocks(engine):
 
 def test_a_failing_request_fails_alone(engine, monkeypatch):
     """A fault inside generation for one request (injected into its sampling) fails that request only."""
-    from engine.sampling import Sampler
+    from engine.sampling.sampler import Sampler
 
     original = Sampler._adjust_row
 
@@ -309,7 +309,7 @@ def test_model_loads_once_for_many_first_jobs_and_failures_reach_every_waiter(wo
 def test_the_chunked_argmax_picks_what_torch_picks(vocab):
     """The sampler's CPU argmax (each chunk's maximum, then the winning chunk) against torch's, ties included:
     the first of equal maxima, in the last chunk and the shorter tail alike, and rows of NaN or -inf."""
-    from engine.sampling import argmax
+    from engine.sampling.sampler import argmax
 
     generator = torch.Generator().manual_seed(vocab)
     x = torch.randn(8, vocab + 5, generator=generator)[:, :vocab]  # a view with padded rows, as the sampler gets

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from engine.structured import AnswerGate, GrammarCompiler, GrammarError, allocate_bitmask, apply_bitmask
+from engine.sampling.structured import AnswerGate, GrammarCompiler, GrammarError, allocate_bitmask, apply_bitmask
 
 EOS = 2  # <|im_end|>
 

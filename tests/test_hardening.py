@@ -639,7 +639,7 @@ def test_engine_log_lines_carry_the_job_id(worker, caplog, monkeypatch):
     """A request failing on the engine thread (a fault injected into its sampling) is logged with its job id."""
     from worker import logs as worker_logging
     from engine import GenerationError, SamplingParams
-    from engine.sampling import Sampler
+    from engine.sampling.sampler import Sampler
 
     original = Sampler._adjust_row
 

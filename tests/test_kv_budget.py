@@ -115,7 +115,7 @@ def test_a_request_larger_than_the_whole_cache_is_a_400(small):
 
 def test_a_memory_failure_fails_only_its_request(small, monkeypatch):
     """An out-of-memory error in a step that holds one marked request fails that request; the others finish."""
-    from engine.runner import ModelRunner
+    from engine.executor.runner import ModelRunner
 
     original = ModelRunner.execute
     marker = 31337
@@ -171,8 +171,8 @@ def test_a_cache_smaller_than_one_context_stops_the_load(worker):
 def test_a_sliding_window_layer_reads_only_the_blocks_its_window_reaches():
     """Decode rows of 300 and 100 keys under a 64-token window gather 6 blocks each instead of 19, and the mask
     picks exactly each row's last 64 positions; a layer without a window reads everything."""
-    from engine.block_manager import BLOCK_SIZE
-    from engine.kv_cache import DecodeBucket, PrefillSegment, StepLayout
+    from engine.core.block_manager import BLOCK_SIZE
+    from engine.executor.kv_cache import DecodeBucket, PrefillSegment, StepLayout
 
     width = 19  # blocks of the longest row (300 keys)
     table = torch.arange(2 * width).view(2, width)  # row r owns blocks r*19 ... r*19+18

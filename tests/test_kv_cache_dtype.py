@@ -10,7 +10,8 @@ import logging
 import pytest
 import torch
 
-from engine import AsyncEngine, EngineConfig, native_kernels
+from engine import AsyncEngine, EngineConfig
+from engine.cpu import native_kernels
 from test_model_families import build_model, prompts, reference, tokenizer_folder  # noqa: F401 (a fixture)
 from test_native_kernels import _greedy_tokens
 
@@ -26,7 +27,7 @@ def float32_under_auto(monkeypatch):
     """DTYPE=auto's float16 cache is for float32 models. On a CPU with native bfloat16 products (the 2-core AMD
     EPYC) DTYPE=auto loads a tiny safetensors model as bfloat16 (tests/test_dtype.py covers that choice): the
     probe reads here as on a CPU without them, so that these models load as float32."""
-    from engine import cpu_layout
+    from engine.cpu import layout as cpu_layout
 
     monkeypatch.setattr(cpu_layout, "bfloat16_gain", lambda: 0.0)
 

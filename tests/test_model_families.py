@@ -19,8 +19,8 @@ import torch
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from test_engine import generate
-from engine.engine import Engine
-from engine.fallback import FallbackEngine
+from engine.core.loop import Engine
+from engine.core.fallback import FallbackEngine
 
 VOCAB = 49152  # the embedded model's tokenizer
 WINDOW = 12  # sliding windows shorter than the longer prompts
@@ -196,7 +196,7 @@ def _engine(folder) -> AsyncEngine:
                                     kv_cache_memory=8 * 2**20, max_num_seqs=8))
 
 
-# Families the engine runs with its compact forward (engine/compact_decoder.py) rather than the model's own.
+# Families the engine runs with its compact forward (engine/executor/compact_decoder.py) rather than the model's own.
 COMPACT_FAMILIES = {"llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
                     "smollm3"}
 
@@ -228,7 +228,7 @@ def test_comparison_fails_when_a_layer_is_perturbed(tmp_path, tokenizer_folder):
     try:
         asyncio.run(engine.start())
         served = engine.engine.runner.model
-        # A weight both forward paths read (the model's own and engine/compact_decoder.py's) as it stands.
+        # A weight both forward paths read (the model's own and engine/executor/compact_decoder.py's) as it stands.
         norm = served.model.layers[-1].post_attention_layernorm.weight
         original = norm.detach().clone()
         norm.data.add_(0.05)
@@ -265,7 +265,7 @@ def test_a_compact_forward_that_differs_is_not_used(change, reason, tmp_path, to
     """The start-up check compares the compact forward's logits with the model's own through the paged cache;
     one layer computing slightly differently, or failing, keeps the model's own forward, which serves exactly.
     Through the native kernels first, then without them: both layer paths are changed here."""
-    from engine import compact_decoder
+    from engine.executor import compact_decoder
 
     model = build_model("llama", FAST_FAMILIES["llama"], tmp_path, tokenizer_folder)
     monkeypatch.setattr(compact_decoder._Layer, "__call__", change(compact_decoder._Layer.__call__))
@@ -286,7 +286,8 @@ def test_a_native_kernel_path_that_differs_falls_back_to_the_compact_forward_wit
         change, tmp_path, tokenizer_folder, monkeypatch, caplog):
     """Where only the native-kernel layer path (compact_decoder._Layer.fused) differs or fails, the check keeps
     the compact forward without the kernels, and says so."""
-    from engine import compact_decoder, native_kernels
+    from engine.executor import compact_decoder
+    from engine.cpu import native_kernels
 
     model = build_model("llama", FAST_FAMILIES["llama"], tmp_path, tokenizer_folder)
     monkeypatch.setattr(compact_decoder._Layer, "fused", change(compact_decoder._Layer.fused))
@@ -325,7 +326,7 @@ def test_hybrid_family_matches_transformers(model_type, tmp_path, tokenizer_fold
         assert engine.engine.stats()["prefix_cache_hit_tokens"] == 0  # a state cannot be shared by a prefix
         # Embeddings of the same model (rows of different lengths padded into one batch) are its last hidden
         # states, as transformers computes them one by one.
-        from engine.pooling import PoolingInput, PoolingParams
+        from engine.core.pooling import PoolingInput, PoolingParams
         pooled = asyncio.run(engine.pool("embed", [PoolingInput(ids) for ids in rows], PoolingParams())).data
         with torch.inference_mode():
             for ids, vector in zip(rows, pooled):
@@ -340,7 +341,7 @@ def test_speculative_decoding_is_refused_for_a_hybrid_model(tmp_path, tokenizer_
     worker refuses SPECULATIVE_CONFIG at load with a line that says why, instead of serving wrong tokens."""
     import dataclasses
 
-    from engine.speculative import SpeculativeConfig
+    from engine.core.speculative import SpeculativeConfig
     build_model("lfm2", HYBRID_FAMILIES["lfm2"], tmp_path, tokenizer_folder)
     config = _engine(tmp_path).config
     engine = AsyncEngine(dataclasses.replace(config, speculative=SpeculativeConfig.parse(
@@ -438,7 +439,7 @@ def test_fallback_log_lines_carry_the_job_id(tmp_path, tokenizer_folder, monkeyp
     import logging
 
     from engine import GenerationError
-    from engine.sampling import Sampler
+    from engine.sampling.sampler import Sampler
     from worker import logs as worker_logging
 
     original = Sampler._adjust_row
@@ -532,7 +533,7 @@ def test_a_model_the_start_up_probe_rejects_is_served_on_the_fallback(model_type
     that asks its cache for something the engine's cache does not have (here: the recurrent-state API taken off
     the probe, as a future transformers cache method would be missing) fails that probe, and the worker switches
     to the fallback path and serves it exactly, instead of failing at load or on every request."""
-    from engine import runner
+    from engine.executor import runner
 
     monkeypatch.delattr(runner._ShapeProbe, "get_conv_state")
     monkeypatch.delattr(runner._ShapeProbe, "get_recurrent_state")

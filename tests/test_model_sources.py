@@ -25,10 +25,10 @@ from moto import mock_aws
 from moto.server import ThreadedMotoServer
 
 from conftest import ROOT, free_port
-from engine import model_store
+from engine.sources import store as model_store
 from engine.config import EngineConfig
-from engine.model_store import ModelSourceError
-from engine.remote_cache import MANIFEST_NAME, manifest_intact
+from engine.sources.base import ModelSourceError, building
+from engine.sources.cache import MANIFEST_NAME, manifest_intact
 from source_fixtures import TcpProxy, build_small_model, upload_folder
 
 BUCKET = "models"
@@ -228,7 +228,7 @@ def test_damaged_cache_entry_is_downloaded_again(s3, small_model, tmp_path, capl
     with open(entry / "model.safetensors", "r+b") as file:
         file.truncate(1000)  # a half-written file, as a full disk or a careless copy leaves
     assert not manifest_intact(entry)
-    caplog.set_level(logging.INFO, logger="engine.model_store")
+    caplog.set_level(logging.INFO, logger="engine.sources")
     assert resolve(URI, tmp_path).path == entry
     assert "incomplete or damaged" in caplog.text and "downloading 5 files" in caplog.text
     assert same_files(small_model, entry)
@@ -348,7 +348,7 @@ _RESOLVE_SCRIPT = """
 import json, logging, os, sys, time
 from pathlib import Path
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
-from engine import model_store
+from engine.sources import store as model_store
 go = Path(sys.argv[2])
 Path(f"{go}.ready-{os.getpid()}").touch()
 while not go.exists():  # imports done: start together with the other process
@@ -422,7 +422,7 @@ def test_two_processes_starting_together_download_once(served_s3, small_model, t
 def test_a_build_finished_elsewhere_meanwhile_is_kept(tmp_path):
     """Where the volume does not share file locks between machines, two may build the same entry at once."""
     target = tmp_path / "entry"
-    with model_store.building(target) as scratch:
+    with building(target) as scratch:
         (scratch / "mine").write_text("mine")
         target.mkdir()  # another machine's finished copy, renamed in while this one was downloading
         (target / "theirs").write_text("theirs")
@@ -472,7 +472,7 @@ def test_deploy_mode_exits_with_one_line_naming_the_uri(served_s3, tmp_path):
 def test_baked_model_loads_with_no_network_call(served_s3, small_model, local_completion, tmp_path, monkeypatch):
     baked = tmp_path / "baked"
     # What the Dockerfile runs at build time.
-    result = subprocess.run([sys.executable, "-m", "engine.prefetch"], cwd=ROOT, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "engine.sources.prefetch"], cwd=ROOT, capture_output=True, text=True,
                             timeout=300, env={**os.environ, "BAKED_MODEL_DIR": str(baked), "MODEL_NAME": URI})
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads((baked / model_store.BAKED_RECORD_NAME).read_text())
@@ -489,7 +489,7 @@ def test_baked_model_loads_with_no_network_call(served_s3, small_model, local_co
 
 def test_baked_record_applies_only_to_its_source_and_revision(served_s3, tmp_path):
     baked = tmp_path / "baked"
-    from engine.prefetch import main as prefetch
+    from engine.sources.prefetch import main as prefetch
     assert prefetch(["--into", str(baked), "--model", URI, "--revision", "v1"]) == 0
     assert model_store.baked_location(baked, URI, "v1") is not None
     assert model_store.baked_location(baked, URI + "/", "v1") is not None

@@ -1,4 +1,4 @@
-"""How the CPU kernels are built, found and chosen (engine/native_kernels.py): a start killed during a build never
+"""How the CPU kernels are built, found and chosen (engine/cpu/native_kernels.py): a start killed during a build never
 blocks a later one, a live build is waited for within a bound that is logged, every path to the same sources and
 venv shares one build, and a CPU without a build's instructions never loads that build. Real processes and real
 builds; only the CPU's feature list is given where a test needs a CPU this machine is not."""
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from engine import AsyncEngine, EngineConfig, SamplingParams, native_kernels
+from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine.cpu import native_kernels
 
 AVX512_VNNI, AVX2 = native_kernels.X86_64_VARIANTS
 # A CPU of x86-64-v2 and AVX (Sandy Bridge): neither build's instructions.
@@ -106,7 +107,7 @@ def test_an_emulated_cpu_without_avx512_loads_and_checks_the_avx2_build():
 
 def _start(env: dict, **kwargs) -> subprocess.Popen:
     """A start that builds (or finds) this CPU's kernels and checks them, as scripts/install.sh runs it."""
-    return subprocess.Popen([sys.executable, "-m", "engine.native_kernels"], cwd=ROOT, env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "engine.cpu.native_kernels"], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
 
 
@@ -172,7 +173,7 @@ def test_a_start_waits_for_a_live_build_at_most_the_bound_and_says_for_whom(tmp_
         monkeypatch.setattr(native_kernels, "BUILD_WAIT_S", 3.0)
         monkeypatch.setattr(native_kernels, "WAIT_LOG_EVERY_S", 1.0)
         started = time.monotonic()
-        with caplog.at_level("INFO", logger="engine.native_kernels"):
+        with caplog.at_level("INFO", logger="engine.cpu.native_kernels"):
             assert not native_kernels.load("auto")
         assert 3.0 <= time.monotonic() - started < 10
     finally:

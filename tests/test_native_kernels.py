@@ -1,4 +1,4 @@
-"""The CPU decode kernels (engine/native/decode_kernels.cpp): they build on this machine, each equals the PyTorch
+"""The CPU decode kernels (engine/cpu/native/decode_kernels.cpp): they build on this machine, each equals the PyTorch
 operations it replaces over shapes, dtypes, strides and windows, bad arguments are errors (not crashes), and the
 engine serves the same tokens with them as without; a failed build or a differing kernel leaves the PyTorch path
 serving."""
@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import AsyncEngine, EngineConfig, SamplingParams, native_kernels
+from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine.cpu import native_kernels
 from test_model_families import tokenizer_folder  # noqa: F401 (a fixture)
 
 
@@ -291,7 +292,7 @@ def test_the_check_catches_a_kernel_that_differs(kernels, name):
 
 def test_a_kernel_that_differs_is_not_used(kernels, monkeypatch, caplog):
     monkeypatch.setattr(native_kernels, "build", lambda *args: _Wrong(kernels, "silu_mul"))
-    with caplog.at_level("WARNING", logger="engine.native_kernels"):
+    with caplog.at_level("WARNING", logger="engine.cpu.native_kernels"):
         assert not native_kernels.load("auto")
     assert native_kernels.active() is None
     assert native_kernels.reason() == "silu_mul differs from PyTorch on this machine"
@@ -303,7 +304,7 @@ def test_a_failed_build_keeps_pytorch_and_says_why(tmp_path, monkeypatch, caplog
     broken.write_text("#include <torch/extension.h>\nint broken( {\n")
     monkeypatch.setattr(native_kernels, "SOURCE", broken)  # its own build name: the name hashes the sources
     monkeypatch.setenv("NATIVE_KERNELS_DIR", str(tmp_path / "build"))
-    with caplog.at_level("WARNING", logger="engine.native_kernels"):
+    with caplog.at_level("WARNING", logger="engine.cpu.native_kernels"):
         assert not native_kernels.load("auto")
     assert native_kernels.active() is None
     assert native_kernels.reason().startswith("not built:") and "error" in native_kernels.reason()
@@ -347,11 +348,11 @@ def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(
     """Batched decode rows of different lengths (several attention buckets) and a prompt chunked into a decode
     step: greedy tokens through the kernels equal those through PyTorch's operations (NATIVE_KERNELS=off). The
     embedded model is Q4_1 layers and a Q8_0 head, so `auto` also multiplies every linear layer from its GGUF
-    blocks (engine/quantized_weights.py) where `off` keeps float32 products; with DTYPE=auto the blocks take
+    blocks (engine/cpu/quantized_weights.py) where `off` keeps float32 products; with DTYPE=auto the blocks take
     16-bit integer activations where the CPU has AVX512_VNNI and keeps a float16 KV cache, and the tokens stay the
     same (README, Performance: the measured agreement on chat prompts). Prompt chunks attend through the native
     prefill kernel."""
-    from engine import attention
+    from engine.executor import attention
 
     prompts = [[(7 * i + 3 * j) % 5000 + 100 for j in range(n)] for i, n in enumerate((3, 40, 90, 300))]
     results, logs, prefills = {}, {}, {}
@@ -393,8 +394,9 @@ def test_prompt_chunks_of_a_16_bit_model_attend_through_the_prefill_kernel(tmp_p
     """A bfloat16 model's prompt chunks (one from position 0, one continuing its sequence) take the prefill kernel
     with widened queries, as float32 ones do, and give the logits SDPA gives in the model's type (bfloat16: within
     its rounding; the kernel accumulates in float32)."""
-    from engine import attention, loader
-    from engine.runner import ModelRunner, PrefillChunk
+    from engine import loader
+    from engine.executor import attention
+    from engine.executor.runner import ModelRunner, PrefillChunk
     from test_model_families import build_model
 
     if not (native_kernels.load("auto", dtype) and native_kernels.active().prefill_attention_supported()):

@@ -1,4 +1,4 @@
-"""The block product of GGUF weights (engine/native/quantized_linear.cpp, engine/quantized_weights.py): it finds
+"""The block product of GGUF weights (engine/cpu/native/quantized_linear.cpp, engine/cpu/quantized_weights.py): it finds
 exactly the weights that are Q4_1 or Q8_0 block values and no others, multiplies by exactly those weights
 through both of its paths (and, with 16-bit integer activations, within those activations' rounding), whatever
 the batch, and refuses what it cannot do. The embedded model (Q4_1 layers, a Q8_0 head) serving the same tokens
@@ -11,7 +11,9 @@ import pytest
 import torch
 import transformers
 
-from engine import cpu_layout, native_kernels, quantized_weights
+from engine.cpu import layout as cpu_layout
+from engine.cpu import native_kernels
+from engine.cpu import quantized_weights
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +135,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernels, make, words):
 
 def test_the_layout_holds_any_strides(kernels, words):
     weight = q4_1_weight(64, 128)
-    column_major = weight.t().contiguous().t()  # engine/cpu_layout.py may store weights transposed
+    column_major = weight.t().contiguous().t()  # engine/cpu/layout.py may store weights transposed
     assert torch.equal(kernels.pack_blocks(column_major, words)[1], kernels.pack_blocks(weight, words)[1])
 
 

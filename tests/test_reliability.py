@@ -61,7 +61,7 @@ def test_cancellation_storm_leaves_nothing_behind(gateway_url, client):
 _DEVICE_FAILURE = """
 import asyncio, sys, time
 from worker import handler
-import engine.runner as runner
+import engine.executor.runner as runner
 
 def broken(*args, **kwargs):
     raise RuntimeError("CUDA error: an illegal memory access was encountered")

@@ -5,12 +5,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.block_manager import BLOCK_SIZE, BlockManager, chain_key
+from engine.core.block_manager import BLOCK_SIZE, BlockManager, chain_key
 from engine.config import EngineConfig
 from engine.loader import model_folder
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceGroup
+from engine.sampling.sampler import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceGroup
 from engine.tokenizer import Tokenizer
 
 

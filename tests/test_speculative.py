@@ -11,7 +11,7 @@ import pytest
 
 from engine import AsyncEngine, SamplingParams
 from engine.loader import model_folder
-from engine.speculative import SpeculativeConfig
+from engine.core.speculative import SpeculativeConfig
 from test_engine import assert_same_greedy, chat_ids, generate, greedy
 
 ECHO = ["Repeat exactly: the quick brown fox jumps over the lazy dog, and the lazy dog sleeps on.",

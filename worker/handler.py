@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from engine import AsyncEngine
-from engine.redaction import redact_urls
+from engine.sources.redaction import redact_urls
 from openai_compat.errors import status_of
 from openai_compat.jobs import JobRouter
 from openai_compat.serving import OpenAIServing

@@ -13,7 +13,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
-from engine.speculative import SpeculativeConfig
+from engine.core.speculative import SpeculativeConfig
 from openai_compat.config import ServingConfig
 
 _DTYPE_ALIASES = {

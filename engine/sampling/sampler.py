@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .structured import GrammarSpec
+    from engine.sampling.sampler.structured import GrammarSpec
 
 _GREEDY_BELOW = 1e-5
 _ARGMAX_CHUNK = 1024
@@ -63,7 +63,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     grammar: "GrammarSpec | None" = None  # structured output: tokens are masked to those the grammar allows
-    # Beam search (engine/beam_search.py): num_sequences beams, the n best finished ones returned.
+    # Beam search (engine/core/beam_search.py): num_sequences beams, the n best finished ones returned.
     beam_search: bool = False
     length_penalty: float = 1.0  # a finished beam scores sum(logprobs) / generated_tokens ** length_penalty
     early_stopping: bool | str = False  # True | False | "never", as transformers
@@ -162,7 +162,7 @@ class Sampler:
             for i in adjusted:
                 logits[i] = self._adjust_row(logits[i], states[i], num_generated[i])
         if constrained:  # structured output: only the tokens each row's grammar allows next
-            from .structured import allocate_bitmask, apply_bitmask
+            from engine.sampling.sampler.structured import allocate_bitmask, apply_bitmask
             bitmask = allocate_bitmask(len(constrained), self.vocab_size)
             for slot, row in enumerate(constrained):
                 states[row].matcher.fill_bitmask(bitmask, slot)

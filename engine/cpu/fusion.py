@@ -17,7 +17,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("engine.fusion")
+log = logging.getLogger("engine.cpu.fusion")
 
 
 _verdicts = None  # the start-up verdicts of the model being rewritten (engine/startup_cache.py), or None

@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .detokenizer import StopStringMatcher
-from .sampling import SamplingParams, SequenceSamplingState, TokenLogprob
-from .tokenizer import Tokenizer
+from engine.core.detokenizer import StopStringMatcher
+from engine.sampling.sampler import SamplingParams, SequenceSamplingState, TokenLogprob
+from engine.tokenizer import Tokenizer
 
 
 @dataclass

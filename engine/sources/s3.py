@@ -21,11 +21,11 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from s3transfer.exceptions import RetriesExceededError
 from s3transfer.subscribers import BaseSubscriber
 
-from .model_store import ModelSourceError
-from .redaction import redact
-from .remote_cache import RemoteFile, TransferProgress, entry_path, fetch_into_cache
+from engine.sources.base import ModelSourceError
+from engine.sources.redaction import redact
+from engine.sources.cache import RemoteFile, TransferProgress, entry_path, fetch_into_cache
 
-log = logging.getLogger("engine.model_store")
+log = logging.getLogger("engine.sources")
 
 # At DEBUG botocore logs request headers, which carry the access key id and any session token.
 for _name in ("botocore", "boto3", "s3transfer", "urllib3"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from .attention import WINDOW_ATTRIBUTE
+from engine.executor.attention import WINDOW_ATTRIBUTE
 
 
 def layer_windows(model) -> dict[int, int]:
@@ -30,7 +30,7 @@ def layer_windows(model) -> dict[int, int]:
 
 
 def mark_windows(model) -> dict[int, int]:
-    """Mark each windowed layer's attention module with its window (read by engine/attention.py)."""
+    """Mark each windowed layer's attention module with its window (read by engine/executor/attention.py)."""
     windows = layer_windows(model)
     for module in model.modules():
         index = getattr(module, "layer_idx", None)

@@ -2,45 +2,27 @@
 
 Forms, tried in this order:
 - unset: the embedded default model;
-- a source recorded in the baked-model folder (`python -m engine.prefetch`): used from there, no network;
+- a source recorded in the baked-model folder (`python -m engine.sources.prefetch`): used from there, no network;
 - a local folder (transformers layout, or holding one .gguf file) or a local `.gguf` file;
-- `s3://bucket/prefix`: every object under the prefix, downloaded once into the cache (engine/s3_source.py);
-- a Hugging Face repo id, downloaded once into the cache (engine/hub_source.py).
+- `s3://bucket/prefix`: every object under the prefix, downloaded once into the cache (engine/sources/s3.py);
+- a Hugging Face repo id, downloaded once into the cache (engine/sources/hub.py).
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import logging
 import os
-import shutil
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
-from filelock import FileLock, Timeout
+from engine.sources.base import LocalModel, ModelSourceError
+from engine.sources.redaction import redact_urls
 
-from .redaction import redact_urls
-
-log = logging.getLogger("engine.model_store")
+log = logging.getLogger("engine.sources")
 
 EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BAKED_RECORD_NAME = "baked-models.json"
-
-
-class ModelSourceError(RuntimeError):
-    """A model source cannot be used; the message names the source and the cause."""
-
-
-@dataclass(frozen=True)
-class LocalModel:
-    """Model files on local disk. `gguf_file` is set when the folder holds a GGUF file to convert."""
-    path: Path
-    name: str  # the id the model is served under by default
-    gguf_file: str | None = None
 
 
 def embedded_model() -> LocalModel:
@@ -80,17 +62,17 @@ def resolve(source: str | None, *, revision: str | None, cache_dir: Path, baked_
     if path.is_dir():
         return _folder_model(path, source)
     if source.startswith("s3://"):
-        from . import s3_source  # boto3 is imported only for S3 sources
-        folder = s3_source.fetch(source, revision=revision, cache_dir=cache_dir, role=role)
+        from engine.sources import s3  # boto3 is imported only for S3 sources
+        folder = s3.fetch(source, revision=revision, cache_dir=cache_dir, role=role)
         return _folder_model(folder, source.rstrip("/"))
     if "://" in source:
         raise ModelSourceError(f"cannot load {redact_urls(source)}: unsupported scheme (use s3://, a local path or a Hugging "
                                f"Face repo id)")
     if source.startswith(("/", "./", "../", "~")):
         raise ModelSourceError(f"model path {source} does not exist")
-    from . import hub_source
-    if hub_source.is_repo_id(source):
-        return _folder_model(hub_source.fetch(source, revision=revision, cache_dir=cache_dir, role=role), source)
+    from engine.sources import hub
+    if hub.is_repo_id(source):
+        return _folder_model(hub.fetch(source, revision=revision, cache_dir=cache_dir, role=role), source)
     raise ModelSourceError(f"cannot load model {source!r}: not a local folder or .gguf file, an s3:// URI or a "
                            f"Hugging Face repo id")
 
@@ -103,7 +85,7 @@ def _same_source(a: str, b: str) -> bool:
 
 
 def baked_location(baked_dir: Path | None, source: str, revision: str | None) -> Path | None:
-    """The folder `python -m engine.prefetch` recorded for this source and revision, or None."""
+    """The folder `python -m engine.sources.prefetch` recorded for this source and revision, or None."""
     if baked_dir is None:
         return None
     record = baked_dir / BAKED_RECORD_NAME
@@ -133,51 +115,3 @@ def record_baked(baked_dir: Path, source: str, revision: str | None, folder: Pat
     scratch = record.with_name(f".{record.name}.tmp-{os.getpid()}")
     scratch.write_text(json.dumps({"models": entries}, indent=1), encoding="utf-8")
     os.replace(scratch, record)
-
-
-# ---------------------------------------------------------------- building cache entries
-
-
-@contextlib.contextmanager
-def building(target: Path, complete: Callable[[Path], bool] | None = None) -> Iterator[Path | None]:
-    """Build `target` at most once, even across processes sharing the folder.
-
-    Yields a fresh temporary folder to fill, which replaces `target` atomically when the block ends without
-    error; yields None when `target` is already there and `complete(target)` (if given) accepts it. A crash
-    leaves only a temporary folder behind, never a `target` that looks complete; the next builder removes it.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(target) + ".lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        log.info("waiting for another process to finish %s", target)
-        lock.acquire()
-    try:
-        # Holding the lock, any temporary folder of this target belongs to a builder that died.
-        for stale in target.parent.glob(f".{target.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        if target.is_dir():
-            if complete is None or complete(target):
-                yield None
-                return
-            log.warning("%s is incomplete or damaged; building it again", target)
-            damaged = target.parent / f".{target.name}.tmp-damaged-{uuid.uuid4().hex[:8]}"
-            os.replace(target, damaged)
-            shutil.rmtree(damaged, ignore_errors=True)
-        scratch = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        scratch.mkdir()
-        try:
-            yield scratch
-            try:
-                os.replace(scratch, target)
-            except OSError:
-                # Some network filesystems do not share file locks between machines, so another machine may have
-                # finished first. Its target arrived by the same whole-folder rename, so it is complete: keep it.
-                if not target.is_dir():
-                    raise
-                log.info("%s was completed elsewhere meanwhile; using that copy", target)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    finally:
-        lock.release()

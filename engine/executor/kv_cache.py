@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_manager import BLOCK_SIZE
+from engine.core.block_manager import BLOCK_SIZE
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BLOCK_SIZE, BlockManager, blocks_for, chain_key
-from .sequence import Sequence, SequenceGroup, Status
-from .state_cache import RecurrentStates
+from engine.core.block_manager import BLOCK_SIZE, BlockManager, blocks_for, chain_key
+from engine.core.sequence import Sequence, SequenceGroup, Status
+from engine.executor.state_cache import RecurrentStates
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from .sampling import TokenLogprob
-from .sequence import RequestOutput, Sequence, SequenceDelta, SequenceGroup, Status
+from engine.sampling.sampler import TokenLogprob
+from engine.core.sequence import RequestOutput, Sequence, SequenceDelta, SequenceGroup, Status
 
 
 class OutputProcessor:

@@ -15,157 +15,21 @@ from typing import Callable
 
 import torch
 
-from . import devices, host_memory
-from .beam_search import BeamSearch
-from .block_manager import BLOCK_SIZE, BlockManager
-from .output_processor import OutputProcessor
-from .pooling import PoolingInput, PoolingParams, PoolingQueue, PoolingSink
-from .runner import DecodeRow, ModelRunner, PrefillChunk
-from .sampling import Sampler, SamplingParams
-from .scheduler import Scheduler, StepPlan
-from .speculative import Speculator
-from .sequence import (OutputSink, RequestMetrics, RequestOutput, Sequence, SequenceDelta, SequenceGroup,
-                       Status)
-from .tokenizer import Tokenizer
+from engine import devices
+from engine.core.beam_search import BeamSearch
+from engine.core.block_manager import BLOCK_SIZE, BlockManager
+from engine.core.interface import EngineDeadError, GenerationLoop, RequestTooLarge, is_fatal
+from engine.core.output_processor import OutputProcessor
+from engine.core.pooling import PoolingInput, PoolingParams, PoolingQueue, PoolingSink
+from engine.core.scheduler import Scheduler, StepPlan
+from engine.core.sequence import OutputSink, RequestMetrics, RequestOutput, Sequence, SequenceDelta, SequenceGroup, Status
+from engine.core.speculative import Speculator
+from engine.cpu import host_memory
+from engine.executor.runner import DecodeRow, ModelRunner, PrefillChunk
+from engine.sampling.sampler import Sampler, SamplingParams
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
-
-__all__ = ["Engine", "EngineDeadError", "RequestTooLarge", "RequestOutput", "RequestMetrics", "SequenceDelta",
-           "OutputSink"]
-
-
-class EngineDeadError(RuntimeError):
-    """The device failed in a way that leaves the engine unusable; the process should be replaced."""
-
-
-class RequestTooLarge(ValueError):
-    """The request could not run even alone in the whole KV cache."""
-
-
-def _is_fatal(exc: BaseException) -> bool:
-    text = str(exc)
-    return isinstance(exc, EngineDeadError) or any(
-        marker in text for marker in ("CUDA error", "device-side assert", "CUBLAS_STATUS", "cudaError",
-                                      "illegal memory access", "NCCL error"))
-
-
-class GenerationLoop:
-    """The thread-safe front door both generation loops share (the paged `Engine` and the fallback's): checks on
-    arrival, the command queue the loop drains, shutdown. Subclasses set their own attributes, then call
-    `_start_loop`, which sets the shared ones and starts their `_loop` on its thread."""
-
-    max_model_len: int
-    max_num_seqs: int
-    _commands: queue.SimpleQueue
-    _wake: threading.Event
-    _groups: dict[str, SequenceGroup]
-    _dead: BaseException | None
-    _stopping: bool
-    _thread: threading.Thread
-
-    def _start_loop(self, thread_name: str) -> None:
-        self._commands = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._groups = {}
-        self._dead = None
-        self._stopping = False
-        self.on_fatal: Callable[[BaseException], None] | None = None
-        self.steps = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
-        self._thread.start()
-
-    def check_fits(self, prompt_len: int, max_tokens: int, num_sequences: int) -> str | None:
-        """Why a request could never run in this engine, or None."""
-        return None
-
-    def check_supported(self, params: SamplingParams) -> str | None:
-        """Why this engine cannot honour these parameters, or None."""
-        return None
-
-    def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(f"engine stopped after a device failure: {self._dead}")
-        if self._stopping:
-            raise EngineDeadError("the engine was shut down")
-
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink) -> None:
-        self._check_alive()
-        if not prompt_ids or len(prompt_ids) >= self.max_model_len:
-            raise RequestTooLarge(f"a prompt of {len(prompt_ids)} tokens does not fit a context of "
-                                  f"{self.max_model_len} tokens")
-        if params.num_sequences > self.max_num_seqs:
-            raise RequestTooLarge(f"the request needs {params.num_sequences} sequences; the engine runs at most "
-                                  f"{self.max_num_seqs} (MAX_NUM_SEQS)")
-        reason = self.check_fits(len(prompt_ids), params.max_tokens, params.num_sequences)
-        if reason is not None:
-            raise RequestTooLarge(reason)
-        reason = self.check_supported(params)
-        if reason is not None:
-            raise ValueError(reason)
-        group = SequenceGroup(request_id, list(prompt_ids), params, sink,
-                              RequestMetrics(arrival=time.perf_counter(), prompt_tokens=len(prompt_ids)))
-        self._commands.put(("add", group))
-        self._wake.set()
-
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop: requests still held fail."""
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout)
-
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-        self._wake.set()
-
-    def _drain_commands(self) -> None:
-        """Take in what other threads asked for since the last pass (on the loop's thread)."""
-        while True:
-            try:
-                command, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command == "add":
-                self._add(arg)
-            elif command == "abort":
-                group = self._groups.get(arg)
-                if group is not None:
-                    self._finish_group(group)
-
-    # ---- delivery and failure, on the loop's thread; log lines run in the request's context (its job id) ----
-
-    def _deliver(self, group: SequenceGroup, output: RequestOutput) -> None:
-        try:
-            group.sink.deliver(output)
-        except Exception:  # the consumer is gone (its event loop closed): drop the request
-            group.context.run(log.warning, "request %s: output could not be delivered; dropping it",
-                              group.request_id)
-            self._finish_group(group)
-
-    def _fail_group(self, group: SequenceGroup, exc: BaseException) -> None:
-        if group.done:
-            return
-        group.context.run(log.error, "request %s failed in generation: %s", group.request_id, exc, exc_info=exc)
-        self._finish_group(group)
-        self._deliver(group, RequestOutput(group.request_id, [], finished=True, error=exc))
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for group in list(self._groups.values()):
-            self._fail_group(group, exc)
-
-    def _finish_group(self, group: SequenceGroup) -> None:
-        raise NotImplementedError
-
-    @property
-    def num_requests(self) -> int:
-        """Requests the engine still holds (waiting or running); 0 once everything has left."""
-        return len(self._groups)
-
-    @property
-    def dead(self) -> BaseException | None:
-        return self._dead
-
 
 class Engine(GenerationLoop):
     def __init__(self, runner: ModelRunner | None, tokenizer: Tokenizer, *, max_num_seqs: int,
@@ -174,7 +38,7 @@ class Engine(GenerationLoop):
                  platform: devices.Platform | None = None):
         platform = platform or devices.Platform(torch.device("cpu"))
         self.runner = runner  # None for models that only pool (encoders, classifiers): they never generate
-        self.pooling = pooling  # embeddings and scores, run between generation steps (engine/pooling.py)
+        self.pooling = pooling  # embeddings and scores, run between generation steps (engine/core/pooling.py)
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -210,9 +74,11 @@ class Engine(GenerationLoop):
             return "this model does not generate text"
         return self.scheduler.check_fits(prompt_len, max_tokens, num_sequences)
 
+    serves_pooling = True
+
     def submit_pooling(self, request_id: str, inputs: list[PoolingInput], params: PoolingParams,
                        sink: PoolingSink) -> None:
-        """Embeddings, pooled states and scores: engine/pooling.py batches them, the loop runs one batch between
+        """Embeddings, pooled states and scores: engine/core/pooling.py batches them, the loop runs one batch between
         generation steps."""
         self._check_alive()
         if self.pooling is None:
@@ -275,12 +141,12 @@ class Engine(GenerationLoop):
                 continue
             try:
                 if self._pooling_pending():  # one pooling batch between generation steps
-                    self.pooling.run_next_batch(_is_fatal)
+                    self.pooling.run_next_batch(is_fatal)
                 if self._groups:
                     self._step()
             except BaseException as exc:  # a failure the per-request guards could not pin on one request
                 self._fail_all(exc)
-                if _is_fatal(exc):
+                if is_fatal(exc):
                     self._dead = exc
                     log.critical("engine stopped: device failure: %s", exc)
                     self._drain_and_fail_forever(exc)
@@ -332,7 +198,7 @@ class Engine(GenerationLoop):
         try:
             return [(plan, self._execute(plan))]
         except Exception as exc:
-            if _is_fatal(exc):
+            if is_fatal(exc):
                 raise
             parts: dict[int, StepPlan] = {}
             for seq in plan.decodes:
@@ -349,7 +215,7 @@ class Engine(GenerationLoop):
                 try:
                     results.append((part, self._execute(part)))
                 except Exception as part_exc:
-                    if _is_fatal(part_exc):
+                    if is_fatal(part_exc):
                         raise
                     self._fail_group((part.decodes or part.verifies or [w.seq for w in part.prefills])[0].group,
                                      part_exc)

@@ -11,11 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from . import devices, native_kernels, quantized_weights
-from .block_manager import BLOCK_SIZE, blocks_for
-from .compact_decoder import CompactDecoder
-from .kv_cache import DecodeBucket, ForwardCache, LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
-from .state_cache import RecurrentStates, StateKey, StateShape, StateStepCache, with_left_context
+from engine import devices
+
+from engine.cpu import native_kernels
+
+from engine.cpu import quantized_weights
+from engine.core.block_manager import BLOCK_SIZE, blocks_for
+from engine.executor.compact_decoder import CompactDecoder
+from engine.executor.kv_cache import DecodeBucket, ForwardCache, LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
+from engine.executor.state_cache import RecurrentStates, StateKey, StateShape, StateStepCache, with_left_context
 
 log = logging.getLogger("engine")
 

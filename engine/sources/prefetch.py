@@ -1,6 +1,6 @@
 """Download the configured model ahead of time into a folder that then serves it with no network call.
 
-    python -m engine.prefetch [--into DIR] [--model SOURCE] [--revision REV] [--tokenizer SOURCE]
+    python -m engine.sources.prefetch [--into DIR] [--model SOURCE] [--revision REV] [--tokenizer SOURCE]
                               [--tokenizer-revision REV]
 
 With BAKE_STARTUP_VERDICTS set (a build argument), it then loads the model once so the start-up probes' verdicts
@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import model_store
+from engine.sources import store as model_store
 
 
 def _env(name: str) -> str | None:
@@ -28,7 +28,7 @@ def _env(name: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.prefetch",
+    parser = argparse.ArgumentParser(prog="python -m engine.sources.prefetch",
                                      description="Download a model into a folder the worker loads it from offline.")
     parser.add_argument("--into", type=Path, default=_env("BAKED_MODEL_DIR"),
                         help="destination folder (default: $BAKED_MODEL_DIR)")
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if local.gguf_file:
             # GGUF weights (the embedded default among them) are converted once here, not at every cold start.
-            from .loader import local_folder
+            from engine.sources.gguf import local_folder
             print(f"prefetch: converted {local.name} into {local_folder(local, into, into)}", file=sys.stderr)
             continue
         if local.path.resolve().is_relative_to(into):
@@ -73,8 +73,8 @@ def _bake_verdicts(args, into: Path) -> None:
     threads and versions) then starts without probing, even on an empty volume. Another CPU simply misses."""
     import asyncio
 
-    from .async_engine import AsyncEngine
-    from .config import EngineConfig
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
 
     engine = AsyncEngine(EngineConfig(model=args.model, revision=args.revision, tokenizer=args.tokenizer,
                                       tokenizer_revision=args.tokenizer_revision, cache_dir=into,

@@ -1,7 +1,7 @@
 """Remote model folders (S3, Hugging Face Hub) copied once into the local cache under BASE_PATH.
 
 A cache entry is a folder keyed by source and revision. It is filled in a temporary folder and renamed into
-place when complete (see `model_store.building`), and it ends with a manifest of every file's size and ETag.
+place when complete (see `base.building`), and it ends with a manifest of every file's size and ETag.
 On a later start a complete entry is used as it is: no listing, no download, no network call. The manifest
 only has to show that the local copy is whole (every file present with its recorded size); it does not
 notice new content at the source, which is why the revision is part of the key.
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from .model_store import ModelSourceError, building
+from engine.sources.base import ModelSourceError, building
 
-log = logging.getLogger("engine.model_store")
+log = logging.getLogger("engine.sources")
 
 MANIFEST_NAME = ".llm-worker-manifest.json"
 _MANIFEST_VERSION = 1

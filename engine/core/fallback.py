@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from .engine import EngineDeadError, GenerationLoop, _is_fatal
-from .output_processor import OutputProcessor
-from .sampling import Sampler, SamplingParams
-from .sequence import RequestOutput, Sequence, SequenceGroup, Status
-from .tokenizer import Tokenizer
+from engine.core.interface import EngineDeadError, GenerationLoop, is_fatal
+from engine.core.output_processor import OutputProcessor
+from engine.sampling.sampler import Sampler, SamplingParams
+from engine.core.sequence import RequestOutput, Sequence, SequenceGroup, Status
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
 
@@ -106,7 +106,7 @@ class FallbackEngine(GenerationLoop):
                     try:
                         self._step(running)
                     except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
-                        if _is_fatal(exc):
+                        if is_fatal(exc):
                             self._dead = exc
                             log.critical("engine stopped: device failure: %s", exc)
                             self._fail_all(exc)

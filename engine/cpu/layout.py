@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("engine.cpu_layout")
+log = logging.getLogger("engine.cpu.layout")
 
 _MAX_MODEL_BYTES = 2 * 2**30
 _GAIN_NEEDED = 1.1
@@ -215,7 +215,7 @@ _PACKED_ROWS = (1, 4, 16, 64)  # the decode batch sizes the packed product is ti
 # embedded model: 1.40x at 1 row, 1.81x at 4, 1.54x at 16, 1.24x at 64.
 _PACKED_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 _PACKED_GAIN_NEEDED = 1.05
-# A step's weights beyond this are left out of the timing (it streams them alike); engine/quantized_weights.py's
+# A step's weights beyond this are left out of the timing (it streams them alike); engine/cpu/quantized_weights.py's
 # probe times the same share.
 PROBE_BYTES = 512 * 2**20
 

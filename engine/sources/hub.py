@@ -19,10 +19,10 @@ from huggingface_hub.errors import (GatedRepoError, HFValidationError, HfHubHTTP
                                     RepositoryNotFoundError, RevisionNotFoundError)
 from huggingface_hub.utils import disable_progress_bars, validate_repo_id
 
-from .model_store import ModelSourceError
-from .remote_cache import RemoteFile, TransferProgress, entry_path, fetch_into_cache
+from engine.sources.base import ModelSourceError
+from engine.sources.cache import RemoteFile, TransferProgress, entry_path, fetch_into_cache
 
-log = logging.getLogger("engine.model_store")
+log = logging.getLogger("engine.sources")
 
 # Weight formats transformers does not need when the repo also has safetensors (repos often carry several).
 _OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".ot", ".onnx", ".onnx_data",

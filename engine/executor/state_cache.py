@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import PagedKVCache, StepCache, StepLayout
+from engine.executor.kv_cache import PagedKVCache, StepCache, StepLayout
 
 StateKey = tuple[str, int, int]  # ("conv" | "recurrent", layer, state index)
 

@@ -25,7 +25,7 @@ from typing import Callable, Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("engine.pooling")
+log = logging.getLogger("engine.core.pooling")
 
 PoolingType = Literal["last", "mean", "cls", "max"]
 POOLING_TYPES: tuple[str, ...] = ("last", "mean", "cls", "max")

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as nn_module
 
-from .attention import layer_window, paged_attention
-from .fusion import gated_mlp_forward
-from .kv_cache import StepCache
+from engine.executor.attention import layer_window, paged_attention
+from engine.cpu.fusion import gated_mlp_forward
+from engine.executor.kv_cache import StepCache
 
 # The model classes whose decoder layers have the structure above (Qwen3 adds a norm over each query and key head
 # before the rotary embedding; SmolLM3 leaves the rotary embedding out of some layers; the MLP may be a mixture of
@@ -110,7 +110,7 @@ class _Layer:
 
     def fused(self, x: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
               cache: StepCache, kernels, next_rms: tuple[torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer through the native kernels (engine/native_kernels.py): x is the residual stream and `normed`
+        """The layer through the native kernels (engine/cpu/native_kernels.py): x is the residual stream and `normed`
         its input norm; returns the new residual stream and its norm by `next_rms` (the next layer's input norm,
         or the final one), so each residual add runs in one pass with the norm after it."""
         tokens = x.shape[1]
@@ -157,7 +157,7 @@ class CompactDecoder:
 
     @classmethod
     def build(cls, model: torch.nn.Module, kernels=None) -> tuple["CompactDecoder | None", str]:
-        """The compact forward for this model (through `kernels`, engine/native_kernels.py's, where given and the
+        """The compact forward for this model (through `kernels`, engine/cpu/native_kernels.py's, where given and the
         model's norms and MLP suit them), or None and why not."""
         name = type(model).__name__
         if name not in _FAMILIES:
@@ -173,7 +173,7 @@ class CompactDecoder:
                 return None, "a decoder layer lacks the usual attention, norms and MLP"
             attention = layer.self_attn
             if not hasattr(attention, "qkv_proj"):
-                return None, "a layer's query, key and value projections are not fused (engine/fusion.py)"
+                return None, "a layer's query, key and value projections are not fused (engine/cpu/fusion.py)"
             if hasattr(attention, "q_norm") != hasattr(attention, "k_norm"):
                 return None, "a layer normalises queries or keys but not both"
             head_dim = attention.head_dim

@@ -23,9 +23,9 @@ from typing import Callable
 
 import torch
 
-from .block_manager import BLOCK_SIZE, BlockManager
-from .sampling import SamplingParams, TokenLogprob
-from .sequence import RequestOutput, Sequence, SequenceDelta, SequenceGroup, Status
+from engine.core.block_manager import BLOCK_SIZE, BlockManager
+from engine.sampling.sampler import SamplingParams, TokenLogprob
+from engine.core.sequence import RequestOutput, Sequence, SequenceDelta, SequenceGroup, Status
 
 _NEG = -1.0e9  # transformers' "excluded" score
 

@@ -7,7 +7,7 @@ Inside an engine step the model sees one packed sequence of tokens (no padding):
 then each prefill chunk. This function splits it again: all decode rows attend in one batched product over their
 own blocks (in buckets of similar lengths, each gathered to its longest row and masked to each row's length), and
 each prefill chunk attends causally over its sequence's keys. A sliding-window layer gathers only the blocks its
-window reaches. On CPU, where engine/native_kernels.py built its kernels, decode rows instead attend straight from
+window reaches. On CPU, where engine/cpu/native_kernels.py built its kernels, decode rows instead attend straight from
 their blocks, each over its own length, and prompt chunks of 64 tokens or more attend from their blocks in
 register tiles, over only the keys each token reads. Outside a step (pooling forwards) it is plain SDPA with the
 mask it is given.
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from . import native_kernels
-from .kv_cache import current_layout
+from engine.cpu import native_kernels
+from engine.executor.kv_cache import current_layout
 
 ATTENTION_IMPLEMENTATION = "worker_paged"
 # Prompt chunks from this many tokens take the native prefill kernel; shorter ones keep SDPA, which is as fast or
@@ -94,7 +94,7 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
     for index, bucket in enumerate(layout.buckets):
         rows, span = bucket.rows, slice(bucket.offset, bucket.offset + bucket.rows)
         if native is not None:
-            # Straight from the cache's blocks (engine/native_kernels.py): no gathered copy, no padding to the
+            # Straight from the cache's blocks (engine/cpu/native_kernels.py): no gathered copy, no padding to the
             # bucket's longest row.
             o = query.new_empty((rows, query.shape[1], value_dim)) if single else out[0, span]
             native.paged_decode_attention(query[0, :, span].transpose(0, 1), k_pool, v_pool, bucket.blocks,
@@ -124,7 +124,7 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
         q = query[:, :, span]
         if prefill is not None and (_batch_invariant or seg.length >= NATIVE_PREFILL_MIN_TOKENS):
             # Straight from the cache's blocks in register tiles, over only the keys each token reads
-            # (engine/native/prefill_attention.cpp): no gathered copy, no mask, no masked scores computed.
+            # (engine/cpu/native/prefill_attention.cpp): no gathered copy, no mask, no masked scores computed.
             o = (query.new_empty((seg.length, query.shape[1], value_dim), dtype=torch.float32)
                  if single or wide else out[0, span])
             prefill.paged_prefill_attention(q[0].transpose(0, 1).float(), k_pool, v_pool, seg.blocks, seg.start,
@@ -153,7 +153,7 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
 
 
 def layer_window(module, sliding_window: int | None) -> int | None:
-    """The window an attention layer attends over: the one its model passes, else the one engine/windows.py
+    """The window an attention layer attends over: the one its model passes, else the one engine/executor/windows.py
     marked at load (models that build a sliding-window mask without passing the window here)."""
     return sliding_window or getattr(module, WINDOW_ATTRIBUTE, None)
 

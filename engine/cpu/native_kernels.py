@@ -16,7 +16,7 @@ has all of is chosen (/proc/cpuinfo's flags, cross-checked with torch's own CPUI
 AVX2 keeps the PyTorch operations. A build is one file, `<name>.so`, named by a hash of the sources' bytes, the
 flags, the variant, torch and the Python ABI, never by paths, so every path to the same sources and venv shares
 it. It is looked up in the package's `native/prebuilt/` folder (the image fills it for every variant:
-`python -m engine.native_kernels --prebuild`) and then in the build folder, `$NATIVE_KERNELS_DIR` or
+`python -m engine.cpu.native_kernels --prebuild`) and then in the build folder, `$NATIVE_KERNELS_DIR` or
 `<BASE_PATH>/native-kernels` (`scripts/install.sh` builds there ahead; otherwise the first start does, about a
 minute). A build runs in its own temporary folder under an flock on `<name>.lock`, which the OS releases when
 its holder dies, so a killed build never blocks a later start; a start waits for a live builder at most
@@ -47,9 +47,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from engine import devices
 import torch.nn.functional as F
 
-log = logging.getLogger("engine.native_kernels")
+log = logging.getLogger("engine.cpu.native_kernels")
 
 SOURCE = Path(__file__).with_name("native") / "decode_kernels.cpp"
 QUANTIZED_SOURCE = SOURCE.with_name("quantized_linear.cpp")  # built into the same module
@@ -102,12 +104,7 @@ def variants() -> tuple[Variant, ...]:
 def cpu_features() -> frozenset[str]:
     """This CPU's instruction-set flags as /proc/cpuinfo names them, less what torch's own CPUID probe says it
     lacks (it reads the CPU the process really runs on, e.g. an emulated one, and whether the OS enables AVX-512)."""
-    try:
-        flags = next((line.split(":", 1)[1] for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    features = set(flags.split())
+    features = set(devices.cpuinfo().get("flags", "").split())
     probes = getattr(torch, "cpu", None)
     for probe, names in (("_is_avx2_supported", ("avx2",)), ("_is_vnni_supported", ("avx512_vnni",)),
                          ("_is_avx512_supported", ("avx512f", "avx512bw", "avx512dq", "avx512vl"))):

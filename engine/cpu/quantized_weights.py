@@ -2,11 +2,11 @@
 
 A GGUF model (the embedded default: Q4_1 layers, a Q8_0 output head) reaches the engine as the float32 weights
 transformers expanded from its blocks, so a decode step streams four to five times the bytes the file holds.
-The native kernel (engine/native/quantized_linear.cpp) recovers each weight's blocks and keeps them only where
+The native kernel (engine/cpu/native/quantized_linear.cpp) recovers each weight's blocks and keeps them only where
 they give back every float32 weight bit for bit, then multiplies from them: the same weights, 6 (Q4_1) or 9
 (Q8_0) bits each instead of 32. Results equal the float32 product up to summation order. It is used up to the
 batch size where a probe over a step's weights, in order, finds it faster than the layout in use
-(engine/cpu_layout.py); larger products (prefill chunks) keep that layout. Weights of any other origin find no
+(engine/cpu/layout.py); larger products (prefill chunks) keep that layout. Weights of any other origin find no
 exact blocks and are left as they are.
 
 With `integer_activations` (DTYPE=auto) and AVX512_VNNI, the blocks multiply 16-bit integer activations instead:
@@ -25,9 +25,9 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import cpu_layout
+from engine.cpu import layout as cpu_layout
 
-log = logging.getLogger("engine.quantized_weights")
+log = logging.getLogger("engine.cpu.quantized_weights")
 
 _PROBE_ROWS = (1, 16, 32, 64)  # batch sizes timed; the blocks serve up to the largest that wins with all below it
 # The integer product also serves prefill chunks where it wins at 256 rows, by when the float32 product runs at
@@ -91,7 +91,7 @@ def _gains(modules: list[torch.nn.Linear], blocks: list[tuple[int, torch.Tensor]
     """The speed-up of the block product at each probed batch size, timed in turns over a step's weights in order
     (a step streams them from memory, not from cache), over the layers' current forwards or, with `rival`, over
     products of copies of the weights in that type (activations in it too, as that model would run): plain ones
-    and oneDNN's packed ones (engine/cpu_layout.py), whichever is faster at that size."""
+    and oneDNN's packed ones (engine/cpu/layout.py), whichever is faster at that size."""
     chosen, total = [], 0
     for module, packed in zip(modules, blocks):
         chosen.append((module, packed))
@@ -231,11 +231,11 @@ def apply(model: torch.nn.Module, kernels, integer_activations: bool = False, ev
         module.forward = types.MethodType(_forward, module)
         if until == EVERY_SIZE:  # no float32 product serves these layers now: their packed copies go
             released += cpu_layout.release_packed(module)
-    log.info("linear weights: %d layers multiply from their exact GGUF blocks (%s; engine/native/quantized_linear.cpp"
+    log.info("linear weights: %d layers multiply from their exact GGUF blocks (%s; engine/cpu/native/quantized_linear.cpp"
              ", %.0f MB for %.0f MB of float32) with %s activations %s: %s rows over a step's weights", len(modules),
              formats, sum(b[1].numel() for b in blocks) / 2**20, sum(m.weight.numel() * 4 for m in modules) / 2**20,
              "16-bit integer" if words else "float32",
              "at every batch size" if until == EVERY_SIZE else f"up to {until} rows", timed)
     if released:
-        log.info("linear weights: %.0f MB of packed float32 copies released (engine/cpu_layout.py)", released / 2**20)
+        log.info("linear weights: %.0f MB of packed float32 copies released (engine/cpu/layout.py)", released / 2**20)
     return len(modules)

@@ -1,0 +1,1 @@
+"""Choosing tokens: sampling parameters and the sampler (penalties, logprobs), and grammar-constrained decoding."""
