@@ -1,6 +1,6 @@
 """Start-up verdicts kept across processes: what the probes and checks at load time found (the dtype, the layouts,
 whether the native kernels and the compact forward agree with PyTorch), so that the next start on the same
-machine, model and code takes them instead of timing and checking again (README, Cold start).
+machine, model and code takes them instead of timing and checking again (docs/deployment.md, Cold start).
 
 Every verdict is a function of the CPU, the model's files, the versions of torch and transformers and the
 engine's own sources, so a file holds the verdicts of one such combination, named by a digest of it: another CPU

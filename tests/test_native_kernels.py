@@ -350,7 +350,7 @@ def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(
     embedded model is Q4_1 layers and a Q8_0 head, so `auto` also multiplies every linear layer from its GGUF
     blocks (engine/cpu/quantized_weights.py) where `off` keeps float32 products; with DTYPE=auto the blocks take
     16-bit integer activations where the CPU has AVX512_VNNI and keeps a float16 KV cache, and the tokens stay the
-    same (README, Performance: the measured agreement on chat prompts). Prompt chunks attend through the native
+    same (docs/performance.md: the measured agreement on chat prompts). Prompt chunks attend through the native
     prefill kernel."""
     from engine.executor import attention
 

@@ -12,7 +12,7 @@ exact blocks and are left as they are.
 With `integer_activations` (DTYPE=auto) and AVX512_VNNI, the blocks multiply 16-bit integer activations instead:
 each row's block of 32 inputs rounds to steps of 2^-15 of its largest magnitude (about 256 times finer than
 bfloat16), the block sums run exactly in integers, and VPDPWSSD does twice the multiplies of a float32 FMA, so
-the product beats float32 at every batch size here, prefill included (README, Performance, for the measured
+the product beats float32 at every batch size here, prefill included (docs/cpu-kernels.md, for the measured
 agreement with float32: 100% of greedy tokens on the prompt set, mean KL 7e-8).
 """
 from __future__ import annotations
@@ -178,7 +178,7 @@ def _verdict_name(model: torch.nn.Module, words: bool) -> str:
 def apply(model: torch.nn.Module, kernels, integer_activations: bool = False, every_size: bool = False,
           verdicts=None) -> int:
     """Give every linear layer whose weight is exact Q4_1 or Q8_0 blocks a block product for batches up to the
-    size where it wins (`kernels`: engine/native_kernels.active(), or None), with 16-bit integer activations where
+    size where it wins (`kernels`: native_kernels.active(), or None), with 16-bit integer activations where
     `integer_activations` allows and the CPU has the product. With `every_size` (BATCH_INVARIANT) the blocks serve
     every batch size: a row's block product does not depend on the other rows, but a row that went to the float32
     product when the step had more rows would round differently. Returns how many layers got one. `verdicts`
