@@ -93,3 +93,26 @@ def worker():
     w = handler.get_worker()
     asyncio.run(w.engine.start())
     return w
+
+
+@pytest.fixture(scope="session")
+def tokenizer_folder(tmp_path_factory):
+    """The embedded model's tokenizer alone, for the tiny random models (tests/tiny_models.py) to save beside
+    their weights."""
+    from transformers import AutoTokenizer
+
+    from engine import EngineConfig
+    from engine.loader import model_folder
+    folder = tmp_path_factory.mktemp("tokenizer")
+    AutoTokenizer.from_pretrained(model_folder(EngineConfig())).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _close_started_engines():
+    """Engines a test started through api_helpers.Worker stop with the test: a loop left running idles beside
+    the later tests' engines."""
+    yield
+    from api_helpers import close_started
+
+    close_started()

@@ -12,7 +12,7 @@ import torch
 
 from conftest import ROOT
 from engine import SamplingParams
-from test_engine import chat_ids, generate
+from engine_helpers import chat_ids, generate
 
 sys.path.insert(0, str(ROOT / "bench"))
 from throughput import PROMPTS, long_document_prompt  # noqa: E402
@@ -88,7 +88,7 @@ def test_a_rows_linear_product_does_not_depend_on_the_batch(tmp_path, dtype):
 
     from engine.cpu import layout as cpu_layout
     from engine.cpu import fusion
-    from source_fixtures import build_small_model
+    from tiny_models import build_small_model
 
     if dtype == torch.bfloat16 and not cpu_layout.bfloat16_is_native():
         pytest.skip("bfloat16 products are not native here")

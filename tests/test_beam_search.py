@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from test_engine import chat_ids, generate, greedy
+from engine_helpers import chat_ids, generate, greedy
 
 PROMPTS = ("Name three colours.", "Write a haiku about the sea.")
 
@@ -147,7 +147,8 @@ def test_beam_search_keeps_stop_strings_and_min_tokens(engine):
 # ---------------------------------------------------------------- the request forms
 
 def test_beam_search_request_forms(client):
-    from test_openai_conformance import MODEL, bad_request, complete
+    from conftest import MODEL
+    from api_helpers import bad_request, complete
     vllm = complete(client, prompt="The capital of France is", max_tokens=8, n=2,
                     extra_body={"use_beam_search": True, "best_of": 3})
     assert len(vllm.choices) == 2 and vllm.choices[0].text != vllm.choices[1].text

@@ -1,20 +1,19 @@
 """CUSTOM_CHAT_TEMPLATE replaces the model's template; templates render in a sandbox; message content is data.
 
 Workers here are built from environment variables exactly as handler.py builds its own, on a small random model
-(tests/source_fixtures.py) that generates deterministically under greedy decoding.
+(tests/tiny_models.py) that generates deterministically under greedy decoding.
 """
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
-from source_fixtures import build_small_model
+from tiny_models import build_small_model
+from api_helpers import GREEDY, Worker
 
 PASSTHROUGH = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 MODEL_TEMPLATE = "<|model template|>{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
 TEXT = "The capital of France is"
-GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -26,53 +25,6 @@ def plain_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def templated_model(tmp_path_factory):
     return build_small_model(tmp_path_factory.mktemp("templated-model"), chat_template=MODEL_TEMPLATE)
-
-
-_started: list = []
-
-
-@pytest.fixture(autouse=True)
-def _close_engines():
-    """Each test's engine stops with the test: a loop left running idles beside the later tests' engines."""
-    yield
-    while _started:
-        _started.pop().close()
-
-
-class Worker:
-    """The handler's worker (settings -> engine -> OpenAI serving -> job router) for the given environment."""
-
-    def __init__(self, monkeypatch, tmp_path, **env):
-        from engine import AsyncEngine
-        from openai_compat.jobs import JobRouter
-        from openai_compat.serving import OpenAIServing
-        from worker.settings import load_settings
-
-        monkeypatch.delenv("CUSTOM_CHAT_TEMPLATE", raising=False)
-        monkeypatch.setenv("BASE_PATH", str(tmp_path))
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        settings = load_settings()
-        self.engine = AsyncEngine(settings.engine_config())
-        _started.append(self.engine)
-        self.router = JobRouter(OpenAIServing(self.engine, settings.serving_config()), settings.serving_config())
-
-    def job(self, job_input) -> dict:
-        async def collect():
-            return [part async for part in self.router.run(job_input)]
-        (part,) = asyncio.run(collect())
-        return part
-
-    def chat(self, content: str) -> dict:
-        return self.job({"openai_route": "/v1/chat/completions",
-                         "openai_input": {"messages": [{"role": "user", "content": content}], **GREEDY}})
-
-    def complete(self, prompt: str) -> dict:
-        return self.job({"openai_route": "/v1/completions", "openai_input": {"prompt": prompt, **GREEDY}})
-
-    def render(self, content: str) -> str:
-        asyncio.run(self.engine.start())
-        return self.engine.tokenizer.render_chat([{"role": "user", "content": content}])
 
 
 def assert_same_generation(chat: dict, completion: dict) -> None:

@@ -6,7 +6,7 @@ import torch
 
 from engine.cpu import layout as cpu_layout
 from engine.cpu import fusion
-from source_fixtures import build_small_model
+from tiny_models import build_small_model
 
 
 def _storages(model: torch.nn.Module) -> dict[int, int]:

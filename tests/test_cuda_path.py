@@ -27,9 +27,8 @@ from engine.sampling import sampler as sampling
 from engine.sampling import structured
 from engine.executor.kv_cache import PagedKVCache
 from engine.loader import ModelLoadError
-from test_dtype import BFLOAT16_NEAR_TIE
-from test_model_families import (FALLBACK_FAMILIES, HYBRID_FAMILIES, _choices, build_model, greedy,  # noqa: F401
-                                 prompts, reference, tokenizer_folder)
+from engine_helpers import BFLOAT16_NEAR_TIE, choice_ids
+from tiny_models import FALLBACK_FAMILIES, HYBRID_FAMILIES, build_model, family_greedy, prompts, reference
 
 MIB = 2**20
 BATCHED_TOKENS = 32  # the longest prompt prefills in chunks
@@ -60,7 +59,7 @@ def started(config: EngineConfig) -> AsyncEngine:
 
 def served(engine: AsyncEngine, rows: list[list[int]]) -> list[list[int]]:
     async def batched():
-        return await asyncio.gather(*(_choices(engine, f"r{i}", ids, greedy()) for i, ids in enumerate(rows)))
+        return await asyncio.gather(*(choice_ids(engine, f"r{i}", ids, family_greedy()) for i, ids in enumerate(rows)))
     return [choices[0] for choices in asyncio.run(batched())]
 
 
@@ -203,8 +202,8 @@ def _serve_then_idle(engine: AsyncEngine) -> str:
     constrained = SamplingParams(max_tokens=16, temperature=0.0, grammar=grammar)
 
     async def both():
-        return await asyncio.gather(_choices(engine, "drawn", prompts(4)[0], drawn),
-                                    _choices(engine, "constrained", prompts(4)[1], constrained))
+        return await asyncio.gather(choice_ids(engine, "drawn", prompts(4)[0], drawn),
+                                    choice_ids(engine, "constrained", prompts(4)[1], constrained))
     text = tokenizer.hf.decode(asyncio.run(both())[1][0], skip_special_tokens=True)
     time.sleep(host_memory.IDLE_BEFORE_TRIM_S + 1.5)  # the loop ticks once a second when idle
     return text

@@ -10,12 +10,8 @@ import torch
 from engine import AsyncEngine, EngineConfig
 from engine import loader
 from engine.cpu import layout as cpu_layout
-from test_engine import PROMPTS, chat_ids, generate, greedy
-
-# bfloat16 keeps 8 bits of mantissa: logits move by ~1e-2, so greedy choices within this gap (in float32's own
-# logprobs) may go either way. Measured on the embedded model, 8 prompts x 32 tokens: 6 identical, the other two
-# part at float32 top-2 gaps of 0.09 and 0.12 nats.
-BFLOAT16_NEAR_TIE = 0.25
+from engine_helpers import PROMPTS, chat_ids, generate, greedy
+from engine_helpers import BFLOAT16_NEAR_TIE
 
 
 def test_auto_takes_bfloat16_only_where_the_probe_finds_it_faster(monkeypatch):
@@ -104,7 +100,7 @@ def test_auto_serves_a_gguf_model_from_its_blocks_where_they_beat_bfloat16(monke
 def test_the_blocks_must_keep_up_with_bfloat16_at_decode_sizes(monkeypatch):
     from engine.cpu import native_kernels
     from engine.cpu import quantized_weights
-    from test_quantized_weights import _tiny_llama
+    from tiny_models import tiny_llama
 
     if not (native_kernels.load("auto") and native_kernels.active().word_blocks_supported()):
         pytest.skip("the block product for 16-bit activations needs the native kernels and AVX512_VNNI")
@@ -117,12 +113,12 @@ def test_the_blocks_must_keep_up_with_bfloat16_at_decode_sizes(monkeypatch):
 
     monkeypatch.setattr(quantized_weights, "_gains", gains)
     measured = {1: 3.0, 16: 1.5, 64: 1.1, 256: 0.8}  # slower at prefill sizes: decode steps decide
-    assert quantized_weights.beats_bfloat16(_tiny_llama(exact_blocks=True), kernels)
+    assert quantized_weights.beats_bfloat16(tiny_llama(exact_blocks=True), kernels)
     assert rivals == [torch.bfloat16]
     # In geometric mean over 1 and 16 rows (measured on the 2-core AMD EPYC against packed bfloat16: 2.8x, 0.88x)
     measured = {1: 2.8, 16: 0.88, 64: 0.86, 256: 0.77}
-    assert quantized_weights.beats_bfloat16(_tiny_llama(exact_blocks=True), kernels)
+    assert quantized_weights.beats_bfloat16(tiny_llama(exact_blocks=True), kernels)
     measured = {1: 1.1, 16: 0.8, 64: 0.8, 256: 0.8}
-    assert not quantized_weights.beats_bfloat16(_tiny_llama(exact_blocks=True), kernels)
-    assert not quantized_weights.beats_bfloat16(_tiny_llama(exact_blocks=False), kernels)  # no blocks: not timed
+    assert not quantized_weights.beats_bfloat16(tiny_llama(exact_blocks=True), kernels)
+    assert not quantized_weights.beats_bfloat16(tiny_llama(exact_blocks=False), kernels)  # no blocks: not timed
     assert len(rivals) == 3

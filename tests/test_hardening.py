@@ -245,7 +245,7 @@ def second_engine(worker):
     """Another engine in the same process that has done some work and now sits idle (tests, or a draft model's
     loop, hold several): its idleness must not be confused with the serving engine's."""
     from engine import AsyncEngine, SamplingParams
-    from test_engine import generate
+    from engine_helpers import generate
 
     config = worker.settings.engine_config()
     engine = AsyncEngine(type(config)(**{**config.__dict__, "kv_cache_memory": 64 * 2**20, "max_model_len": 1024}))
@@ -624,7 +624,7 @@ def test_torch_threads_are_bounded_by_the_machine(monkeypatch):
 
 
 def test_empty_chat_template_output_is_the_callers_400(monkeypatch, tmp_path, caplog):
-    from test_chat_templates import Worker
+    from api_helpers import Worker
     worker = Worker(monkeypatch, tmp_path, CUSTOM_CHAT_TEMPLATE="{% for m in messages %}{% endfor %}")
     try:
         with caplog.at_level(logging.INFO):

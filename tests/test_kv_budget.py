@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import AsyncEngine, EngineConfig, GenerationError, SamplingParams
-from test_engine import PROMPTS, assert_same_greedy, chat_ids, generate, greedy
+from engine_helpers import PROMPTS, assert_same_greedy, chat_ids, generate, greedy
 
 BUDGET_TOKENS = 768  # 48 blocks: a handful of the 32 requests below fit at once
 

@@ -4,7 +4,6 @@ per token; explicit choices are honoured; a model whose values overflow float16 
 does not have is refused at start-up."""
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import pytest
@@ -12,8 +11,8 @@ import torch
 
 from engine import AsyncEngine, EngineConfig
 from engine.cpu import native_kernels
-from test_model_families import build_model, prompts, reference, tokenizer_folder  # noqa: F401 (a fixture)
-from test_native_kernels import _greedy_tokens
+from tiny_models import build_model, prompts, reference
+from engine_helpers import greedy_tokens
 
 
 def _kernels_or_skip() -> None:
@@ -43,7 +42,7 @@ def test_auto_keeps_float16_keys_and_values_on_cpu(worker):
     ids = [[(13 * i + 7 * j) % 9000 + 60 for j in range(n)] for i, n in enumerate((7, 130))]
     engine = AsyncEngine(EngineConfig(dtype="auto", kv_cache_memory=32 * 2**20, max_model_len=512, max_num_seqs=4))
     try:
-        got = _greedy_tokens(engine, ids)
+        got = greedy_tokens(engine, ids)
         stats = engine.engine.stats()
         layers, kv_heads, head_dim = 30, 3, 64  # SmolLM2-135M
         assert _kv(engine).dtype == torch.float16
@@ -51,7 +50,7 @@ def test_auto_keeps_float16_keys_and_values_on_cpu(worker):
     finally:
         engine.close()
     assert _kv(worker.engine).dtype == torch.float32
-    assert got == _greedy_tokens(worker.engine, ids)
+    assert got == greedy_tokens(worker.engine, ids)
 
 
 @pytest.mark.parametrize("dtype, kv_cache_dtype, expected", [
@@ -70,7 +69,7 @@ def test_other_choices_are_honoured_and_serve(tmp_path, tokenizer_folder, caplog
                                       kv_cache_memory=16 * 2**20, max_model_len=256))
     try:
         with caplog.at_level(logging.INFO):
-            got = _greedy_tokens(engine, prompts(3))
+            got = greedy_tokens(engine, prompts(3))
         assert _kv(engine).dtype == expected
         assert f"{str(expected).removeprefix('torch.')} keys and values" in caplog.text
         if expected != torch.bfloat16:
@@ -95,7 +94,7 @@ def test_a_model_whose_values_overflow_float16_keeps_float32(tmp_path, tokenizer
     engine = AsyncEngine(EngineConfig(model=str(tmp_path), kv_cache_memory=16 * 2**20, max_model_len=256))
     try:
         with caplog.at_level(logging.INFO):
-            got = _greedy_tokens(engine, prompts(7))
+            got = greedy_tokens(engine, prompts(7))
         assert _kv(engine).dtype == torch.float32
         assert "KV cache in float16: its logits differ from a full-precision cache's" in caplog.text
         assert got == [reference(model, ids, 24) for ids in prompts(7)]
@@ -111,7 +110,7 @@ def test_a_float16_cache_serves_a_tiny_model_as_transformers_does(tmp_path, toke
     model = build_model("llama", {}, tmp_path, tokenizer_folder)
     engine = AsyncEngine(EngineConfig(model=str(tmp_path), kv_cache_memory=16 * 2**20, max_model_len=256))
     try:
-        got = _greedy_tokens(engine, prompts(7))
+        got = greedy_tokens(engine, prompts(7))
         assert _kv(engine).dtype == torch.float16
         assert got == [reference(model, ids, 24) for ids in prompts(7)]
     finally:

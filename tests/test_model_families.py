@@ -9,8 +9,6 @@ prefix-cache hit and n > 1.
 from __future__ import annotations
 
 import asyncio
-import random
-import shutil
 import zlib
 import warnings
 
@@ -18,159 +16,13 @@ import pytest
 import torch
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
-from test_engine import generate
-from engine.core.loop import Engine
 from engine.core.fallback import FallbackEngine
+from engine.core.loop import Engine
+from engine_helpers import choice_ids, generate
+from tiny_models import (FALLBACK_FAMILIES, FAST_FAMILIES, HYBRID_FAMILIES, MAMBA1_FAMILIES, NEW_TOKENS, VOCAB, WINDOW,
+                         build_model, family_greedy, prompts, reference)
 
-VOCAB = 49152  # the embedded model's tokenizer
-WINDOW = 12  # sliding windows shorter than the longer prompts
 BATCHED_TOKENS = 32  # chunked prefill: the longest prompt takes several steps
-NEW_TOKENS = 10
-
-_SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0)
-_MOE = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-
-# model_type -> config overrides (on top of _SMALL). Sliding-window families get a window shorter than the prompts.
-FAST_FAMILIES: dict[str, dict] = {
-    "llama": {},
-    "mistral": dict(sliding_window=WINDOW),
-    "mixtral": dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
-    "qwen2": dict(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                      sliding_window=WINDOW, use_sliding_window=True, max_window_layers=2),
-    "qwen3": {},
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
-    "gemma": {},
-    "gemma2": dict(sliding_window=WINDOW, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
-    "gemma3_text": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
-    "cohere": {},
-    "cohere2": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
-    "phi": {},
-    "phi3": {},
-    "starcoder2": dict(sliding_window=WINDOW),
-    "gpt2": {},
-    "gpt_bigcode": {},
-    "gpt_neox": {},
-    "olmo": {},
-    "olmo2": {},
-    "stablelm": {},
-    "granite": {},
-    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
-    "deepseek_v2": dict(num_key_value_heads=4, head_dim=None, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
-                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                        n_group=1, topk_group=1),
-    "deepseek_v3": dict(num_key_value_heads=4, head_dim=None, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
-                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                        n_group=1, topk_group=1),
-    "gpt_oss": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
-                    num_experts_per_tok=2),
-    "smollm3": {},
-    "glm": {},
-    "glm4": {},
-    "helium": {},
-    "ministral": dict(sliding_window=WINDOW),
-    "exaone4": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
-    "opt": dict(ffn_dim=96, word_embed_proj_dim=64),
-    "biogpt": {},
-}
-
-
-# Families with recurrent or convolution layers (state-space, linear attention, short convolutions; all but Mamba
-# next to attention layers): the paged engine keeps each sequence's state in a slot of its own.
-HYBRID_FAMILIES: dict[str, dict] = {
-    "mamba": dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8, head_dim=None),
-    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-                  num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2,
-                  head_dim=None),
-    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
-                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
-                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
-    "lfm2": dict(layer_types=["conv", "full_attention"], block_ff_dim=96, head_dim=None),
-    "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8,
-                             mamba_n_groups=1, num_local_experts=2, num_experts_per_tok=1, head_dim=None),
-    "mamba2": dict(num_heads=8, head_dim=16, state_size=8, n_groups=1, expand=2),
-    "falcon_mamba": dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8, head_dim=None),
-    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
-                  head_dim=None),
-    "falcon_h1": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_d_ssm=128),
-    "nemotron_h": dict(hybrid_override_pattern="M*", mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8,
-                       n_groups=1, layers_block_type=None),
-    # one attention block shared by the hybrid layers
-    "zamba2": dict(mamba_d_state=8, mamba_headdim=16, mamba_ngroups=1, n_mamba_heads=8, num_hidden_layers=4,
-                   layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"],
-                   hybrid_layer_ids=[1, 3], num_mem_blocks=1, head_dim=None),
-    # Zamba 1: its shared block is tied from layer 2, the first hybrid layer it expects
-    "zamba": dict(mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2, n_mamba_heads=2, num_hidden_layers=6,
-                  attn_layer_period=3, attn_layer_offset=2, head_dim=None),
-}
-MAMBA1_FAMILIES = {"mamba", "falcon_mamba", "jamba", "zamba"}  # their scan restarts from zero: prompts prefill whole
-
-# Families whose attention does not dispatch through transformers' AttentionInterface: the fallback path.
-FALLBACK_FAMILIES: dict[str, dict] = {
-    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2, head_dim=None),
-    "gptj": dict(rotary_dim=8, head_dim=None),
-    "codegen": dict(rotary_dim=8, head_dim=None),
-    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=WINDOW, head_dim=None),
-    "bloom": dict(head_dim=None),
-    "mpt": dict(head_dim=None),
-    "xglm": dict(head_dim=None),
-}
-
-
-@pytest.fixture(scope="module")
-def tokenizer_folder(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from engine.loader import model_folder
-    folder = tmp_path_factory.mktemp("tokenizer")
-    AutoTokenizer.from_pretrained(model_folder(EngineConfig())).save_pretrained(folder)
-    return folder
-
-
-def build_model(model_type: str, overrides: dict, folder, tokenizer_folder):
-    """A tiny random model of this family saved to `folder`; its weights are drawn wide enough that greedy
-    choices are decisive (a random model at the usual 0.02 scale has nearly flat logits)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    settings = {key: value for key, value in {**_SMALL, **overrides}.items() if value is not None}
-    config = AutoConfig.for_model(model_type, **settings)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 1.0 / p.shape[-1] ** 0.5)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(folder)
-    for f in tokenizer_folder.iterdir():
-        shutil.copy(f, folder / f.name)
-    return model
-
-
-def prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, VOCAB) for _ in range(n)] for n in (5, 23, 70)]
-
-
-def reference(model, ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
-    with torch.inference_mode(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
-async def _choices(engine: AsyncEngine, request_id: str, ids: list[int], params: SamplingParams) -> list[list[int]]:
-    choices: dict[int, list[int]] = {}
-    async for output in engine.generate(request_id, ids, params):
-        for delta in output.deltas:
-            choices.setdefault(delta.index, []).extend(delta.token_ids)
-    return [choices[i] for i in sorted(choices)]
-
-
-def greedy(n: int = 1) -> SamplingParams:
-    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, n=n)
 
 
 def serve_and_compare(engine: AsyncEngine, model, rows: list[list[int]], prefix_cache: bool = True) -> None:
@@ -179,13 +31,13 @@ def serve_and_compare(engine: AsyncEngine, model, rows: list[list[int]], prefix_
     expected = [reference(model, ids) for ids in rows]
 
     async def batched():
-        return await asyncio.gather(*(_choices(engine, f"r{i}", ids, greedy()) for i, ids in enumerate(rows)))
+        return await asyncio.gather(*(choice_ids(engine, f"r{i}", ids, family_greedy()) for i, ids in enumerate(rows)))
 
     got = asyncio.run(batched())
     for i, (choices, want) in enumerate(zip(got, expected)):
         assert choices[0] == want, f"row {i} ({len(rows[i])} prompt tokens): {choices[0]} != {want}"
     hits = engine.engine.stats()["prefix_cache_hit_tokens"]
-    again = asyncio.run(_choices(engine, "again", rows[-1], greedy(n=2)))
+    again = asyncio.run(choice_ids(engine, "again", rows[-1], family_greedy(n=2)))
     if prefix_cache:
         assert engine.engine.stats()["prefix_cache_hit_tokens"] > hits, "the repeated prompt missed the prefix cache"
     assert again == [expected[-1]] * 2, f"prefix hit, n=2: {again} != {expected[-1]}"
@@ -380,10 +232,10 @@ def test_hybrid_states_follow_their_sequences_through_preemption_beams_and_failu
         assert engine.engine.blocks.num_blocks * 16 < sum(len(ids) + 40 for ids in rows)
 
         async def crowd():
-            greedy_rows = [_choices(engine, f"g{i}", ids, SamplingParams(max_tokens=40, temperature=0.0,
+            greedy_rows = [choice_ids(engine, f"g{i}", ids, SamplingParams(max_tokens=40, temperature=0.0,
                                                                           ignore_eos=True))
                            for i, ids in enumerate(rows)]
-            beam = _choices(engine, "beam", beam_prompt, SamplingParams(
+            beam = choice_ids(engine, "beam", beam_prompt, SamplingParams(
                 max_tokens=NEW_TOKENS, temperature=0.0, n=2, best_of=3, beam_search=True, ignore_eos=True))
             return await asyncio.gather(*greedy_rows, beam)
 
@@ -400,7 +252,7 @@ def test_hybrid_states_follow_their_sequences_through_preemption_beams_and_failu
             async for output in stream:
                 tokens.extend(output.deltas[0].token_ids if output.deltas else [])
                 if len(tokens) == 3:  # decoding: the broken request joins a step with this decode row
-                    broken = asyncio.ensure_future(_choices(engine, "broken", [VOCAB + 5] * 4, greedy()))
+                    broken = asyncio.ensure_future(choice_ids(engine, "broken", [VOCAB + 5] * 4, family_greedy()))
             with pytest.raises(Exception, match="index"):
                 await broken
             return tokens
@@ -428,7 +280,7 @@ def _serve_on_fallback(model_type: str, tmp_path, tokenizer_folder, caplog, reas
         beams = SamplingParams(max_tokens=4, temperature=0.0, n=2, best_of=2, beam_search=True)
         assert "fallback path" in engine.check_supported(beams)
         with pytest.raises(ValueError, match="beam search"):
-            asyncio.run(_choices(engine, "beams", [5, 6, 7], beams))
+            asyncio.run(choice_ids(engine, "beams", [5, 6, 7], beams))
     finally:
         engine.close()
 

@@ -29,7 +29,8 @@ from engine.sources import store as model_store
 from engine.config import EngineConfig
 from engine.sources.base import ModelSourceError, building
 from engine.sources.cache import MANIFEST_NAME, manifest_intact
-from source_fixtures import TcpProxy, build_small_model, upload_folder
+from network_fixtures import TcpProxy, upload_folder
+from tiny_models import build_small_model
 
 BUCKET = "models"
 URI = f"s3://{BUCKET}/small"

@@ -4,15 +4,15 @@ engine serves the same tokens with them as without; a failed build or a differin
 serving."""
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine import AsyncEngine, EngineConfig
 from engine.cpu import native_kernels
-from test_model_families import tokenizer_folder  # noqa: F401 (a fixture)
+from engine_helpers import greedy_tokens
+
 
 
 @pytest.fixture(scope="module")
@@ -328,22 +328,6 @@ class _Counting:
         return counted
 
 
-def _greedy_tokens(engine: AsyncEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-    async def one(i, ids):
-        tokens = []
-        async for output in engine.generate(f"k{i}", ids, params):
-            for delta in output.deltas:
-                tokens.extend(delta.token_ids)
-        return tokens
-
-    async def run():
-        await engine.start()
-        return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
-    return asyncio.run(run())
-
-
 def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(caplog, monkeypatch):
     """Batched decode rows of different lengths (several attention buckets) and a prompt chunked into a decode
     step: greedy tokens through the kernels equal those through PyTorch's operations (NATIVE_KERNELS=off). The
@@ -370,7 +354,7 @@ def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(
         try:
             caplog.clear()
             with caplog.at_level("INFO"):
-                results[mode] = _greedy_tokens(engine, prompts)
+                results[mode] = greedy_tokens(engine, prompts)
             logs[mode] = caplog.text
             prefills[mode] = counting.calls
         finally:
@@ -397,7 +381,7 @@ def test_prompt_chunks_of_a_16_bit_model_attend_through_the_prefill_kernel(tmp_p
     from engine import loader
     from engine.executor import attention
     from engine.executor.runner import ModelRunner, PrefillChunk
-    from test_model_families import build_model
+    from tiny_models import build_model
 
     if not (native_kernels.load("auto", dtype) and native_kernels.active().prefill_attention_supported()):
         pytest.skip("the prefill kernel needs the native kernels and AVX-512")

@@ -14,10 +14,10 @@ import openai
 import pytest
 
 from conftest import MODEL, start_gateway
+from api_helpers import PROMPT, bad_request, complete, error_of
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 PARIS_ANSWER = "The capital of France is Paris."
-PROMPT = "The capital of France is"
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # PROMPT in SmolLM2's tokenizer (checked by test_prompt_forms)
 COUNT_IDS = [33, 28, 216, 34, 28, 216, 35, 28]  # "1, 2, 3,"
 BANANA = 21285  # " banana"
@@ -44,29 +44,6 @@ def chat(client, messages=PARIS, **kwargs):
     kwargs.setdefault("max_tokens", 20)
     kwargs.setdefault("temperature", 0)
     return client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
-
-
-def complete(client, prompt=PROMPT, **kwargs):
-    kwargs.setdefault("max_tokens", 8)
-    kwargs.setdefault("temperature", 0)
-    return client.completions.create(model=MODEL, prompt=prompt, **kwargs)
-
-
-def error_of(call) -> tuple[int, dict]:
-    """The HTTP status and the wire error body of a call that must fail."""
-    with pytest.raises(openai.APIStatusError) as info:
-        call()
-    body = info.value.response.json()
-    assert set(body) == {"error"}
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["code"] == info.value.status_code and body["error"]["message"]
-    return info.value.status_code, body["error"]
-
-
-def bad_request(call, param: str) -> dict:
-    status, error = error_of(call)
-    assert (status, error["type"], error["param"]) == (400, "BadRequestError", param), error
-    return error
 
 
 def run_async(gateway_url: str, make):

@@ -9,11 +9,11 @@ import types
 
 import pytest
 import torch
-import transformers
 
 from engine.cpu import layout as cpu_layout
 from engine.cpu import native_kernels
 from engine.cpu import quantized_weights
+from tiny_models import q4_1_weight, q8_0_weight, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -30,27 +30,6 @@ def words(request, kernels):
     if request.param and not kernels.word_blocks_supported():
         pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
     return request.param
-
-
-def q4_1_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    """Float32 weights as transformers expands Q4_1 blocks: fl(fl(q * d) + m), d and m half-precision."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks = in_features // 32
-    q = torch.randint(0, 16, (out_features, blocks, 32), generator=gen).float()
-    d = (torch.rand(out_features, blocks, 1, generator=gen) * 0.02).half().float()
-    m = (-torch.rand(out_features, blocks, 1, generator=gen) * 0.1).half().float()
-    q[:, :, 0], q[:, :, 1] = 0, 15  # Q4_1 maps each block's minimum to 0 and its maximum to 15
-    return (q * d + m).view(out_features, in_features)
-
-
-def q8_0_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    """Float32 weights as transformers expands Q8_0 blocks: fl(q * d), d half-precision."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks = in_features // 32
-    q = torch.randint(-127, 128, (out_features, blocks, 32), generator=gen).float()
-    q[:, :, 0] = 127  # Q8_0 maps each block's largest magnitude to 127 steps
-    d = (torch.rand(out_features, blocks, 1, generator=gen) * 0.01).half().float()
-    return (q * d).view(out_features, in_features)
 
 
 @pytest.mark.parametrize("make, expected", [(q4_1_weight, 1), (q8_0_weight, 2)])
@@ -172,20 +151,9 @@ def test_bad_arguments_are_errors_not_crashes(kernels):
         kernels.pack_blocks(torch.randn(32, 64).half())
 
 
-def _tiny_llama(exact_blocks: bool) -> torch.nn.Module:
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    if exact_blocks:
-        for i, module in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
-            module.weight.data = q4_1_weight(*module.weight.shape, seed=i)
-    return model
-
-
 def test_a_model_with_block_weights_serves_them_and_others_are_left_alone(kernels, monkeypatch):
-    assert quantized_weights.apply(_tiny_llama(exact_blocks=False), kernels) == 0
-    model = _tiny_llama(exact_blocks=True)
+    assert quantized_weights.apply(tiny_llama(exact_blocks=False), kernels) == 0
+    model = tiny_llama(exact_blocks=True)
     with torch.inference_mode():
         ids = torch.tensor([[5, 17, 99, 3, 42]])
         logits = model(ids).logits
@@ -208,7 +176,7 @@ def test_a_model_with_block_weights_serves_them_and_others_are_left_alone(kernel
 def test_with_16_bit_activations_a_model_serves_its_blocks_at_every_batch_size(kernels, monkeypatch):
     if not kernels.word_blocks_supported():
         pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
-    model = _tiny_llama(exact_blocks=True)
+    model = tiny_llama(exact_blocks=True)
     with torch.inference_mode():
         ids = torch.randint(0, 256, (1, 300))
         logits = model(ids).logits
@@ -232,7 +200,7 @@ def test_with_16_bit_activations_a_model_serves_its_blocks_at_every_batch_size(k
 def test_16_bit_activations_are_used_only_up_to_the_size_where_they_win(kernels, monkeypatch):
     if not kernels.word_blocks_supported():
         pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
-    model = _tiny_llama(exact_blocks=True)
+    model = tiny_llama(exact_blocks=True)
     cpu_layout.use_packed(model, 4)
     monkeypatch.setattr(quantized_weights, "_gains", lambda *a: {1: 2.0, 16: 1.5, 64: 1.2, 256: 0.9})
     quantized_weights.apply(model, kernels, integer_activations=True)

@@ -12,7 +12,7 @@ import pytest
 from engine import AsyncEngine, SamplingParams
 from engine.loader import model_folder
 from engine.core.speculative import SpeculativeConfig
-from test_engine import assert_same_greedy, chat_ids, generate, greedy
+from engine_helpers import assert_same_greedy, chat_ids, generate, greedy
 
 ECHO = ["Repeat exactly: the quick brown fox jumps over the lazy dog, and the lazy dog sleeps on.",
         "Copy this list: apples, pears, plums, apples, pears, plums, cherries.",
@@ -124,7 +124,7 @@ def test_speculative_config_is_validated_at_start_up(monkeypatch):
 
 
 def test_assistant_controls_need_speculation(client):
-    from test_openai_conformance import bad_request, complete
+    from api_helpers import bad_request, complete
     bad_request(lambda: complete(client, extra_body={"num_assistant_tokens": 3}), "num_assistant_tokens")
     bad_request(lambda: complete(client, extra_body={"num_assistant_tokens": 3,
                                                      "assistant_confidence_threshold": 0.5}),

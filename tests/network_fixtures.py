@@ -1,41 +1,11 @@
-"""Helpers for the model-source and chat-template tests: a small real model built on the spot, S3 uploads, and a
-TCP relay that makes the network slow or broken without touching the code under test."""
+"""Helpers for the model-source tests: S3 uploads, and a TCP relay that makes the network slow or broken without
+touching the code under test."""
 from __future__ import annotations
 
 import socket
 import threading
 import time
 from pathlib import Path
-
-
-def build_small_model(folder: Path, *, chat_template: str | None = None) -> Path:
-    """A randomly initialised Llama (2 layers, about 18 MB of float32 weights, so the S3 transfer of its weights
-    file goes in several parts) with a byte-level BPE tokenizer trained here. Its text is gibberish, but it is a
-    real model: transformers loads it and the engine generates from it, deterministically under greedy decoding."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = ["The capital of France is Paris.", "Hello world, small models say odd things.",
-              "Templates render messages into prompts; {{ braces }} stay text.", "One two three four five six."]
-    tokenizer.train_from_iterator(corpus * 20, trainer)
-    hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                                           unk_token="<unk>")
-    if chat_template is not None:
-        hf_tokenizer.chat_template = chat_template
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(hf_tokenizer), hidden_size=384, intermediate_size=1536,
-                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    hf_tokenizer.save_pretrained(folder)
-    return folder
 
 
 def upload_folder(client, folder: Path, bucket: str, prefix: str) -> None:

@@ -1,0 +1,83 @@
+"""Helpers for tests of the API: calls through the official client with the error shape checked, and a worker
+built from environment variables exactly as worker/handler.py builds its own."""
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from conftest import MODEL
+
+PROMPT = "The capital of France is"
+
+
+def complete(client, prompt=PROMPT, **kwargs):
+    kwargs.setdefault("max_tokens", 8)
+    kwargs.setdefault("temperature", 0)
+    return client.completions.create(model=MODEL, prompt=prompt, **kwargs)
+
+
+def error_of(call) -> tuple[int, dict]:
+    """The HTTP status and the wire error body of a call that must fail."""
+    with pytest.raises(openai.APIStatusError) as info:
+        call()
+    body = info.value.response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == info.value.status_code and body["error"]["message"]
+    return info.value.status_code, body["error"]
+
+
+def bad_request(call, param: str) -> dict:
+    status, error = error_of(call)
+    assert (status, error["type"], error["param"]) == (400, "BadRequestError", param), error
+    return error
+
+
+_started: list = []
+
+
+def close_started() -> None:
+    """Stop every engine a Worker started (conftest does it after each test)."""
+    while _started:
+        _started.pop().close()
+
+
+class Worker:
+    """The handler's worker (settings -> engine -> OpenAI serving -> job router) for the given environment."""
+
+    def __init__(self, monkeypatch, tmp_path, **env):
+        from engine import AsyncEngine
+        from openai_compat.jobs import JobRouter
+        from openai_compat.serving import OpenAIServing
+        from worker.settings import load_settings
+
+        monkeypatch.delenv("CUSTOM_CHAT_TEMPLATE", raising=False)
+        monkeypatch.setenv("BASE_PATH", str(tmp_path))
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        settings = load_settings()
+        self.engine = AsyncEngine(settings.engine_config())
+        _started.append(self.engine)
+        self.router = JobRouter(OpenAIServing(self.engine, settings.serving_config()), settings.serving_config())
+
+    def job(self, job_input) -> dict:
+        async def collect():
+            return [part async for part in self.router.run(job_input)]
+        (part,) = asyncio.run(collect())
+        return part
+
+    def chat(self, content: str) -> dict:
+        return self.job({"openai_route": "/v1/chat/completions",
+                         "openai_input": {"messages": [{"role": "user", "content": content}], **GREEDY}})
+
+    def complete(self, prompt: str) -> dict:
+        return self.job({"openai_route": "/v1/completions", "openai_input": {"prompt": prompt, **GREEDY}})
+
+    def render(self, content: str) -> str:
+        asyncio.run(self.engine.start())
+        return self.engine.tokenizer.render_chat([{"role": "user", "content": content}])
+
+
+GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
