@@ -28,7 +28,7 @@ from engine import SamplingParams  # noqa: E402
 from engine.cpu import native_kernels
 from engine.cpu import quantized_weights
 from engine.executor.compact_decoder import CompactDecoder  # noqa: E402
-from engine.executor.runner import DecodeRow, PrefillChunk  # noqa: E402
+from engine.executor.step import DecodeRow, PrefillChunk  # noqa: E402
 
 
 async def _stream(engine, request_id: str, prompt: list[int], tokens: int) -> int:

@@ -13,7 +13,6 @@ import os
 import threading
 from typing import AsyncIterator, Callable
 
-import torch
 
 from engine.config import EngineConfig
 from engine.core.fallback import FallbackEngine
@@ -25,7 +24,8 @@ from engine.core.pooling import (PoolingConfig, PoolingInput, PoolingModel, Pool
 from engine.core.speculative import Speculator
 from engine.cpu import host_memory
 from engine.cpu import plan as cpu_plan
-from engine.executor.runner import ModelRunner, PagedPathUnsupported
+from engine.executor.runner import ModelRunner
+from engine.executor.startup_checks import PagedPathUnsupported
 from engine.loader import LoadedModel, load
 from engine.sampling.sampler import SamplingParams
 from engine.tokenizer import Tokenizer

@@ -385,10 +385,10 @@ def test_a_model_the_start_up_probe_rejects_is_served_on_the_fallback(model_type
     that asks its cache for something the engine's cache does not have (here: the recurrent-state API taken off
     the probe, as a future transformers cache method would be missing) fails that probe, and the worker switches
     to the fallback path and serves it exactly, instead of failing at load or on every request."""
-    from engine.executor import runner
+    from engine.executor import startup_checks
 
-    monkeypatch.delattr(runner._ShapeProbe, "get_conv_state")
-    monkeypatch.delattr(runner._ShapeProbe, "get_recurrent_state")
+    monkeypatch.delattr(startup_checks.ShapeProbe, "get_conv_state")
+    monkeypatch.delattr(startup_checks.ShapeProbe, "get_recurrent_state")
     _serve_on_fallback(model_type, tmp_path, tokenizer_folder, caplog,
                        lambda model: "the paged engine cannot run it", HYBRID_FAMILIES)
 

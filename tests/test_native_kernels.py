@@ -380,7 +380,8 @@ def test_prompt_chunks_of_a_16_bit_model_attend_through_the_prefill_kernel(tmp_p
     its rounding; the kernel accumulates in float32)."""
     from engine import loader
     from engine.executor import attention
-    from engine.executor.runner import ModelRunner, PrefillChunk
+    from engine.executor.runner import ModelRunner
+    from engine.executor.step import PrefillChunk
     from tiny_models import build_model
 
     if not (native_kernels.load("auto", dtype) and native_kernels.active().prefill_attention_supported()):

@@ -19,7 +19,7 @@ import torch
 from engine.core.interface import EngineDeadError, GenerationLoop, is_fatal
 from engine.core.output_processor import OutputProcessor
 from engine.sampling.sampler import Sampler, SamplingParams
-from engine.core.sequence import RequestOutput, Sequence, SequenceGroup, Status
+from engine.core.sequence import Sequence, SequenceGroup, Status
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine")

@@ -8,25 +8,23 @@ request's sink as soon as the step is done. The policy lives in `scheduler.py`, 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from typing import Callable
 
 import torch
 
 from engine import devices
 from engine.core.beam_search import BeamSearch
 from engine.core.block_manager import BLOCK_SIZE, BlockManager
-from engine.core.interface import EngineDeadError, GenerationLoop, RequestTooLarge, is_fatal
+from engine.core.interface import EngineDeadError, GenerationLoop, is_fatal
 from engine.core.output_processor import OutputProcessor
 from engine.core.pooling import PoolingInput, PoolingParams, PoolingQueue, PoolingSink
 from engine.core.scheduler import Scheduler, StepPlan
-from engine.core.sequence import OutputSink, RequestMetrics, RequestOutput, Sequence, SequenceDelta, SequenceGroup, Status
+from engine.core.sequence import RequestOutput, Sequence, SequenceGroup, Status
 from engine.core.speculative import Speculator
 from engine.cpu import host_memory
-from engine.executor.runner import DecodeRow, ModelRunner, PrefillChunk
-from engine.sampling.sampler import Sampler, SamplingParams
+from engine.executor.runner import ModelRunner
+from engine.executor.step import DecodeRow, PrefillChunk
+from engine.sampling.sampler import Sampler
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine")

@@ -4,41 +4,19 @@ sequence per batch row, run their decode rows as one batched pass and each promp
 (state_cache.py keeps their state)."""
 from __future__ import annotations
 
-import inspect
 import logging
-import os
-from dataclasses import dataclass
 
 import torch
 
 from engine import devices
-
-from engine.cpu import native_kernels
-
-from engine.cpu import quantized_weights
 from engine.core.block_manager import BLOCK_SIZE, blocks_for
 from engine.executor.compact_decoder import CompactDecoder
-from engine.executor.kv_cache import DecodeBucket, ForwardCache, LayerShape, PagedKVCache, PrefillSegment, StepCache, StepLayout
-from engine.executor.state_cache import RecurrentStates, StateKey, StateShape, StateStepCache, with_left_context
+from engine.executor.kv_cache import DecodeBucket, PagedKVCache, PrefillSegment, StepCache, StepLayout
+from engine.executor.startup_checks import StartupChecks, cache_argument
+from engine.executor.step import DecodeRow, PrefillChunk
+from engine.executor.state_cache import RecurrentStates, StateStepCache
 
 log = logging.getLogger("engine")
-
-
-@dataclass
-class DecodeRow:
-    token: int  # the sequence's last token, not yet in the cache
-    position: int
-    blocks: list[int]
-    state_slot: int | None = None  # its recurrent-state slot (models with recurrent layers)
-
-
-@dataclass
-class PrefillChunk:
-    token_ids: list[int]  # the next tokens of the sequence to compute
-    start: int  # tokens of the sequence already in the cache
-    blocks: list[int]  # covering at least start + len(token_ids) slots
-    logits: str = "none"  # "none" | "last" | "all": which positions' logits the step returns
-    state_slot: int | None = None
 
 
 def _slot(blocks: list[int], position: int) -> int:
@@ -64,73 +42,14 @@ def _length_buckets(decodes: list[DecodeRow]) -> list[list[int]]:
     return buckets
 
 
-def _logits_match(expected: torch.Tensor, got: torch.Tensor, tolerance: float) -> bool:
-    """Same shape, and every logit within `tolerance` of the largest expected one (the start-up probes' test)."""
-    scale = expected.float().abs().max().item()
-    return got.shape == expected.shape and torch.allclose(got.float(), expected.float(), rtol=0.0,
-                                                          atol=tolerance * scale)
-
-
-class PagedPathUnsupported(RuntimeError):
-    """The model's forward pass does not keep its state in the paged cache (the fallback path serves it)."""
-
-
-class _ShapeProbe(ForwardCache):
-    """A cache that only records what each layer keeps (start-up probe): the key/value shapes an attention layer
-    writes, the state shapes a recurrent or convolution layer keeps (one sequence's worth)."""
-
-    def __init__(self):
-        self.layers: dict[int, LayerShape] = {}
-        self.states: dict[StateKey, StateShape] = {}
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.layers[layer_idx] = LayerShape(key_states.shape[1], key_states.shape[-1], value_states.shape[-1],
-                                            key_states.device)
-        return key_states, value_states
-
-    def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
-        return False
-
-    def is_recording_past(self, layer_idx) -> bool:
-        return False
-
-    def get_conv_state(self, layer_idx, state_idx=0):
-        return None
-
-    get_recurrent_state = get_conv_state
-
-    def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
-        width = conv_kernel_size or conv_states.shape[-1]
-        self.states[("conv", layer_idx, state_idx)] = StateShape((*conv_states.shape[1:-1], width),
-                                                                 conv_states.dtype, conv_states.device)
-        return with_left_context(conv_states, None, width)
-
-    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
-        self.states[("recurrent", layer_idx, state_idx)] = StateShape(
-            tuple(recurrent_states.shape[1:]), recurrent_states.dtype, recurrent_states.device)
-        return recurrent_states
-
-
-def cache_argument(model) -> str:
-    """The keyword a model's forward takes its cache by (Mamba-style models: cache_params)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
-
-
 _STATELESS_BLOCKS = 1 << 16  # positions the block manager tracks for a model with no attention layer (no memory)
-# A 16-bit KV cache chosen by DTYPE=auto serves where the probe's logits stay this close (a fraction of the largest
-# logit) to a full-precision cache's. Float16 keys and values of the embedded model measured (README): 100% top-1
-# agreement with float32 on chat prompts, mean KL 4.7e-7.
-KV_ROUNDING_TOLERANCE = 2e-3
-
-
 class ModelRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, kv_budget_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  kv_dtype: torch.dtype | None = None, check_kv_dtype: bool = False,
                  platform: devices.Platform | None = None, verdicts=None):
         self.model = model
-        # The checks' verdicts from earlier starts on this machine, model and code (engine/startup_cache.py).
+        # The checks' verdicts from earlier starts on this machine, model and code (engine/startup_cache.py; startup_checks.py asks them).
         self.verdicts = verdicts
         self.device = device
         self.platform = platform or devices.Platform(device)
@@ -141,7 +60,8 @@ class ModelRunner:
         self._cache_argument = cache_argument(model)
         self.compact: CompactDecoder | None = None  # set once checked, below
         self.compact_reason = "the model has recurrent layers"
-        self.layer_shapes, state_shapes = self._probe_layers()
+        checks = StartupChecks(self)
+        self.layer_shapes, state_shapes = checks.layer_shapes()
         # A model with recurrent or convolution layers keeps one state slot per running sequence (state_cache.py);
         # their memory comes out of the budget first.
         self.states = RecurrentStates(state_shapes, max_num_seqs) if state_shapes else None
@@ -150,30 +70,18 @@ class ModelRunner:
         self.kv = self._allocate_kv(kv_budget_bytes, gpu_memory_utilization, max_num_batched_tokens)
         # Whether a prompt may be computed in chunks: always for attention, for recurrent layers when they continue
         # a multi-token pass from the state an earlier one left (found out by trying).
-        self.prefill_continues = self.states is None or self._probe_continuation()
+        self.prefill_continues = self.states is None or checks.prefill_continues()
         if self.states is None and self.layer_shapes:
             if check_kv_dtype and self.kv_dtype != dtype:
-                why = self._kept("kv_rounding", self._kv_rounding_differs) if self.kv.num_blocks >= 4 else \
-                    self._kv_rounding_differs()
+                why = checks.kept("kv_rounding", checks.kv_rounding_differs) if self.kv.num_blocks >= 4 else \
+                    checks.kv_rounding_differs()
                 if why:
                     log.warning("KV cache in %s: %s; keeping %s", str(self.kv_dtype).removeprefix("torch."), why,
                                 str(dtype).removeprefix("torch."))
                     self.kv_dtype = dtype
                     del self.kv
                     self.kv = self._allocate_kv(kv_budget_bytes, gpu_memory_utilization, max_num_batched_tokens)
-            self.compact, self.compact_reason = self._compact_decoder()
-
-    def _kept(self, check: str, run):
-        """The verdict of `run` (a check of this model's forward), reused from an earlier start that ran the same
-        forward: the same types, kernels binary and integer activations (the store's key holds the rest)."""
-        if self.verdicts is None:
-            return run()
-        kernels = native_kernels.active() if self.platform.cpu_fast_paths else None
-        built = getattr(kernels, "__file__", None) or ""
-        stamp = os.stat(built).st_mtime_ns if built and os.path.isfile(built) else 0
-        name = (f"{check}:{self.dtype}:{self.kv_dtype}:{built}:{stamp}:"
-                f"{int(quantized_weights.rounds_activations(self.model))}:{len(self.layer_shapes)}")
-        return self.verdicts.get(name, run)
+            self.compact, self.compact_reason = checks.compact_decoder()
 
     def _allocate_kv(self, kv_budget_bytes: int | None, gpu_memory_utilization: float,
                      max_num_batched_tokens: int) -> PagedKVCache:
@@ -185,116 +93,11 @@ class ModelRunner:
         else:
             budget = kv_budget_bytes - (self.states.nbytes if self.states else 0)
             num_blocks = budget // (PagedKVCache.bytes_per_token(self.layer_shapes, self.kv_dtype) * BLOCK_SIZE)
-        return self._cache(self.kv_dtype, max(1, num_blocks))
+        return self.new_cache(self.kv_dtype, max(1, num_blocks))
 
-    def _cache(self, dtype: torch.dtype, num_blocks: int) -> PagedKVCache:
+    def new_cache(self, dtype: torch.dtype, num_blocks: int) -> PagedKVCache:
         return PagedKVCache(self.device, dtype, self.layer_shapes, num_blocks,
                             native_kernels=self.platform.cpu_fast_paths)
-
-    def _probe_steps(self) -> list[tuple[list[DecodeRow], list[PrefillChunk]]]:
-        """Two steps over blocks 0 to 3 that cover each attention path: prompts from position 0, a decode row, a
-        chunk continuing its sequence (the start-up checks' probe)."""
-        vocab = min(97, self.model.config.get_text_config().vocab_size - 1)
-        first = [1 + (i * 37) % vocab for i in range(21)]
-        second = [1 + (i * 53) % vocab for i in range(30)]
-        blocks_first, blocks_second = [0, 1], [2, 3]
-        return [([], [PrefillChunk(first[:20], 0, blocks_first, "all"),
-                      PrefillChunk(second[:12], 0, blocks_second, "last")]),
-                ([DecodeRow(first[20], 20, blocks_first)], [PrefillChunk(second[12:], 12, blocks_second, "all")])]
-
-    @torch.inference_mode()
-    def _kv_rounding_differs(self) -> str:
-        """Why the 16-bit cache would not serve this model ('' where it does): the probe's logits through it
-        against those through a cache in the model's own type, within KV_ROUNDING_TOLERANCE of the largest."""
-        if self.kv.num_blocks < 4:
-            return "the KV cache is too small to check it"
-        steps = self._probe_steps()
-        rounded = [self.execute(*step) for step in steps]
-        kept, self.kv = self.kv, self._cache(self.dtype, 4)
-        try:
-            exact = [self.execute(*step) for step in steps]
-        finally:
-            self.kv = kept
-        if not all(_logits_match(e, r, KV_ROUNDING_TOLERANCE) for e, r in zip(exact, rounded)):
-            return "its logits differ from a full-precision cache's on the start-up probe"
-        return ""
-
-    @torch.inference_mode()
-    def _probe_layers(self) -> tuple[dict[int, LayerShape], dict[StateKey, StateShape]]:
-        probe = _ShapeProbe()
-        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
-        self.model(input_ids=ids, position_ids=torch.arange(2, device=self.device).view(1, 2),
-                   use_cache=True, logits_to_keep=1, **{self._cache_argument: probe})
-        if not probe.layers and not probe.states:
-            raise PagedPathUnsupported("the model wrote no keys, values or recurrent state to the cache")
-        if getattr(self.model, "_is_stateful", False) and not probe.states:
-            raise PagedPathUnsupported("the model keeps recurrent state outside the cache")
-        return probe.layers, probe.states
-
-    @torch.inference_mode()
-    def _probe_continuation(self) -> bool:
-        """Whether the model's recurrent layers carry a state into a multi-token pass (Mamba-2, gated delta nets and
-        short convolutions do; Mamba-1's scan starts from zero whatever the cache holds): a prompt computed in
-        two chunks must give the logits it gives whole, up to rounding."""
-        ids = [1 + (i * 37) % 97 for i in range(24)]
-        blocks = list(range(min(self.kv.num_blocks, blocks_for(len(ids)))))
-        if len(blocks) * BLOCK_SIZE < len(ids) and self.layer_shapes:
-            return False
-        self.prefill_continues = True  # lets the passes below start past position 0
-        whole = self._execute_stateful([], [PrefillChunk(ids, 0, blocks, "last", state_slot=0)])
-        self._execute_stateful([], [PrefillChunk(ids[:10], 0, blocks, "none", state_slot=0)])
-        split = self._execute_stateful([], [PrefillChunk(ids[10:], 10, blocks, "last", state_slot=0)])
-        return _logits_match(whole, split, 0.02)
-
-    @torch.inference_mode()
-    def _compact_decoder(self) -> tuple[CompactDecoder | None, str]:
-        """The compact forward (compact_decoder.py) where the model has its structure and computes the same logits
-        through the paged cache: two steps covering each attention path (prompts from position 0, a decode row,
-        a chunk continuing its sequence) run with the model's own forward, then again with the compact one. On
-        CPU it first tries the compact forward through the native kernels (native_kernels.py), then without."""
-        kernels = native_kernels.active() if self.platform.cpu_fast_paths else None
-        decoder, why = CompactDecoder.build(self.model, kernels)
-        if decoder is None:
-            return None, why
-        if len({s.device for s in self.layer_shapes.values()}) > 1:
-            return None, "its layers are spread over several devices"
-        if self.kv.num_blocks < 4:
-            return None, "the KV cache is too small to check it"
-
-        def check() -> str:
-            """'kernels' or 'plain' for the compact forward that computes the model's logits, else why none does."""
-            steps = self._probe_steps()
-            own = [self.execute(*step) for step in steps]
-            why = self._differs(decoder, steps, own)
-            if not why:
-                return "kernels" if decoder.kernels is not None else "plain"
-            if decoder.kernels is not None:
-                log.warning("compact forward through the native kernels: %s; trying it without them", why)
-                why = self._differs(CompactDecoder(self.model), steps, own)
-            return why or "plain"
-
-        verdict = self._kept(f"compact_forward:{int(decoder.kernels is not None)}", check)
-        if verdict == "kernels":
-            return decoder, ""
-        if verdict == "plain":
-            return (decoder if decoder.kernels is None else CompactDecoder(self.model)), ""
-        return None, verdict
-
-    def _differs(self, decoder: CompactDecoder, steps, own: list) -> str:
-        """Why `decoder` does not compute the model's own logits `own` on `steps` ('' where it does)."""
-        self.compact = decoder
-        try:
-            compact = [self.execute(*step) for step in steps]
-        except Exception as exc:  # a shape it does not expect (a partial rotary embedding...): the model's own
-            return f"it failed on this model ({type(exc).__name__}: {exc})"
-        finally:
-            self.compact = None
-        tolerance = 1e-4 if self.dtype == torch.float32 else 2e-2
-        if quantized_weights.rounds_activations(self.model):
-            tolerance = max(tolerance, 2e-3)
-        if not all(_logits_match(expected, got, tolerance) for expected, got in zip(own, compact)):
-            return "its logits differ from the model's own forward"
-        return ""
 
     @torch.inference_mode()
     def _cuda_blocks(self, utilization: float, profile_tokens: int) -> int:
@@ -304,7 +107,7 @@ class ModelRunner:
         provisional = blocks_for(profile_tokens)
         resident = [*self.model.parameters(), *self.model.buffers(), *(self.states.tensors() if self.states else ())]
         with self.platform.peak_memory(devices, resident) as peaks:
-            self.kv = self._cache(self.kv_dtype, provisional)
+            self.kv = self.new_cache(self.kv_dtype, provisional)
             self.execute([], [PrefillChunk([0] * profile_tokens, 0, list(range(provisional)), "last",
                                            state_slot=0 if self.states else None)])
         blocks = None

@@ -1,0 +1,22 @@
+"""What one engine step asks the runner to compute: decode rows (one new token of a running sequence) and prefill
+chunks (the next tokens of a prompt), each with the cache blocks it owns."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DecodeRow:
+    token: int  # the sequence's last token, not yet in the cache
+    position: int
+    blocks: list[int]
+    state_slot: int | None = None  # its recurrent-state slot (models with recurrent layers)
+
+
+@dataclass
+class PrefillChunk:
+    token_ids: list[int]  # the next tokens of the sequence to compute
+    start: int  # tokens of the sequence already in the cache
+    blocks: list[int]  # covering at least start + len(token_ids) slots
+    logits: str = "none"  # "none" | "last" | "all": which positions' logits the step returns
+    state_slot: int | None = None
