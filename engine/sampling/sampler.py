@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.sampling.sampler.structured import GrammarSpec
+    from engine.sampling.structured import GrammarSpec
 
 _GREEDY_BELOW = 1e-5
 _ARGMAX_CHUNK = 1024
@@ -162,7 +162,7 @@ class Sampler:
             for i in adjusted:
                 logits[i] = self._adjust_row(logits[i], states[i], num_generated[i])
         if constrained:  # structured output: only the tokens each row's grammar allows next
-            from engine.sampling.sampler.structured import allocate_bitmask, apply_bitmask
+            from engine.sampling.structured import allocate_bitmask, apply_bitmask
             bitmask = allocate_bitmask(len(constrained), self.vocab_size)
             for slot, row in enumerate(constrained):
                 states[row].matcher.fill_bitmask(bitmask, slot)
