@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from engine.core.block_manager import BLOCK_SIZE, BlockManager
-from engine.sampling.sampler import SamplingParams, TokenLogprob
+from engine.sampling.sampler import SamplingParams, TokenLogprob, bad_word_ends
 from engine.core.sequence import RequestOutput, Sequence, SequenceDelta, SequenceGroup, Status
 
 _NEG = -1.0e9  # transformers' "excluded" score
@@ -126,9 +126,18 @@ class BeamSearch:
             blocked = [t for t in self._stop_tokens(params) if t < self.vocab_size]
             if blocked:
                 logp[:, torch.tensor(blocked, device=logp.device)] = float("-inf")
+        if params.allowed_token_ids is not None:
+            allowed = torch.zeros(logp.shape[1], dtype=torch.bool, device=logp.device)
+            ids = [t for t in params.allowed_token_ids if 0 <= t < logp.shape[1]]
+            if ids:
+                allowed[torch.tensor(ids, device=logp.device)] = True
+            logp[:, ~allowed] = float("-inf")
         prompt_len = len(running[0].group.prompt_ids)
         for i, seq in enumerate(running):
             out = seq.tokens[prompt_len:]
+            ends = bad_word_ends([w for w in params.bad_words_ids if w and w[-1] < logp.shape[1]], out)
+            if ends:
+                logp[i, torch.tensor(ends, device=logp.device)] = float("-inf")
             if params.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(seq.tokens)), dtype=torch.long, device=logp.device)
                 seen = seen[seen < self.vocab_size]

@@ -23,6 +23,12 @@ def chain_key(previous: int, tokens: tuple[int, ...]) -> int:
     return hash((previous, tokens))
 
 
+def prefix_root(cache_salt: str | None) -> int:
+    """Where a prompt's chain of block keys starts: requests with different salts (tenants) never find each
+    other's blocks."""
+    return 0 if cache_salt is None else hash(("cache_salt", cache_salt))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, max_cached_blocks: int):
         self.num_blocks = num_blocks
@@ -91,13 +97,13 @@ class BlockManager:
 
     # ---- prefix cache ----
 
-    def lookup(self, tokens: list[int], limit: int) -> list[tuple[int, int]]:
+    def lookup(self, tokens: list[int], limit: int, root: int = 0) -> list[tuple[int, int]]:
         """(block, key) of each block holding the longest cached prefix of `tokens` within its first `limit`
         tokens, each block now held once more by the caller."""
         if not self.enabled:
             return []
         found: list[tuple[int, int]] = []
-        previous = 0
+        previous = root
         for start in range(0, limit - BLOCK_SIZE + 1, BLOCK_SIZE):
             part = tuple(tokens[start:start + BLOCK_SIZE])
             previous = chain_key(previous, part)

@@ -126,7 +126,11 @@ class FallbackEngine(GenerationLoop):
         except Exception as exc:  # noqa: BLE001
             self._fail_group(group, exc)
             return
-        self._waiting.append(group)
+        # By priority (lowest value first), then arrival, as the paged scheduler admits.
+        at = len(self._waiting)
+        while at > 0 and self._waiting[at - 1].params.priority > group.params.priority:
+            at -= 1
+        self._waiting.insert(at, group)
 
     def _admit(self) -> None:
         while self._waiting and self.num_running + self._waiting[0].params.num_sequences <= self.max_num_seqs:

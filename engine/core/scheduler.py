@@ -20,7 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.core.block_manager import BLOCK_SIZE, BlockManager, blocks_for, chain_key
+from engine.core.block_manager import BLOCK_SIZE, BlockManager, blocks_for, chain_key, prefix_root
 from engine.core.sequence import Sequence, SequenceGroup, Status
 from engine.executor.state_cache import RecurrentStates
 
@@ -68,7 +68,16 @@ class Scheduler:
         return None
 
     def add(self, group: SequenceGroup) -> None:
-        self.waiting.append(group)
+        self._enqueue(group)
+
+    def _enqueue(self, group: SequenceGroup) -> None:
+        """Into the waiting queue by priority (lowest value first), then arrival: with every priority equal, a new
+        request goes last and a preempted one (older than everything waiting) first."""
+        key = _waiting_key(group)
+        at = len(self.waiting)
+        while at > 0 and _waiting_key(self.waiting[at - 1]) > key:
+            at -= 1
+        self.waiting.insert(at, group)
 
     def remove(self, group: SequenceGroup) -> None:
         """A request leaves (finished, aborted or failed): out of the queue, its blocks freed."""
@@ -162,7 +171,7 @@ class Scheduler:
         position = len(seq.tokens) - 1
         while position // BLOCK_SIZE >= len(seq.blocks):
             if self.blocks.num_free == 0:
-                victim = self.running[-1]
+                victim = self._victim()
                 self.preempt(victim)
                 if victim is seq.group:
                     return False
@@ -182,7 +191,11 @@ class Scheduler:
             group.prompt_logprobs = None  # collected again when the prompt is recomputed
         group.metrics.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(group)
+        self._enqueue(group)
+
+    def _victim(self) -> SequenceGroup:
+        """The running request that gives way: the highest priority value, the latest admitted among equals."""
+        return max(reversed(self.running), key=lambda g: g.params.priority)
 
     def _admit(self) -> None:
         while self.waiting:
@@ -207,7 +220,8 @@ class Scheduler:
             found = []
             if group.params.prompt_logprobs is None or not fresh:
                 # leave at least one token to compute: its logits give the next token
-                found = self.blocks.lookup(seq.tokens, seq.prefill_target - (1 if fresh else 0))
+                found = self.blocks.lookup(seq.tokens, seq.prefill_target - (1 if fresh else 0),
+                                           prefix_root(group.params.cache_salt))
             hits.append(found)
             need += blocks_for(seq.prefill_target) - len(found)
         forks = len(members) - 1 if fresh else 0  # each further choice gets its own copy of the last block
@@ -260,9 +274,13 @@ class Scheduler:
         seq.num_computed += count
         if not self.blocks.enabled:
             return
-        previous = seq.block_keys[-1] if seq.block_keys else 0
+        previous = seq.block_keys[-1] if seq.block_keys else prefix_root(seq.group.params.cache_salt)
         for index in range(len(seq.block_keys), seq.num_computed // BLOCK_SIZE):
             tokens = tuple(seq.tokens[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE])
             previous = chain_key(previous, tokens)
             seq.block_keys.append(previous)
             self.blocks.register(seq.blocks[index], previous, tokens)
+
+
+def _waiting_key(group: SequenceGroup) -> tuple[int, float]:
+    return group.params.priority, group.metrics.arrival

@@ -58,6 +58,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] | None = None  # only these tokens may be generated; None: any
+    # Token sequences never generated: the last token of each is banned wherever the tokens before it were just
+    # generated (a one-token sequence is banned everywhere), as vLLM's bad_words.
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
     logprobs: int | None = None  # alternatives per generated token; None: no logprobs
     prompt_logprobs: int | None = None  # alternatives per prompt token; None: none
     skip_special_tokens: bool = True
@@ -73,6 +77,11 @@ class SamplingParams:
     # confidence below which it stops drafting.
     num_assistant_tokens: int | None = None
     assistant_confidence_threshold: float | None = None
+    # Scheduling: waiting requests are admitted lowest priority value first (then by arrival), and the running
+    # request with the highest value gives way first when the KV cache is full (vLLM's priority scheduling).
+    priority: int = 0
+    # Prefix-cache isolation: cached blocks are shared only between requests with the same salt (tenants).
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +97,17 @@ class SamplingParams:
     def needs_logprobs(self) -> bool:
         """Logprobs are computed for the caller, or to rank best_of candidates."""
         return self.logprobs is not None or (self.num_sequences > self.n and not self.beam_search)
+
+
+def bad_word_ends(words, generated: list[int]) -> list[int]:
+    """The tokens a bad word would end with next: each word's last token where its other tokens were just
+    generated (a one-token word: always)."""
+    ends = []
+    for word in words:
+        head = len(word) - 1
+        if head == 0 or (len(generated) >= head and generated[-head:] == list(word[:-1])):
+            ends.append(word[-1])
+    return ends
 
 
 @dataclass
@@ -120,17 +140,31 @@ class SequenceSamplingState:
         bias = {t: b for t, b in params.logit_bias.items() if 0 <= t < vocab_size}
         self.bias_ids = torch.tensor(list(bias), dtype=torch.long, device=device) if bias else None
         self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device) if bias else None
+        self.banned: torch.Tensor | None = None  # True for every token outside allowed_token_ids
+        if params.allowed_token_ids is not None:
+            self.banned = torch.ones(vocab_size, dtype=torch.bool, device=device)
+            allowed = [i for i in params.allowed_token_ids if 0 <= i < vocab_size]
+            if allowed:
+                self.banned[torch.tensor(allowed, device=device)] = False
+        self.bad_words = [w for w in params.bad_words_ids if w and 0 <= w[-1] < vocab_size]
+        self._context = max((len(w) for w in self.bad_words), default=1) - 1
+        self.recent: list[int] = []  # the last generated tokens bad words are matched against
 
     def record(self, token_id: int) -> None:
         if self.output_counts is not None:
             self.output_counts[token_id] += 1
         if self.seen is not None:
             self.seen[token_id] = True
+        if self._context:
+            self.recent.append(token_id)
+            del self.recent[:-self._context]
 
     def adjusts_logits(self, generated: int) -> bool:
-        """True when this row's logits need a per-row treatment (bias, penalties, min_tokens) before choosing."""
+        """True when this row's logits need a per-row treatment (bias, allowed tokens, bad words, penalties,
+        min_tokens) before choosing."""
         return (self.output_counts is not None or self.seen is not None or self.bias_ids is not None
-                or generated < self.params.min_tokens)
+                or self.banned is not None or bool(self.bad_words) or generated < self.params.min_tokens)
+
 
 
 class Sampler:
@@ -227,6 +261,12 @@ class Sampler:
         p = state.params
         if state.bias_ids is not None:
             logits.index_add_(0, state.bias_ids, state.bias_values)
+        if state.banned is not None:
+            logits = logits.masked_fill(state.banned, float("-inf"))
+        if state.bad_words:
+            ends = bad_word_ends(state.bad_words, state.recent)
+            if ends:
+                logits[torch.tensor(ends, device=logits.device)] = float("-inf")
         if generated < p.min_tokens:
             blocked = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if 0 <= t < logits.numel()]
             if blocked:
