@@ -62,8 +62,7 @@ async def run_legacy(serving: OpenAIServing, job: LegacyJob, batch_size: BatchSi
         if not prompt.token_ids:
             raise OpenAIError("the prompt is empty after tokenization", param="prompt")
     sp = job.sampling_params
-    params = serving.sampling_params(sp, len(prompt.token_ids), sp.max_tokens, logprobs=None,
-                                     grammar=await serving.grammar(sp))
+    (params,) = serving.sampling_params(sp, [len(prompt.token_ids)], await serving.grammar(sp))
     usage = {"input": len(prompt.token_ids), "output": 0}
     outputs = serving.run(random_id("legacy"), prompt, params)
     if not job.stream:

@@ -11,12 +11,17 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_serializer,
                       model_validator)
 
+from engine import SamplingParams
+
 from .errors import context_exceeded
+
+if TYPE_CHECKING:
+    from engine.structured import GrammarSpec
 
 # Accepted for compatibility with OpenAI clients; they have no effect here.
 IGNORED_FIELDS = frozenset({
@@ -295,6 +300,63 @@ class SamplingFields(RequestModel):
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    # How the endpoint's request names its prompt, budget and logprobs: errors about them name these fields.
+    prompt_param: ClassVar[str] = "prompt"
+    logprobs_param: ClassVar[str] = "logprobs"
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    @property
+    def max_tokens_asked(self) -> int | None:
+        """The completion budget asked for; None: the rest of the context."""
+        return getattr(self, self.max_tokens_param, None)
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        """Alternatives reported per generated token; None: no logprobs."""
+        return None
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        """Alternatives reported per prompt token; None: none."""
+        return None
+
+    def token_bias(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+    def to_sampling_params(self, max_tokens: int, defaults: Mapping[str, Any], grammar: GrammarSpec | None = None,
+                           with_special_tokens: bool = False) -> SamplingParams:
+        """The engine's parameters for this request. From the model: its generation defaults (a sampling field
+        the request leaves unset takes the model's value), the resolved completion budget and the compiled
+        grammar; `with_special_tokens` keeps special tokens in the text for parsers that read them. Checks
+        against the model are the serving's (OpenAIServing.sampling_params)."""
+
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        # Beam search ranks raw logprobs unless the request itself sets a temperature (the model's sampling
+        # defaults are for sampling).
+        temperature = (self.temperature or 0.0) if self.beam_search else pick("temperature", 1.0)
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0), seed=self.seed, n=self.n, best_of=self.best_of, stop=self.stop_list,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0, repetition_penalty=pick("repetition_penalty", 1.0),
+            logit_bias=self.token_bias(), logprobs=self.logprobs_asked, prompt_logprobs=self.prompt_logprobs_asked,
+            skip_special_tokens=self.skip_special_tokens and not with_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens, grammar=grammar,
+            beam_search=self.beam_search,
+            length_penalty=self.length_penalty if self.length_penalty is not None else 1.0,
+            early_stopping=self.early_stopping if self.early_stopping is not None else False,
+            num_beam_groups=self.beam_groups if self.beam_search else 1,
+            diversity_penalty=self.diversity_penalty or 0.0, num_assistant_tokens=self.num_assistant_tokens,
+            assistant_confidence_threshold=self.assistant_confidence_threshold)
+
     def constraints(self) -> list[Constraint]:
         """Every output constraint the request sets; more than one is a 400 (see `constraint`)."""
         found: list[Constraint] = []
@@ -523,6 +585,18 @@ class ChatCompletionRequest(OpenAIRequest):
                                                    f"{'required' if choice == 'required' else 'naming a function'}")
         return self
 
+    prompt_param: ClassVar[str] = "messages"
+    logprobs_param: ClassVar[str] = "top_logprobs"
+
+    @property
+    def max_tokens_param(self) -> str:
+        # max_completion_tokens wins over the deprecated max_tokens (as in vLLM); errors name the one used.
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     @property
     def tool_names(self) -> list[str]:
         return [tool.function.name for tool in self.tools or ()]
@@ -694,6 +768,14 @@ class CompletionRequest(OpenAIRequest):
             if any(isinstance(p, list) and not p for p in value):
                 raise ValueError("token-id prompts must not be empty")
         return value
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.logprobs if self.echo else None  # echo with logprobs scores the prompt too
 
     @property
     def prompts(self) -> list[str | list[int]]:

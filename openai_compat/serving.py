@@ -116,77 +116,41 @@ class OpenAIServing:
                               f"sequences; a request may generate at most {limit} (MAX_SEQUENCES_PER_REQUEST)",
                               param=param)
 
-    def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None,
-                        max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs",
-                        grammar: GrammarSpec | None = None, with_special_tokens: bool = False) -> SamplingParams:
-        return self.sampling_params_for(request, [prompt_len], max_tokens, logprobs, prompt_logprobs,
-                                        max_tokens_param, logprobs_param, grammar, with_special_tokens)[0]
-
-    def sampling_params_for(self, request: SamplingFields, prompt_lens: list[int], max_tokens: int | None,
-                            logprobs: int | None, prompt_logprobs: int | None = None,
-                            max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs",
-                            grammar: GrammarSpec | None = None, with_special_tokens: bool = False
-                            ) -> list[SamplingParams]:
-        """The SamplingParams of each prompt of a request. What does not depend on the prompt is checked and built
-        once (a logit_bias can name every token of the vocabulary), so this is linear in the request's size. The
-        caller has run `check_generation`."""
+    def sampling_params(self, request: SamplingFields, prompt_lens: list[int], grammar: GrammarSpec | None = None,
+                        with_special_tokens: bool = False) -> list[SamplingParams]:
+        """The SamplingParams of each prompt of a request, checked against the model; the request maps its own
+        fields (`to_sampling_params`). What does not depend on the prompt is checked and built once (a logit_bias
+        can name every token of the vocabulary), so this is linear in the request's size. The caller has run
+        `check_generation`."""
         max_logprobs = self.engine.config.max_logprobs
-        for name, value in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
+        for name, value in ((request.logprobs_param, request.logprobs_asked),
+                            ("prompt_logprobs", request.prompt_logprobs_asked)):
             if value is not None and value > max_logprobs:
                 raise OpenAIError(f"{name} must be at most {max_logprobs}, got {value}", param=name)
-        prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
-        resolved = [self._max_tokens(request, n, max_tokens, prompt_param, max_tokens_param) for n in prompt_lens]
+        budgets = [self._max_tokens(request, n) for n in prompt_lens]
         sequences = max(request.n, request.best_of or 1)
-        for prompt_len, budget in zip(prompt_lens, resolved):
+        for prompt_len, budget in zip(prompt_lens, budgets):
             too_large = self.engine.check_fits(prompt_len, budget, sequences)
             if too_large is not None:
-                raise OpenAIError(f"This request cannot be served: {too_large}. Please reduce {max_tokens_param}, n "
-                                  f"or the prompt.", param=max_tokens_param)
+                raise OpenAIError(f"This request cannot be served: {too_large}. Please reduce "
+                                  f"{request.max_tokens_param}, n or the prompt.", param=request.max_tokens_param)
         self.check_in_vocabulary(request.stop_token_ids or (), "stop_token_ids")
-        bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
-        self.check_in_vocabulary(bias, "logit_bias")
+        self.check_in_vocabulary(request.token_bias(), "logit_bias")
         self._check_speculation(request)
         if grammar is not None and request.beam_search:
             raise OpenAIError("structured outputs cannot be combined with beam search (beams are scored, not "
                               "masked)", param="use_beam_search")
-        defaults = self.engine.generation_defaults
-
-        def pick(name: str, fallback):
-            value = getattr(request, name)
-            return value if value is not None else defaults.get(name, fallback)
-
-        # Beam search ranks raw logprobs unless the request itself sets a temperature (the model's sampling
-        # defaults are for sampling).
-        temperature = (request.temperature or 0.0) if request.beam_search else pick("temperature", 1.0)
-        first = SamplingParams(
-            max_tokens=resolved[0], temperature=temperature, top_p=pick("top_p", 1.0),
-            top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=request.seed, n=request.n,
-            best_of=request.best_of, stop=request.stop_list, stop_token_ids=tuple(request.stop_token_ids or ()),
-            include_stop_str_in_output=request.include_stop_str_in_output, ignore_eos=request.ignore_eos,
-            min_tokens=request.min_tokens, presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=pick("repetition_penalty", 1.0), logit_bias=bias, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=request.skip_special_tokens and not with_special_tokens,
-            spaces_between_special_tokens=request.spaces_between_special_tokens, grammar=grammar,
-            beam_search=request.beam_search,
-            length_penalty=request.length_penalty if request.length_penalty is not None else 1.0,
-            early_stopping=request.early_stopping if request.early_stopping is not None else False,
-            num_beam_groups=request.beam_groups if request.beam_search else 1,
-            diversity_penalty=request.diversity_penalty or 0.0,
-            num_assistant_tokens=request.num_assistant_tokens,
-            assistant_confidence_threshold=request.assistant_confidence_threshold)
+        first = request.to_sampling_params(budgets[0], self.engine.generation_defaults, grammar, with_special_tokens)
         unsupported = self.engine.check_supported(first)
         if unsupported is not None:
             raise OpenAIError(unsupported, param="use_beam_search")
-        return [first] + [dataclasses.replace(first, max_tokens=m) for m in resolved[1:]]
+        return [first] + [dataclasses.replace(first, max_tokens=m) for m in budgets[1:]]
 
-    def _max_tokens(self, request: SamplingFields, prompt_len: int, max_tokens: int | None, prompt_param: str,
-                    max_tokens_param: str) -> int:
+    def _max_tokens(self, request: SamplingFields, prompt_len: int) -> int:
         """The completion budget of one prompt: what was asked for, or the rest of the context."""
         limit = self.engine.max_model_len
-        self._check_prompt_len(prompt_len, prompt_param)
+        max_tokens, max_tokens_param = request.max_tokens_asked, request.max_tokens_param
+        self._check_prompt_len(prompt_len, request.prompt_param)
         if max_tokens is None:
             max_tokens = limit - prompt_len
         elif prompt_len + max_tokens > limit:
@@ -352,13 +316,7 @@ class OpenAIServing:
         self.check_generation(request, "chat completions", 1)
         prompt = await self.chat_prompt(request)
         plan = await self._chat_plan(request, prompt)
-        top = request.top_logprobs or 0
-        # max_completion_tokens wins over the deprecated max_tokens (as in vLLM); errors name the one used.
-        limit_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        params = self.sampling_params(request, len(prompt.token_ids), getattr(request, limit_param),
-                                      top if request.logprobs else None, max_tokens_param=limit_param,
-                                      logprobs_param="top_logprobs", grammar=plan.grammar,
-                                      with_special_tokens=plan.with_special_tokens)
+        (params,) = self.sampling_params(request, [len(prompt.token_ids)], plan.grammar, plan.with_special_tokens)
         response_id = random_id("chatcmpl")
         if request.stream:
             return self._chat_stream(request, response_id, prompt, params, plan)
@@ -541,11 +499,8 @@ class OpenAIServing:
         self.check_model(request.model)
         self.check_generation(request, "completions", len(request.prompts))
         prompts = await asyncio.to_thread(self._completion_prompts, request)
-        # echo with logprobs scores the prompt too
-        prompt_logprobs = request.logprobs if request.echo else None
         grammar = await self.grammar(request)
-        params = await asyncio.to_thread(self.sampling_params_for, request, [len(p.token_ids) for p in prompts],
-                                         request.max_tokens, request.logprobs, prompt_logprobs, grammar=grammar)
+        params = await asyncio.to_thread(self.sampling_params, request, [len(p.token_ids) for p in prompts], grammar)
         response_id = random_id("cmpl")
         if request.stream:
             return self._completion_stream(request, response_id, prompts, params)
