@@ -24,7 +24,7 @@ from . import routes
 from .routes import CHAT_ROUTE
 from .serving import OpenAIServing
 from .tokenization import DetokenizeRequest, TokenizationServing, TokenizeRequest
-from .streaming import DONE, BatchSize, batched, carries_tokens, sse
+from .streaming import BatchSize, job_stream
 from .validation import check_json, parse
 
 log = logging.getLogger("openai_compat.jobs")
@@ -96,7 +96,7 @@ class JobRouter:
         if isinstance(result, dict):
             yield result
             return
-        async for part in self._stream(result):
+        async for part in job_stream(result, self._batch_size(), self.config.raw_openai_output):
             yield part
 
     # ---- the endpoints the route table names ----
@@ -134,18 +134,3 @@ class JobRouter:
 
     async def stats(self) -> dict:
         return self.serving.metrics.stats()
-
-    async def _stream(self, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[Any]:
-        raw = self.config.raw_openai_output
-        started = False
-        try:
-            async for batch in batched(chunks, self._batch_size(), carries_tokens):
-                started = True
-                yield "".join(sse(c) for c in batch) if raw else [c.model_dump(mode="json") for c in batch]
-        except OpenAIError as exc:
-            if not started:
-                raise
-            log.warning("stream failed after it started: %s", exc.message)
-            yield sse(exc.body()) if raw else [exc.body()]
-        if raw:
-            yield DONE

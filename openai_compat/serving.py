@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -29,6 +28,7 @@ from .protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, CompletionStreamResponse,
     DeltaMessage, ModelCard, ModelList, NamedToolChoice, RequestLimits, SamplingFields, TopLogprob, UsageInfo, random_id,
 )
+from .streaming import StreamChunks
 from .structured import GrammarCache, forced_tool_constraint, strict_tools_constraint
 
 log = logging.getLogger("openai_compat")
@@ -395,32 +395,21 @@ class OpenAIServing:
                 stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
         return ChatCompletionResponse(id=response_id, model=self.served_model_name, choices=result,
-                                      usage=_usage(len(prompt.token_ids), completion_tokens))
+                                      usage=UsageInfo.of(len(prompt.token_ids), completion_tokens))
 
     async def _chat_stream(self, request, response_id: str, prompt: Prompt, params: SamplingParams,
                            plan: "_ChatPlan") -> AsyncIterator[ChatCompletionStreamResponse]:
-        created = int(time.time())
-        model = self.served_model_name
-        prompt_tokens = len(prompt.token_ids)
+        chunks = StreamChunks(ChatCompletionStreamResponse, response_id, self.served_model_name, request,
+                              len(prompt.token_ids))
         generated = 0
-
-        usage_field = request.include_usage or request.continuous_usage
-
-        def chunk(choices, usage=None) -> ChatCompletionStreamResponse:
-            extra = {"usage": usage} if usage_field else {}  # OpenAI: usage null on every chunk but the last
-            return ChatCompletionStreamResponse(id=response_id, created=created, model=model, choices=choices,
-                                                **extra)
-
         echo = self._echo_prefix(request)
         role = self._response_role(request)
         for index in range(params.n):
-            yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(
-                role=role, content=""), logprobs=None, finish_reason=None)],
-                _usage(prompt_tokens, 0) if request.continuous_usage else None)
+            yield chunks.chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(
+                role=role, content=""), logprobs=None, finish_reason=None)], 0)
         if echo:  # the echoed message follows the role chunks, in chunks of its own (vLLM's order)
             for index in range(params.n):
-                yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=echo))],
-                            _usage(prompt_tokens, 0) if request.continuous_usage else None)
+                yield chunks.chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=echo))], 0)
         parsers: dict[int, ChatOutputParser] = {}
         async for output in self.run(response_id, prompt, params):
             choices = []
@@ -445,9 +434,9 @@ class OpenAIServing:
                     finish_reason=_tool_finish(delta.finish_reason, plan.calls_finish and parser.called_tools),
                     stop_reason=delta.stop_reason))
             if choices:
-                yield chunk(choices, _usage(prompt_tokens, generated) if request.continuous_usage else None)
-        if request.include_usage:
-            yield chunk([], _usage(prompt_tokens, generated))
+                yield chunks.chunk(choices, generated)
+        if (last := chunks.usage(generated)) is not None:
+            yield last
 
     # ---------------------------------------------------------------- completions
 
@@ -539,27 +528,19 @@ class OpenAIServing:
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         completion_tokens = sum(len(c.token_ids) for per_prompt in choices for c in per_prompt.values())
         return CompletionResponse(id=response_id, model=self.served_model_name, choices=result,
-                                  usage=_usage(prompt_tokens, completion_tokens))
+                                  usage=UsageInfo.of(prompt_tokens, completion_tokens))
 
     async def _completion_stream(self, request: CompletionRequest, response_id: str, prompts: list[Prompt],
                                  params: list[SamplingParams]) -> AsyncIterator[CompletionStreamResponse]:
-        created = int(time.time())
-        model = self.served_model_name
+        chunks = StreamChunks(CompletionStreamResponse, response_id, self.served_model_name, request,
+                              sum(len(p.token_ids) for p in prompts))
         n = request.n
-        prompt_tokens = sum(len(p.token_ids) for p in prompts)
         generated = 0
         offsets = {}  # text offset per choice, for logprobs
-
-        usage_field = request.include_usage or request.continuous_usage
-
-        def chunk(choices, usage=None) -> CompletionStreamResponse:
-            extra = {"usage": usage} if usage_field else {}
-            return CompletionStreamResponse(id=response_id, created=created, model=model, choices=choices, **extra)
-
         if request.echo and request.logprobs is None:
             for i, prompt in enumerate(prompts):
-                yield chunk([CompletionChoice(index=i * n + k, text=prompt.text, logprobs=None, finish_reason=None)
-                             for k in range(n)])
+                yield chunks.chunk([CompletionChoice(index=i * n + k, text=prompt.text, logprobs=None,
+                                                     finish_reason=None) for k in range(n)])
                 for k in range(n):
                     offsets[i * n + k] = len(prompt.text)
         heads: dict[int, CompletionLogprobs] = {}  # echo with logprobs: the prompt's part, per prompt
@@ -588,9 +569,9 @@ class OpenAIServing:
                 choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
             if choices:
-                yield chunk(choices, _usage(prompt_tokens, generated) if request.continuous_usage else None)
-        if request.include_usage:
-            yield chunk([], _usage(prompt_tokens, generated))
+                yield chunks.chunk(choices, generated)
+        if (last := chunks.usage(generated)) is not None:
+            yield last
 
 
 @dataclass
@@ -636,11 +617,6 @@ def _log_finished(request_id: str, m) -> None:
              "prefill_s=%.3f decode_s=%.3f total_s=%.3f decode_tok_s=%.1f", request_id, m.prompt_tokens,
              m.cached_prompt_tokens, m.output_tokens, admitted - m.arrival, first - admitted, decode_s,
              done - m.arrival, (m.output_tokens - 1) / decode_s if decode_s > 0 else 0.0)
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
 
 
 def _accumulate(choices: dict[int, _Choice], output: RequestOutput) -> None:
