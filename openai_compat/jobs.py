@@ -16,14 +16,17 @@ from pydantic import BaseModel
 
 from .config import ServingConfig
 from .errors import OpenAIError, error_body
-from .legacy import LegacyJob, run_legacy
+from .legacy.protocol import LegacyJob
+from .legacy.serving import run_legacy
 from .metrics import METRICS_CONTENT_TYPE
-from .pooling import EmbeddingRequest, PoolingRequest, PoolingServing, RerankRequest, ScoreRequest
+from .pooling.protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from .pooling.serving import PoolingServing
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelList
 from . import routes
 from .routes import CHAT_ROUTE
 from .serving import OpenAIServing
-from .tokenization import DetokenizeRequest, TokenizationServing, TokenizeRequest
+from .tokenization.protocol import DetokenizeRequest, TokenizeRequest
+from .tokenization.serving import TokenizationServing
 from .streaming import BatchSize, job_stream
 from .validation import check_json, parse
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from .pooling import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from .pooling.protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .tokenization import DetokenizeRequest, TokenizeRequest
+from .tokenization.protocol import DetokenizeRequest, TokenizeRequest
 
 
 @dataclass(frozen=True)
