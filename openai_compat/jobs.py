@@ -21,7 +21,11 @@ from .legacy.serving import run_legacy
 from .metrics import METRICS_CONTENT_TYPE
 from .pooling.protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
 from .pooling.serving import PoolingServing
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from .chat.protocol import ChatCompletionRequest
+from .chat.serving import ChatServing
+from .completions.protocol import CompletionRequest
+from .completions.serving import CompletionServing
+from .models import ModelList, list_models
 from . import routes
 from .routes import CHAT_ROUTE
 from .serving import OpenAIServing
@@ -37,6 +41,8 @@ class JobRouter:
     def __init__(self, serving: OpenAIServing, config: ServingConfig):
         self.serving = serving
         self.config = config
+        self.chat_serving = ChatServing(serving)
+        self.completion_serving = CompletionServing(serving)
         self.tokenization = TokenizationServing(serving)
         self.pooling_serving = PoolingServing(serving)
 
@@ -105,13 +111,13 @@ class JobRouter:
     # ---- the endpoints the route table names ----
 
     async def chat(self, request: ChatCompletionRequest):
-        return await self.serving.create_chat_completion(request)
+        return await self.chat_serving.create_chat_completion(request)
 
     async def completions(self, request: CompletionRequest):
-        return await self.serving.create_completion(request)
+        return await self.completion_serving.create_completion(request)
 
     async def models(self) -> ModelList:
-        return await self.serving.list_models()
+        return await list_models(self.serving)
 
     async def embeddings(self, request: EmbeddingRequest):
         return await self.pooling_serving.create_embedding(request)

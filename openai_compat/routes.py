@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from .pooling.protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .chat.protocol import ChatCompletionRequest
+from .completions.protocol import CompletionRequest
 from .tokenization.protocol import DetokenizeRequest, TokenizeRequest
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from pydantic import BaseModel
 
 from .errors import OpenAIError
-from .protocol import OpenAIRequest, UsageInfo
+from .protocol import UsageInfo
+
+if TYPE_CHECKING:
+    from .sampling import OpenAIRequest
 
 log = logging.getLogger("openai_compat.jobs")
 

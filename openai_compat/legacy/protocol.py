@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ..protocol import ChatMessage, ParamError, RequestLimits, SamplingFields, check_messages_size
+from ..chat.protocol import ChatMessage, check_messages_size
+from ..protocol import ParamError, RequestLimits
+from ..sampling import SamplingFields
 
 
 class LegacySamplingParams(SamplingFields):

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from ..errors import OpenAIError
-from ..protocol import ChatCompletionRequest, ChatMessage, random_id
+from ..chat.protocol import ChatCompletionRequest, ChatMessage
+from ..chat.render import render_chat
+from ..protocol import random_id
 from ..serving import OpenAIServing, Prompt
 from ..streaming import BatchSize, batched
 from .protocol import LegacyJob
@@ -16,9 +18,9 @@ async def run_legacy(serving: OpenAIServing, job: LegacyJob, batch_size: BatchSi
     await serving.ready()
     serving.check_generation(job.sampling_params, "completions", 1)
     if job.messages is not None:
-        prompt = await serving.chat_prompt(ChatCompletionRequest(messages=job.messages))
+        prompt = await render_chat(serving, ChatCompletionRequest(messages=job.messages))
     elif job.apply_chat_template:
-        prompt = await serving.chat_prompt(ChatCompletionRequest(
+        prompt = await render_chat(serving, ChatCompletionRequest(
             messages=[ChatMessage(role="user", content=job.prompt)]))
     else:
         prompt = Prompt(await serving.tokenize(job.prompt, True), job.prompt)

@@ -6,7 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from ..protocol import ChatMessage, ParamError, RequestModel, TokenId
+from ..chat.protocol import ChatMessage
+from ..protocol import ParamError, RequestModel, TokenId
 
 
 class TokenizeRequest(RequestModel):

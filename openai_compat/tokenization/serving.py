@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from ..protocol import ChatCompletionRequest
+from ..chat.protocol import ChatCompletionRequest
+from ..chat.render import render_chat
 from ..serving import OpenAIServing
 from ..validation import parse
 from .protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
@@ -24,7 +25,7 @@ class TokenizationServing:
                       "chat_template_kwargs": request.chat_template_kwargs, "chat_template": request.chat_template,
                       "tools": request.tools, "documents": request.documents}
             chat = parse(ChatCompletionRequest, fields)  # its consistency checks, errors naming the same fields
-            ids = (await serving.chat_prompt(chat, add_special_tokens=bool(request.add_special_tokens))).token_ids
+            ids = (await render_chat(serving, chat, bool(request.add_special_tokens))).token_ids
         else:
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
             ids = await serving.tokenize(request.prompt, add_special)
