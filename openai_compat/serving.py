@@ -104,12 +104,12 @@ class OpenAIServing:
                              context_tokens=self.engine.max_model_len,
                              max_token_chars=self.engine.tokenizer.max_token_chars)
 
+    # ---------------------------------------------------------------- a generation request
+
     def check_generation(self, request: SamplingFields, endpoint: str, num_prompts: int) -> None:
         """What a generation request is checked for before any work on its prompts (once per request)."""
         self.check_generates(endpoint)
         self._check_sequences(request, num_prompts)
-
-    # ---------------------------------------------------------------- a generation request
 
     def _check_sequences(self, request: SamplingFields, num_prompts: int) -> None:
         """Bound the sequences one request generates: every prompt runs max(n, best_of) of them."""

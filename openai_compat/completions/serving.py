@@ -65,8 +65,7 @@ class CompletionServing:
 
     async def create_completion(self, request: CompletionRequest
                                 ) -> CompletionResponse | AsyncIterator[CompletionStreamResponse]:
-        await self.serving.ready()
-        self.serving.check_model(request.model)
+        await self.serving.ready_for(request.model)
         self.serving.check_generation(request, "completions", len(request.prompts))
         prompts = await asyncio.to_thread(self._prompts, request)
         grammar = await self.serving.grammar(request)

@@ -40,10 +40,6 @@ class PoolingServing:
 
     # ---------------------------------------------------------------- shared
 
-    async def _start(self, model: str | None) -> None:
-        await self.serving.ready()
-        self.serving.check_model(model)
-
     def _check_len(self, ids: list[int], param: str) -> None:
         limit = self.engine.max_model_len
         if not ids:
@@ -102,7 +98,7 @@ class PoolingServing:
     # ---------------------------------------------------------------- embeddings and pooling
 
     async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
-        await self._start(request.model)
+        await self.serving.ready_for(request.model)
         inputs = await self._inputs(request.inputs, request.add_special_tokens, "input")
         output = await self._pool("embd", inputs, self._embed_params(request.normalize, request.dimensions))
         data = [EmbeddingData(index=i, embedding=_encode(v, request.encoding_format))
@@ -111,7 +107,7 @@ class PoolingServing:
                                  usage=self._usage(output))
 
     async def create_pooling(self, request: PoolingRequest) -> PoolingResponse:
-        await self._start(request.model)
+        await self.serving.ready_for(request.model)
         task = request.task or ("classify" if self.engine.task == "classify" else "embed")
         if task == "classify":
             if self.engine.task != "classify":
@@ -166,7 +162,7 @@ class PoolingServing:
         return output.request_id, scores, output.prompt_tokens
 
     async def create_score(self, request: ScoreRequest) -> ScoreResponse:
-        await self._start(request.model)
+        await self.serving.ready_for(request.model)
         left = [request.text_1] if isinstance(request.text_1, str) else request.text_1
         right = [request.text_2] if isinstance(request.text_2, str) else request.text_2
         if len(left) == 1:
@@ -183,7 +179,7 @@ class PoolingServing:
                              usage=UsageInfo(prompt_tokens=tokens, total_tokens=tokens))
 
     async def create_rerank(self, request: RerankRequest) -> RerankResponse:
-        await self._start(request.model)
+        await self.serving.ready_for(request.model)
         pairs = [(request.query, document) for document in request.documents]
         names = [("query", f"documents[{i}]") for i in range(len(pairs))]
         request_id, scores, tokens = await self._scores("rerank", pairs, names)

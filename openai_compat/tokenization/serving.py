@@ -17,8 +17,7 @@ class TokenizationServing:
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         serving = self.serving
-        await serving.ready()
-        serving.check_model(request.model)
+        await serving.ready_for(request.model)
         if request.messages is not None:
             fields = {"messages": request.messages, "add_generation_prompt": request.add_generation_prompt,
                       "continue_final_message": request.continue_final_message,
@@ -38,8 +37,7 @@ class TokenizationServing:
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         serving = self.serving
-        await serving.ready()
-        serving.check_model(request.model)
+        await serving.ready_for(request.model)
         serving.check_in_vocabulary(request.tokens, "tokens")
         text = await asyncio.to_thread(serving.engine.tokenizer.decode, request.tokens, False)
         return DetokenizeResponse(prompt=text)
