@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .protocol import DeltaToolCall, ToolCallOut
+from .chat.protocol import DeltaToolCall, ToolCallOut
 from .reasoning import ReasoningParser, Split
 from .tool_parsers import ToolCallStream, ToolParser, final_content, tool_calls_of
 

@@ -16,15 +16,22 @@ from pydantic import BaseModel
 
 from .config import ServingConfig
 from .errors import OpenAIError, error_body
-from .legacy import LegacyJob, run_legacy
+from .legacy.protocol import LegacyJob
+from .legacy.serving import run_legacy
 from .metrics import METRICS_CONTENT_TYPE
-from .pooling import EmbeddingRequest, PoolingRequest, PoolingServing, RerankRequest, ScoreRequest
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from .pooling.protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from .pooling.serving import PoolingServing
+from .chat.protocol import ChatCompletionRequest
+from .chat.serving import ChatServing
+from .completions.protocol import CompletionRequest
+from .completions.serving import CompletionServing
+from .models import ModelList, list_models
 from . import routes
 from .routes import CHAT_ROUTE
 from .serving import OpenAIServing
-from .tokenization import DetokenizeRequest, TokenizationServing, TokenizeRequest
-from .streaming import DONE, BatchSize, batched, carries_tokens, sse
+from .tokenization.protocol import DetokenizeRequest, TokenizeRequest
+from .tokenization.serving import TokenizationServing
+from .streaming import BatchSize, job_stream
 from .validation import check_json, parse
 
 log = logging.getLogger("openai_compat.jobs")
@@ -34,6 +41,8 @@ class JobRouter:
     def __init__(self, serving: OpenAIServing, config: ServingConfig):
         self.serving = serving
         self.config = config
+        self.chat_serving = ChatServing(serving)
+        self.completion_serving = CompletionServing(serving)
         self.tokenization = TokenizationServing(serving)
         self.pooling_serving = PoolingServing(serving)
 
@@ -96,19 +105,19 @@ class JobRouter:
         if isinstance(result, dict):
             yield result
             return
-        async for part in self._stream(result):
+        async for part in job_stream(result, self._batch_size(), self.config.raw_openai_output):
             yield part
 
     # ---- the endpoints the route table names ----
 
     async def chat(self, request: ChatCompletionRequest):
-        return await self.serving.create_chat_completion(request)
+        return await self.chat_serving.create_chat_completion(request)
 
     async def completions(self, request: CompletionRequest):
-        return await self.serving.create_completion(request)
+        return await self.completion_serving.create_completion(request)
 
     async def models(self) -> ModelList:
-        return await self.serving.list_models()
+        return await list_models(self.serving)
 
     async def embeddings(self, request: EmbeddingRequest):
         return await self.pooling_serving.create_embedding(request)
@@ -134,18 +143,3 @@ class JobRouter:
 
     async def stats(self) -> dict:
         return self.serving.metrics.stats()
-
-    async def _stream(self, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[Any]:
-        raw = self.config.raw_openai_output
-        started = False
-        try:
-            async for batch in batched(chunks, self._batch_size(), carries_tokens):
-                started = True
-                yield "".join(sse(c) for c in batch) if raw else [c.model_dump(mode="json") for c in batch]
-        except OpenAIError as exc:
-            if not started:
-                raise
-            log.warning("stream failed after it started: %s", exc.message)
-            yield sse(exc.body()) if raw else [exc.body()]
-        if raw:
-            yield DONE

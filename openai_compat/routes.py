@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from .pooling import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
-from .protocol import ChatCompletionRequest, CompletionRequest
-from .tokenization import DetokenizeRequest, TokenizeRequest
+from .pooling.protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from .chat.protocol import ChatCompletionRequest
+from .completions.protocol import CompletionRequest
+from .tokenization.protocol import DetokenizeRequest, TokenizeRequest
 
 
 @dataclass(frozen=True)

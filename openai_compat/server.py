@@ -39,7 +39,7 @@ from engine.sources.redaction import redact
 
 from .errors import error_body, status_of
 from .routes import MODELS_ROUTE, ROUTES
-from .streaming import sse
+from .streaming import DONE, sse_events
 
 log = logging.getLogger("openai_compat.server")
 
@@ -135,14 +135,14 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None, state
             part = first
             while True:
                 # RAW_OPENAI_OUTPUT=0 yields lists of chunk dicts; the wire format is SSE either way.
-                text = part if isinstance(part, str) else "".join(sse(chunk) for chunk in part)
+                text = part if isinstance(part, str) else sse_events(part)
                 await response.write(text.encode("utf-8"))
                 try:
                     part = await parts.__anext__()
                 except StopAsyncIteration:
                     break
             if not isinstance(first, str):
-                await response.write(b"data: [DONE]\n\n")
+                await response.write(DONE.encode("utf-8"))
             await response.write_eof()
             return response
         except asyncio.CancelledError:

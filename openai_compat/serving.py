@@ -1,40 +1,34 @@
-"""The OpenAI endpoints: request model in, response object or stream of chunk objects out.
+"""What every generating (and pooling) endpoint shares: OpenAIServing holds the engine, the serving
+configuration, the metrics and the grammar cache, and does the checks and steps any endpoint runs through: the
+model loaded and named, the request's size and sampling parameters against the model, prompt text and token
+ids against the context and vocabulary, a generation run (timed, logged, metered), logprobs shaped as chat
+reports them.
 
-Turns a validated request into prompts (chat template, tokenization, FIM for `suffix`) and SamplingParams,
-checks them against the model, runs them on the engine and assembles OpenAI responses from the engine's
-per-step deltas.
+Each endpoint family's serving (chat/, completions/, pooling/, tokenization/, legacy/) takes one OpenAIServing
+and keeps its own request shapes and outputs.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from engine import AsyncEngine, ChatTemplateError, GenerationError, RequestOutput, SamplingParams, TokenLogprob
+from engine import AsyncEngine, GenerationError, RequestOutput, SamplingParams, TokenLogprob
 from engine.sampling.structured import AnswerGate, GrammarSpec
 from engine.sources.redaction import redact
 
-from . import reasoning, tool_parsers
-from .chat_output import ChatOutputParser
 from .config import ServingConfig
 from .errors import OpenAIError, context_exceeded
 from .metrics import ServingMetrics
-from .protocol import (
-    ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
-    ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage, ChatTokenLogprob,
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, CompletionStreamResponse,
-    DeltaMessage, ModelCard, ModelList, NamedToolChoice, RequestLimits, SamplingFields, TopLogprob, UsageInfo, random_id,
-)
-from .structured import GrammarCache, forced_tool_constraint, strict_tools_constraint
+from .protocol import ChatTokenLogprob, RequestLimits, TopLogprob
+from .sampling import SamplingFields
+from .structured import GrammarCache
 
 log = logging.getLogger("openai_compat")
 
-_FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
-_MIN_LOGPROB = -9999.0  # what vLLM reports for -inf
+MIN_LOGPROB = -9999.0  # what vLLM reports for -inf
 
 
 @dataclass
@@ -44,13 +38,25 @@ class Prompt:
 
 
 @dataclass
-class _Choice:
-    """One choice being assembled from deltas."""
+class Choice:
+    """One choice assembled from a whole run's deltas."""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+def accumulate(choices: dict[int, Choice], output: RequestOutput) -> None:
+    """Add one engine output's deltas to the choices they belong to."""
+    for delta in output.deltas:
+        c = choices.setdefault(delta.index, Choice())
+        c.text += delta.text
+        c.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            c.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 class OpenAIServing:
@@ -60,7 +66,7 @@ class OpenAIServing:
         self.metrics = ServingMetrics(engine, lambda: self.served_model_name)
         self.grammars = GrammarCache()
 
-    # ---------------------------------------------------------------- shared
+    # ---------------------------------------------------------------- the model
 
     async def ready(self) -> None:
         """Load the model (first call only)."""
@@ -68,6 +74,11 @@ class OpenAIServing:
             await self.engine.start()
         except Exception as exc:
             raise OpenAIError(redact(f"the model could not be loaded: {exc}"), status=500) from exc
+
+    async def ready_for(self, model: str | None) -> None:
+        """Load the model and check that the request names it (or no model)."""
+        await self.ready()
+        self.check_model(model)
 
     @property
     def served_model_name(self) -> str:
@@ -86,17 +97,14 @@ class OpenAIServing:
                               f"head, so it cannot do {endpoint}; it serves /v1/embeddings, /pooling, /score, "
                               f"/rerank and /tokenize")
 
-    async def list_models(self) -> ModelList:
-        await self.ready()
-        name = self.served_model_name
-        return ModelList(data=[ModelCard(id=name, root=self.engine.model_name, max_model_len=self.engine.max_model_len)])
-
     def request_limits(self) -> RequestLimits:
         """What one request may carry (the model must be loaded)."""
         return RequestLimits(max_prompts=self.config.max_prompts_per_request,
                              max_prompt_tokens=self.config.max_prompt_tokens_per_request,
                              context_tokens=self.engine.max_model_len,
                              max_token_chars=self.engine.tokenizer.max_token_chars)
+
+    # ---------------------------------------------------------------- a generation request
 
     def check_generation(self, request: SamplingFields, endpoint: str, num_prompts: int) -> None:
         """What a generation request is checked for before any work on its prompts (once per request)."""
@@ -116,77 +124,41 @@ class OpenAIServing:
                               f"sequences; a request may generate at most {limit} (MAX_SEQUENCES_PER_REQUEST)",
                               param=param)
 
-    def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None,
-                        max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs",
-                        grammar: GrammarSpec | None = None, with_special_tokens: bool = False) -> SamplingParams:
-        return self.sampling_params_for(request, [prompt_len], max_tokens, logprobs, prompt_logprobs,
-                                        max_tokens_param, logprobs_param, grammar, with_special_tokens)[0]
-
-    def sampling_params_for(self, request: SamplingFields, prompt_lens: list[int], max_tokens: int | None,
-                            logprobs: int | None, prompt_logprobs: int | None = None,
-                            max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs",
-                            grammar: GrammarSpec | None = None, with_special_tokens: bool = False
-                            ) -> list[SamplingParams]:
-        """The SamplingParams of each prompt of a request. What does not depend on the prompt is checked and built
-        once (a logit_bias can name every token of the vocabulary), so this is linear in the request's size. The
-        caller has run `check_generation`."""
+    def sampling_params(self, request: SamplingFields, prompt_lens: list[int], grammar: GrammarSpec | None = None,
+                        with_special_tokens: bool = False) -> list[SamplingParams]:
+        """The SamplingParams of each prompt of a request, checked against the model; the request maps its own
+        fields (`to_sampling_params`). What does not depend on the prompt is checked and built once (a logit_bias
+        can name every token of the vocabulary), so this is linear in the request's size. The caller has run
+        `check_generation`."""
         max_logprobs = self.engine.config.max_logprobs
-        for name, value in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
+        for name, value in ((request.logprobs_param, request.logprobs_asked),
+                            ("prompt_logprobs", request.prompt_logprobs_asked)):
             if value is not None and value > max_logprobs:
                 raise OpenAIError(f"{name} must be at most {max_logprobs}, got {value}", param=name)
-        prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
-        resolved = [self._max_tokens(request, n, max_tokens, prompt_param, max_tokens_param) for n in prompt_lens]
+        budgets = [self._max_tokens(request, n) for n in prompt_lens]
         sequences = max(request.n, request.best_of or 1)
-        for prompt_len, budget in zip(prompt_lens, resolved):
+        for prompt_len, budget in zip(prompt_lens, budgets):
             too_large = self.engine.check_fits(prompt_len, budget, sequences)
             if too_large is not None:
-                raise OpenAIError(f"This request cannot be served: {too_large}. Please reduce {max_tokens_param}, n "
-                                  f"or the prompt.", param=max_tokens_param)
+                raise OpenAIError(f"This request cannot be served: {too_large}. Please reduce "
+                                  f"{request.max_tokens_param}, n or the prompt.", param=request.max_tokens_param)
         self.check_in_vocabulary(request.stop_token_ids or (), "stop_token_ids")
-        bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
-        self.check_in_vocabulary(bias, "logit_bias")
+        self.check_in_vocabulary(request.token_bias(), "logit_bias")
         self._check_speculation(request)
         if grammar is not None and request.beam_search:
             raise OpenAIError("structured outputs cannot be combined with beam search (beams are scored, not "
                               "masked)", param="use_beam_search")
-        defaults = self.engine.generation_defaults
-
-        def pick(name: str, fallback):
-            value = getattr(request, name)
-            return value if value is not None else defaults.get(name, fallback)
-
-        # Beam search ranks raw logprobs unless the request itself sets a temperature (the model's sampling
-        # defaults are for sampling).
-        temperature = (request.temperature or 0.0) if request.beam_search else pick("temperature", 1.0)
-        first = SamplingParams(
-            max_tokens=resolved[0], temperature=temperature, top_p=pick("top_p", 1.0),
-            top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=request.seed, n=request.n,
-            best_of=request.best_of, stop=request.stop_list, stop_token_ids=tuple(request.stop_token_ids or ()),
-            include_stop_str_in_output=request.include_stop_str_in_output, ignore_eos=request.ignore_eos,
-            min_tokens=request.min_tokens, presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=pick("repetition_penalty", 1.0), logit_bias=bias, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=request.skip_special_tokens and not with_special_tokens,
-            spaces_between_special_tokens=request.spaces_between_special_tokens, grammar=grammar,
-            beam_search=request.beam_search,
-            length_penalty=request.length_penalty if request.length_penalty is not None else 1.0,
-            early_stopping=request.early_stopping if request.early_stopping is not None else False,
-            num_beam_groups=request.beam_groups if request.beam_search else 1,
-            diversity_penalty=request.diversity_penalty or 0.0,
-            num_assistant_tokens=request.num_assistant_tokens,
-            assistant_confidence_threshold=request.assistant_confidence_threshold)
+        first = request.to_sampling_params(budgets[0], self.engine.generation_defaults, grammar, with_special_tokens)
         unsupported = self.engine.check_supported(first)
         if unsupported is not None:
             raise OpenAIError(unsupported, param="use_beam_search")
-        return [first] + [dataclasses.replace(first, max_tokens=m) for m in resolved[1:]]
+        return [first] + [dataclasses.replace(first, max_tokens=m) for m in budgets[1:]]
 
-    def _max_tokens(self, request: SamplingFields, prompt_len: int, max_tokens: int | None, prompt_param: str,
-                    max_tokens_param: str) -> int:
+    def _max_tokens(self, request: SamplingFields, prompt_len: int) -> int:
         """The completion budget of one prompt: what was asked for, or the rest of the context."""
         limit = self.engine.max_model_len
-        self._check_prompt_len(prompt_len, prompt_param)
+        max_tokens, max_tokens_param = request.max_tokens_asked, request.max_tokens_param
+        self.check_prompt_len(prompt_len, request.prompt_param)
         if max_tokens is None:
             max_tokens = limit - prompt_len
         elif prompt_len + max_tokens > limit:
@@ -238,6 +210,17 @@ class OpenAIServing:
         except GenerationError as exc:
             raise OpenAIError(f"generation failed: {exc}", status=500) from exc
 
+    def run_prompts(self, request_id: str, prompts: list[Prompt], params: list[SamplingParams]
+                    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The outputs of several prompts as they come, each tagged with its prompt's index (one prompt runs
+        under `request_id`, several under `request_id-<index>`)."""
+        if len(prompts) == 1:
+            return _tagged(0, self.run(request_id, prompts[0], params[0]))
+        return _merge([_tagged(i, self.run(f"{request_id}-{i}", p, sp))
+                       for i, (p, sp) in enumerate(zip(prompts, params))])
+
+    # ---------------------------------------------------------------- prompts
+
     async def tokenize(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         self.check_prompt_chars(text, param)
         return await asyncio.to_thread(self.engine.tokenizer.encode, text, add_special_tokens)
@@ -253,14 +236,14 @@ class OpenAIServing:
                                                       f"more than {per_token} characters)", "the length of the prompt"),
                               param=param)
 
-    def _check_prompt_len(self, prompt_len: int, param: str) -> None:
+    def check_prompt_len(self, prompt_len: int, param: str) -> None:
         limit = self.engine.max_model_len
         if prompt_len >= limit:
             raise OpenAIError(context_exceeded(limit, f"your prompt has {prompt_len} tokens, leaving no room for a "
                                                       f"completion", "the length of the prompt"), param=param)
 
-    def _check_token_ids(self, ids: list[int], param: str) -> None:
-        self._check_prompt_len(len(ids), param)  # before walking (and decoding) millions of ids
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        self.check_prompt_len(len(ids), param)  # before walking (and decoding) millions of ids
         self.check_in_vocabulary(ids, param)
 
     def check_in_vocabulary(self, ids, param: str) -> None:
@@ -271,405 +254,19 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- logprobs
 
-    def _token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.token_text(token_id)
 
-    def _chat_logprobs(self, entries: list[TokenLogprob], top_n: int) -> ChatChoiceLogprobs:
+    def token_logprobs(self, entries: list[TokenLogprob], top_n: int) -> list[ChatTokenLogprob]:
+        """Generated tokens' logprobs as chat reports them, each with its `top_n` most likely alternatives."""
         content = []
         for entry in entries:
-            text = self._token_text(entry.token_id)
-            top = [TopLogprob(token=(t := self._token_text(tid)), logprob=max(lp, _MIN_LOGPROB),
+            text = self.token_text(entry.token_id)
+            top = [TopLogprob(token=(t := self.token_text(tid)), logprob=max(lp, MIN_LOGPROB),
                               bytes=list(t.encode("utf-8"))) for tid, lp in entry.top[:top_n]]
-            content.append(ChatTokenLogprob(token=text, logprob=max(entry.logprob, _MIN_LOGPROB),
+            content.append(ChatTokenLogprob(token=text, logprob=max(entry.logprob, MIN_LOGPROB),
                                             bytes=list(text.encode("utf-8")), top_logprobs=top))
-        return ChatChoiceLogprobs(content=content)
-
-    def _completion_logprobs(self, entries: list[TokenLogprob | None], token_ids: list[int], offset: int
-                             ) -> CompletionLogprobs:
-        """OpenAI's legacy logprobs; `entries[i]` is None for a token with no logprob (the first prompt token)."""
-        result = CompletionLogprobs()
-        for token_id, entry in zip(token_ids, entries):
-            text = self._token_text(token_id)
-            result.tokens.append(text)
-            result.text_offset.append(offset)
-            offset += len(text)
-            if entry is None:
-                result.token_logprobs.append(None)
-                result.top_logprobs.append(None)
-                continue
-            result.token_logprobs.append(max(entry.logprob, _MIN_LOGPROB))
-            top = {self._token_text(tid): max(lp, _MIN_LOGPROB) for tid, lp in entry.top}
-            top.setdefault(text, max(entry.logprob, _MIN_LOGPROB))  # the sampled token is always listed
-            result.top_logprobs.append(top)
-        return result
-
-    # ---------------------------------------------------------------- chat
-
-    async def chat_prompt(self, request: ChatCompletionRequest, add_special_tokens: bool = False) -> Prompt:
-        """The token ids of a chat request's conversation, rendered with the chat template (which writes the
-        special tokens itself; `add_special_tokens` adds the tokenizer's, as /tokenize may ask)."""
-        if request.chat_template is not None:
-            raise OpenAIError("a chat template in the request is not accepted; set CUSTOM_CHAT_TEMPLATE on the "
-                              "worker instead", param="chat_template")
-        messages = []
-        for i, message in enumerate(request.messages):
-            entry: dict[str, Any] = {"role": message.role}
-            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
-                if part.type != "text":
-                    raise OpenAIError(f"content part type {part.type} is not supported: this model takes text only",
-                                      param=f"messages[{i}].content[{j}]")
-            entry["content"] = message.text
-            for key in ("name", "tool_call_id", "reasoning_content"):
-                if getattr(message, key) is not None:
-                    entry[key] = getattr(message, key)
-            if message.tool_calls:
-                entry["tool_calls"] = [_template_tool_call(call.model_dump()) for call in message.tool_calls]
-            messages.append(entry)
-        tokenizer = self.engine.tokenizer
-
-        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
-
-        def render() -> tuple[list[int], str]:
-            text = tokenizer.render_chat(messages, add_generation_prompt=request.add_generation_prompt,
-                                         continue_final_message=request.continue_final_message,
-                                         tools=tools, documents=request.documents,
-                                         template_kwargs=request.chat_template_kwargs)
-            self.check_prompt_chars(text, "messages")
-            return tokenizer.encode(text, add_special_tokens=add_special_tokens), text
-
-        try:
-            ids, text = await asyncio.to_thread(render)
-        except ChatTemplateError as exc:
-            raise OpenAIError(str(exc), param="messages") from exc
-        if not ids:  # the template dropped everything: nothing for the model to continue from
-            raise OpenAIError("the chat template rendered these messages to an empty prompt", param="messages")
-        return Prompt(ids, text)
-
-    async def create_chat_completion(self, request: ChatCompletionRequest
-                                     ) -> ChatCompletionResponse | AsyncIterator[ChatCompletionStreamResponse]:
-        await self.ready()
-        self.check_model(request.model)
-        self.check_generation(request, "chat completions", 1)
-        prompt = await self.chat_prompt(request)
-        plan = await self._chat_plan(request, prompt)
-        top = request.top_logprobs or 0
-        # max_completion_tokens wins over the deprecated max_tokens (as in vLLM); errors name the one used.
-        limit_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        params = self.sampling_params(request, len(prompt.token_ids), getattr(request, limit_param),
-                                      top if request.logprobs else None, max_tokens_param=limit_param,
-                                      logprobs_param="top_logprobs", grammar=plan.grammar,
-                                      with_special_tokens=plan.with_special_tokens)
-        response_id = random_id("chatcmpl")
-        if request.stream:
-            return self._chat_stream(request, response_id, prompt, params, plan)
-        return await self._chat_full(request, response_id, prompt, params, plan)
-
-    async def _chat_plan(self, request: ChatCompletionRequest, prompt: Prompt) -> "_ChatPlan":
-        """How the reply is generated and read: its grammar, and the reasoning and tool-call parsers."""
-        template = self.engine.tokenizer.chat_template
-        reasoning_name = reasoning.parser_name_for(self.config.reasoning_parser, template)
-        reasoning_parser = reasoning.make_parser(reasoning_name, prompt.text or "") if reasoning_name else None
-        choice = request.effective_tool_choice
-        tool_parser: tool_parsers.ToolParser | None = None
-        parser_name = None
-        if isinstance(choice, NamedToolChoice):
-            tool_parser = tool_parsers.NamedFunctionParser(choice.function.name)
-        elif choice == "required":
-            tool_parser = tool_parsers.RequiredParser()
-        elif choice == "auto" and request.tools:
-            parser_name = (tool_parsers.parser_name_for(self.config.tool_call_parser, template)
-                           if self.config.enable_auto_tool_choice else None)
-            if parser_name is None:
-                raise OpenAIError(
-                    "tool_choice \"auto\" needs a tool-call parser, and "
-                    + ("ENABLE_AUTO_TOOL_CHOICE is false" if not self.config.enable_auto_tool_choice else
-                       "this model's chat template has no tool-call format the worker recognises (set "
-                       "TOOL_CALL_PARSER)")
-                    + "; tool_choice \"required\" or a named function works on any model, and \"none\" "
-                      "passes the tools to the template only", param="tool_choice")
-            tool_parser = tool_parsers.PARSERS[parser_name]()
-        constraint = (forced_tool_constraint(request)
-                      or strict_tools_constraint(request, tool_parser, parser_name, self.engine.tokenizer)
-                      or request.constraint())
-        grammar = None
-        if constraint is not None:
-            gate = self._answer_gate(reasoning_parser) if reasoning_parser is not None else None
-            grammar = await self.grammars.compile(self.engine.tokenizer, constraint, gate)
-        special = any(p is not None and p.needs_special_tokens for p in (reasoning_parser, tool_parser))
-        return _ChatPlan(grammar, reasoning_parser, tool_parser, 1 if request.parallel_tool_calls is False else None,
-                         special, calls_finish=not isinstance(choice, NamedToolChoice))
-
-    def _answer_gate(self, parser: reasoning.ReasoningParser) -> AnswerGate:
-        tokenizer = self.engine.tokenizer
-        opener, closer, inside = parser.answer_gate()
-        return AnswerGate(closer=tuple(tokenizer.encode(closer, add_special_tokens=False)),
-                          opener=tokenizer.token_id(opener) if opener else None, inside=inside)
-
-    def _response_role(self, request: ChatCompletionRequest) -> str:
-        """Without a generation prompt the model continues the last message, so the reply keeps its role (vLLM)."""
-        return self.config.response_role if request.add_generation_prompt else request.messages[-1].role
-
-    def _echo_prefix(self, request: ChatCompletionRequest) -> str:
-        """echo repeats the last message only when the reply continues it (same role), as vLLM does."""
-        last = request.messages[-1]
-        if not request.echo or last.content is None or last.role != self._response_role(request):
-            return ""
-        return last.text
-
-    async def _chat_full(self, request, response_id: str, prompt: Prompt, params: SamplingParams,
-                         plan: "_ChatPlan") -> ChatCompletionResponse:
-        choices: dict[int, _Choice] = {}
-        async for output in self.run(response_id, prompt, params):
-            _accumulate(choices, output)
-        echo = self._echo_prefix(request)
-        result = []
-        for index in sorted(choices):
-            c = choices[index]
-            parsed = plan.parser().parse(c.text)
-            content = echo + parsed.content if parsed.content is not None else (echo or None)
-            message = ChatResponseMessage(role=self._response_role(request), content=content,
-                                          reasoning_content=parsed.reasoning, reasoning=parsed.reasoning,
-                                          tool_calls=parsed.tool_calls)
-            result.append(ChatCompletionChoice(
-                index=index, message=message,
-                logprobs=self._chat_logprobs(c.logprobs, params.logprobs) if params.logprobs is not None else None,
-                finish_reason=_tool_finish(c.finish_reason, plan.calls_finish and bool(parsed.tool_calls)),
-                stop_reason=c.stop_reason))
-        completion_tokens = sum(len(c.token_ids) for c in choices.values())
-        return ChatCompletionResponse(id=response_id, model=self.served_model_name, choices=result,
-                                      usage=_usage(len(prompt.token_ids), completion_tokens))
-
-    async def _chat_stream(self, request, response_id: str, prompt: Prompt, params: SamplingParams,
-                           plan: "_ChatPlan") -> AsyncIterator[ChatCompletionStreamResponse]:
-        created = int(time.time())
-        model = self.served_model_name
-        prompt_tokens = len(prompt.token_ids)
-        generated = 0
-
-        usage_field = request.include_usage or request.continuous_usage
-
-        def chunk(choices, usage=None) -> ChatCompletionStreamResponse:
-            extra = {"usage": usage} if usage_field else {}  # OpenAI: usage null on every chunk but the last
-            return ChatCompletionStreamResponse(id=response_id, created=created, model=model, choices=choices,
-                                                **extra)
-
-        echo = self._echo_prefix(request)
-        role = self._response_role(request)
-        for index in range(params.n):
-            yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(
-                role=role, content=""), logprobs=None, finish_reason=None)],
-                _usage(prompt_tokens, 0) if request.continuous_usage else None)
-        if echo:  # the echoed message follows the role chunks, in chunks of its own (vLLM's order)
-            for index in range(params.n):
-                yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=echo))],
-                            _usage(prompt_tokens, 0) if request.continuous_usage else None)
-        parsers: dict[int, ChatOutputParser] = {}
-        async for output in self.run(response_id, prompt, params):
-            choices = []
-            for delta in output.deltas:
-                generated += len(delta.token_ids)
-                parser = parsers.setdefault(delta.index, plan.parser())
-                piece = parser.feed(delta.text, final=delta.finish_reason is not None)
-                logprobs = None
-                if params.logprobs is not None and delta.logprobs:
-                    logprobs = self._chat_logprobs(delta.logprobs, params.logprobs)
-                if not piece and logprobs is None and delta.finish_reason is None:
-                    continue
-                fields: dict[str, Any] = {}
-                if piece.reasoning:
-                    fields.update(reasoning_content=piece.reasoning, reasoning=piece.reasoning)
-                if piece.content:
-                    fields["content"] = piece.content
-                if piece.tool_calls:
-                    fields["tool_calls"] = piece.tool_calls
-                choices.append(ChatCompletionStreamChoice(
-                    index=delta.index, delta=DeltaMessage(**fields), logprobs=logprobs,
-                    finish_reason=_tool_finish(delta.finish_reason, plan.calls_finish and parser.called_tools),
-                    stop_reason=delta.stop_reason))
-            if choices:
-                yield chunk(choices, _usage(prompt_tokens, generated) if request.continuous_usage else None)
-        if request.include_usage:
-            yield chunk([], _usage(prompt_tokens, generated))
-
-    # ---------------------------------------------------------------- completions
-
-    def _completion_prompts(self, request: CompletionRequest) -> list[Prompt]:
-        """Token ids (and text, for echo) of every prompt. Tokenizing and decoding are the heavy part of preparing
-        a request, so the caller runs this on a worker thread; it is linear in the prompts' size."""
-        tokenizer = self.engine.tokenizer
-        items = request.prompts
-        prompts = []
-        for i, item in enumerate(items):
-            param = "prompt" if len(items) == 1 else f"prompt[{i}]"
-            if isinstance(item, str):
-                if request.suffix is not None:
-                    prompts.append(Prompt(self._fim_ids(item, request.suffix), item))
-                    continue
-                self.check_prompt_chars(item, param)
-                ids = tokenizer.encode(item, request.add_special_tokens)
-                if not ids:
-                    raise OpenAIError("the prompt is empty after tokenization", param=param)
-                prompts.append(Prompt(ids, item))
-            else:
-                if request.suffix is not None:
-                    raise OpenAIError("suffix needs a text prompt", param="suffix")
-                self._check_token_ids(item, param)
-                prompts.append(Prompt(item, tokenizer.decode(item, skip_special_tokens=False)))
-        total = sum(len(p.token_ids) for p in prompts)
-        if total > self.config.max_prompt_tokens_per_request:
-            raise OpenAIError(f"the prompts have {total} tokens together; a request may carry at most "
-                              f"{self.config.max_prompt_tokens_per_request} (MAX_PROMPT_TOKENS_PER_REQUEST)",
-                              param="prompt")
-        return prompts
-
-    def _fim_ids(self, prefix: str, suffix: str) -> list[int]:
-        """Fill-in-the-middle prompt for models trained with FIM tokens; others cannot honour `suffix`."""
-        tokenizer = self.engine.tokenizer
-        markers = [tokenizer.token_id(t) for t in _FIM_TOKENS]
-        if any(m is None for m in markers):
-            raise OpenAIError("suffix is not supported by this model (its tokenizer has no fill-in-the-middle "
-                              "tokens)", param="suffix")
-        fim_prefix, fim_suffix, fim_middle = markers
-        self.check_prompt_chars(prefix, "prompt")
-        self.check_prompt_chars(suffix, "suffix")
-        return ([fim_prefix] + tokenizer.encode(prefix, False) + [fim_suffix] + tokenizer.encode(suffix, False)
-                + [fim_middle])
-
-    async def create_completion(self, request: CompletionRequest
-                                ) -> CompletionResponse | AsyncIterator[CompletionStreamResponse]:
-        await self.ready()
-        self.check_model(request.model)
-        self.check_generation(request, "completions", len(request.prompts))
-        prompts = await asyncio.to_thread(self._completion_prompts, request)
-        # echo with logprobs scores the prompt too
-        prompt_logprobs = request.logprobs if request.echo else None
-        grammar = await self.grammar(request)
-        params = await asyncio.to_thread(self.sampling_params_for, request, [len(p.token_ids) for p in prompts],
-                                         request.max_tokens, request.logprobs, prompt_logprobs, grammar=grammar)
-        response_id = random_id("cmpl")
-        if request.stream:
-            return self._completion_stream(request, response_id, prompts, params)
-        return await self._completion_full(request, response_id, prompts, params)
-
-    def _merged(self, response_id: str, prompts: list[Prompt], params: list[SamplingParams]
-                ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        if len(prompts) == 1:
-            return _tagged(0, self.run(response_id, prompts[0], params[0]))
-        return _merge([_tagged(i, self.run(f"{response_id}-{i}", p, sp))
-                       for i, (p, sp) in enumerate(zip(prompts, params))])
-
-    async def _completion_full(self, request: CompletionRequest, response_id: str, prompts: list[Prompt],
-                               params: list[SamplingParams]) -> CompletionResponse:
-        n = request.n
-        choices: list[dict[int, _Choice]] = [{} for _ in prompts]
-        prompt_logprobs: list[list | None] = [None] * len(prompts)
-        async for i, output in self._merged(response_id, prompts, params):
-            _accumulate(choices[i], output)
-            if output.prompt_logprobs is not None:
-                prompt_logprobs[i] = output.prompt_logprobs
-        result = []
-        for i, prompt in enumerate(prompts):
-            for index in sorted(choices[i]):
-                c = choices[i][index]
-                echo = prompt.text if request.echo else ""
-                logprobs = None
-                if request.logprobs is not None:
-                    logprobs = self._completion_logprobs(c.logprobs, c.token_ids, len(echo))
-                    if request.echo:
-                        head = self._completion_logprobs(prompt_logprobs[i] or [None] * len(prompt.token_ids),
-                                                         prompt.token_ids, 0)
-                        logprobs = _join_logprobs(head, logprobs)
-                result.append(CompletionChoice(index=i * n + index, text=echo + c.text, logprobs=logprobs,
-                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        completion_tokens = sum(len(c.token_ids) for per_prompt in choices for c in per_prompt.values())
-        return CompletionResponse(id=response_id, model=self.served_model_name, choices=result,
-                                  usage=_usage(prompt_tokens, completion_tokens))
-
-    async def _completion_stream(self, request: CompletionRequest, response_id: str, prompts: list[Prompt],
-                                 params: list[SamplingParams]) -> AsyncIterator[CompletionStreamResponse]:
-        created = int(time.time())
-        model = self.served_model_name
-        n = request.n
-        prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        generated = 0
-        offsets = {}  # text offset per choice, for logprobs
-
-        usage_field = request.include_usage or request.continuous_usage
-
-        def chunk(choices, usage=None) -> CompletionStreamResponse:
-            extra = {"usage": usage} if usage_field else {}
-            return CompletionStreamResponse(id=response_id, created=created, model=model, choices=choices, **extra)
-
-        if request.echo and request.logprobs is None:
-            for i, prompt in enumerate(prompts):
-                yield chunk([CompletionChoice(index=i * n + k, text=prompt.text, logprobs=None, finish_reason=None)
-                             for k in range(n)])
-                for k in range(n):
-                    offsets[i * n + k] = len(prompt.text)
-        heads: dict[int, CompletionLogprobs] = {}  # echo with logprobs: the prompt's part, per prompt
-        echoed: set[int] = set()
-        async for i, output in self._merged(response_id, prompts, params):
-            choices = []
-            if request.echo and request.logprobs is not None and output.prompt_logprobs is not None:
-                heads[i] = self._completion_logprobs(output.prompt_logprobs, prompts[i].token_ids, 0)
-            for delta in output.deltas:
-                index = i * n + delta.index
-                generated += len(delta.token_ids)
-                text, head = delta.text, None
-                if i in heads and index not in echoed:
-                    # The prompt goes out with the choice's first tokens, in one choice (vLLM's shape).
-                    echoed.add(index)
-                    text, head = prompts[i].text + text, heads[i]
-                    offsets[index] = len(prompts[i].text)
-                logprobs = None
-                if request.logprobs is not None and delta.logprobs:
-                    logprobs = self._completion_logprobs(delta.logprobs, delta.token_ids, offsets.get(index, 0))
-                if head is not None:
-                    logprobs = _join_logprobs(head, logprobs or CompletionLogprobs())
-                offsets[index] = offsets.get(index, 0) + len(delta.text)
-                if not text and logprobs is None and delta.finish_reason is None:
-                    continue
-                choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
-            if choices:
-                yield chunk(choices, _usage(prompt_tokens, generated) if request.continuous_usage else None)
-        if request.include_usage:
-            yield chunk([], _usage(prompt_tokens, generated))
-
-
-@dataclass
-class _ChatPlan:
-    grammar: GrammarSpec | None
-    reasoning_parser: reasoning.ReasoningParser | None
-    tool_parser: tool_parsers.ToolParser | None
-    max_calls: int | None
-    with_special_tokens: bool
-    # A reply that ends in tool calls finishes with "tool_calls", except for a named tool_choice, where OpenAI
-    # (and vLLM) report "stop": the caller forced the call.
-    calls_finish: bool = True
-
-    def parser(self) -> ChatOutputParser:
-        """A parser for one choice (parsers keep the state of a stream)."""
-        return ChatOutputParser(self.reasoning_parser, self.tool_parser, self.max_calls)
-
-
-def _tool_finish(reason: str | None, called: bool) -> str | None:
-    """A reply that ends in tool calls finishes with "tool_calls" (a cut-off one keeps "length")."""
-    return "tool_calls" if called and reason == "stop" else reason
-
-
-def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
-    """Chat templates expect a call's arguments as a mapping (they serialise it themselves), as vLLM passes
-    them; arguments that are not a JSON object stay text."""
-    function = dict(call.get("function") or {})
-    try:
-        arguments = json.loads(function.get("arguments") or "{}")
-    except ValueError:
-        arguments = None
-    if isinstance(arguments, dict):
-        function["arguments"] = arguments
-    return {**call, "function": function}
+        return content
 
 
 def _log_finished(request_id: str, m) -> None:
@@ -681,28 +278,6 @@ def _log_finished(request_id: str, m) -> None:
              "prefill_s=%.3f decode_s=%.3f total_s=%.3f decode_tok_s=%.1f", request_id, m.prompt_tokens,
              m.cached_prompt_tokens, m.output_tokens, admitted - m.arrival, first - admitted, decode_s,
              done - m.arrival, (m.output_tokens - 1) / decode_s if decode_s > 0 else 0.0)
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
-
-
-def _accumulate(choices: dict[int, _Choice], output: RequestOutput) -> None:
-    for delta in output.deltas:
-        c = choices.setdefault(delta.index, _Choice())
-        c.text += delta.text
-        c.token_ids.extend(delta.token_ids)
-        if delta.logprobs:
-            c.logprobs.extend(delta.logprobs)
-        if delta.finish_reason is not None:
-            c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
-
-
-def _join_logprobs(head: CompletionLogprobs, tail: CompletionLogprobs) -> CompletionLogprobs:
-    return CompletionLogprobs(text_offset=head.text_offset + tail.text_offset,
-                              token_logprobs=head.token_logprobs + tail.token_logprobs,
-                              tokens=head.tokens + tail.tokens, top_logprobs=head.top_logprobs + tail.top_logprobs)
 
 
 async def _tagged(tag: int, source: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:

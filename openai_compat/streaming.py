@@ -1,10 +1,21 @@
-"""Server-sent events and the batching of stream chunks into job outputs."""
+"""Streams: the chunks of one stream, their server-sent-event framing (`data: ...` and the closing
+`[DONE]`, for the job router and the gateway alike), and the batching of chunks into job outputs."""
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+import logging
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from pydantic import BaseModel
+
+from .errors import OpenAIError
+from .protocol import UsageInfo
+
+if TYPE_CHECKING:
+    from .sampling import OpenAIRequest
+
+log = logging.getLogger("openai_compat.jobs")
 
 DONE = "data: [DONE]\n\n"
 
@@ -13,6 +24,43 @@ def sse(data: BaseModel | dict) -> str:
     """One server-sent event carrying a JSON body."""
     body = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
     return f"data: {body}\n\n"
+
+
+def sse_events(chunks: list[BaseModel | dict]) -> str:
+    """A batch of chunks as consecutive events."""
+    return "".join(sse(chunk) for chunk in chunks)
+
+
+class StreamChunks:
+    """The chunks of one stream: each carries the stream's id, creation time and model, and has a `usage` key
+    only when the request asked for usage (OpenAI: null on every chunk but the last, which has no choices;
+    vLLM's continuous_usage_stats: the counts so far on every chunk that gives them)."""
+
+    def __init__(self, chunk_type: type[BaseModel], response_id: str, model: str, request: OpenAIRequest,
+                 prompt_tokens: int):
+        self.chunk_type = chunk_type
+        self.response_id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.include_usage = request.include_usage
+        self.continuous_usage = request.continuous_usage
+
+    def chunk(self, choices: list, generated: int | None = None) -> BaseModel:
+        """A chunk of `choices`; with continuous usage, its usage counts `generated` tokens (None: null)."""
+        extra = {}
+        if self.include_usage or self.continuous_usage:
+            extra["usage"] = (UsageInfo.of(self.prompt_tokens, generated)
+                              if self.continuous_usage and generated is not None else None)
+        return self.chunk_type(id=self.response_id, created=self.created, model=self.model, choices=choices,
+                               **extra)
+
+    def usage(self, generated: int) -> BaseModel | None:
+        """The closing usage chunk, when the request asked for one."""
+        if not self.include_usage:
+            return None
+        return self.chunk_type(id=self.response_id, created=self.created, model=self.model, choices=[],
+                               usage=UsageInfo.of(self.prompt_tokens, generated))
 
 
 class BatchSize:
@@ -53,3 +101,21 @@ async def batched(chunks: AsyncIterator[Any], size: BatchSize, count=lambda chun
             size.grow()
     if batch:
         yield batch
+
+
+async def job_stream(chunks: AsyncIterator[BaseModel], size: BatchSize, raw: bool) -> AsyncIterator[str | list]:
+    """A stream as job outputs: batches of SSE text ending in `[DONE]` (`raw`), or lists of chunk dicts. An
+    error before the first output is raised (the job answers with it alone); after, it is the stream's last
+    event."""
+    started = False
+    try:
+        async for batch in batched(chunks, size, carries_tokens):
+            started = True
+            yield sse_events(batch) if raw else [c.model_dump(mode="json") for c in batch]
+    except OpenAIError as exc:
+        if not started:
+            raise
+        log.warning("stream failed after it started: %s", exc.message)
+        yield sse(exc.body()) if raw else [exc.body()]
+    if raw:
+        yield DONE

@@ -11,7 +11,8 @@ from typing import Any
 from engine.sampling.structured import AnswerGate, GrammarCompiler, GrammarError, GrammarSpec
 
 from .errors import OpenAIError
-from .protocol import ChatCompletionRequest, Constraint, NamedToolChoice
+from .chat.protocol import ChatCompletionRequest, NamedToolChoice
+from .protocol import Constraint
 from .tool_parsers import CallSchema, ToolParser
 
 

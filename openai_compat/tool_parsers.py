@@ -17,7 +17,8 @@ import ast
 import json
 from dataclasses import dataclass, field
 
-from .protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut, random_id
+from .chat.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
+from .protocol import random_id
 
 _WHITESPACE = " \t\r\n"
 

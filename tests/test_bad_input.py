@@ -400,8 +400,9 @@ LEGACY_SAMPLING_WRONG = {**SAMPLING_WRONG, "max_tokens": "many"}
 
 def test_every_field_has_a_wrong_type_case():
     # A field added to a request model without a case here fails this test.
-    from openai_compat.legacy import LegacyJob, LegacySamplingParams
-    from openai_compat.protocol import ChatCompletionRequest, CompletionRequest
+    from openai_compat.legacy.protocol import LegacyJob, LegacySamplingParams
+    from openai_compat.chat.protocol import ChatCompletionRequest
+    from openai_compat.completions.protocol import CompletionRequest
 
     assert set(CHAT_WRONG) == set(ChatCompletionRequest.model_fields)
     assert set(COMPLETION_WRONG) == set(CompletionRequest.model_fields)

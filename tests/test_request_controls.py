@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine import AsyncEngine, SamplingParams
 from engine_helpers import PROMPTS, chat_ids, generate, greedy
 
 

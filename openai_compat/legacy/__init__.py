@@ -1,0 +1,1 @@
+"""worker-vllm's native job form."""

@@ -1,0 +1,1 @@
+"""Embeddings, pooling, score and rerank."""

@@ -1,0 +1,1 @@
+"""The tokenizer routes: tokenize and detokenize."""
