@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, model_serializer, model_validator
 
 # Accepted for compatibility with OpenAI clients; they have no effect here.
 IGNORED_FIELDS = frozenset({
-    "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-    "reasoning_effort", "verbosity", "modalities", "prediction", "web_search_options", "audio",
+    "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "prediction",
 })
 
 MAX_SEED = 2**63 - 1
@@ -164,12 +163,51 @@ class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
-class StreamChunk(BaseModel):
+def _omit_none(data: dict, keys: frozenset[str]) -> dict:
+    for key in keys:
+        if key in data and data[key] is None:
+            del data[key]
+    return data
+
+
+class OmitsNone(BaseModel):
+    """vLLM's optional response keys (prompt_logprobs, prompt_token_ids, token_ids) appear only when the
+    request asked for them: a key in `omitted_when_none` leaves the JSON while it is None."""
+    omitted_when_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler):
+        return _omit_none(handler(self), self.omitted_when_none)
+
+
+class StreamChunk(OmitsNone):
     """A stream chunk has a `usage` key only when the request asked for usage (null until the last chunk)."""
 
     @model_serializer(mode="wrap")
     def _usage_when_asked(self, handler):
-        data = handler(self)
+        data = _omit_none(handler(self), self.omitted_when_none)
         if "usage" not in self.model_fields_set:
             data.pop("usage", None)
         return data
+
+
+def token_name(text: str, token_id: int, as_ids: bool) -> str:
+    """A token as logprobs name it: its text, or `token_id:<id>` (return_tokens_as_token_ids, as vLLM)."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
+def prompt_logprobs_json(entries: list, top_n: int, token_text, as_ids: bool = False) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else a map from token id (the prompt's
+    own token and its `top_n` likeliest alternatives) to its logprob, rank and decoded text."""
+    out: list[dict | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = {entry.token_id: (entry.logprob, entry.rank)}
+        for rank, (token_id, logprob) in enumerate(entry.top[:top_n], start=1):
+            ranked.setdefault(token_id, (logprob, rank))
+        out.append({str(token_id): {"logprob": max(logprob, -9999.0), "rank": rank,
+                                    "decoded_token": token_name(token_text(token_id), token_id, as_ids)}
+                    for token_id, (logprob, rank) in ranked.items()})
+    return out

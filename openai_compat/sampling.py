@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from engine.sampling.structured import GrammarSpec
 
 MAX_STOP_STRINGS = 32
+MAX_BAD_WORDS = 256
+MAX_ALLOWED_TOKENS = 1 << 20  # more than any vocabulary; the vocabulary check bounds it for real
+MAX_PRIORITY = 2**31 - 1
+MAX_ID_CHARS = 256
 
 
 def _finite(value: float | None, name: str) -> float | None:
@@ -64,6 +68,13 @@ class SamplingFields(RequestModel):
     # OVMS's speculative decoding controls (need SPECULATIVE_CONFIG).
     num_assistant_tokens: int | None = Field(default=None, ge=1, le=16)
     assistant_confidence_threshold: float | None = Field(default=None, gt=0.0, lt=1.0)
+    # vLLM's request controls: which tokens may (allowed_token_ids) or may not (bad_words) be generated, the
+    # prompt cut to its last tokens, admission priority, and prefix-cache isolation between tenants.
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKENS)
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
 
     @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                      "length_penalty", "diversity_penalty")
@@ -79,6 +90,13 @@ class SamplingFields(RequestModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, value):
+        if any(not word.strip() for word in value or ()):
+            raise ValueError("bad words must not be empty or only whitespace")
         return value
 
     @field_validator("logit_bias")
@@ -177,11 +195,12 @@ class SamplingFields(RequestModel):
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     def to_sampling_params(self, max_tokens: int, defaults: Mapping[str, Any], grammar: GrammarSpec | None = None,
-                           with_special_tokens: bool = False) -> SamplingParams:
+                           with_special_tokens: bool = False,
+                           bad_words_ids: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
         """The engine's parameters for this request. From the model: its generation defaults (a sampling field
-        the request leaves unset takes the model's value), the resolved completion budget and the compiled
-        grammar; `with_special_tokens` keeps special tokens in the text for parsers that read them. Checks
-        against the model are the serving's (OpenAIServing.sampling_params)."""
+        the request leaves unset takes the model's value), the resolved completion budget, the compiled
+        grammar and the bad words as token sequences; `with_special_tokens` keeps special tokens in the text for
+        parsers that read them. Checks against the model are the serving's (OpenAIServing.sampling_params)."""
 
         def pick(name: str, fallback):
             value = getattr(self, name)
@@ -205,7 +224,9 @@ class SamplingFields(RequestModel):
             early_stopping=self.early_stopping if self.early_stopping is not None else False,
             num_beam_groups=self.beam_groups if self.beam_search else 1,
             diversity_penalty=self.diversity_penalty or 0.0, num_assistant_tokens=self.num_assistant_tokens,
-            assistant_confidence_threshold=self.assistant_confidence_threshold)
+            assistant_confidence_threshold=self.assistant_confidence_threshold,
+            allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            bad_words_ids=bad_words_ids, priority=self.priority, cache_salt=self.cache_salt)
 
     def constraints(self) -> list[Constraint]:
         """Every output constraint the request sets; more than one is a 400 (see `constraint`)."""
@@ -253,6 +274,12 @@ class OpenAIRequest(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's extensions: the prompt's own logprobs, token ids in the response, tokens named by id in logprobs,
+    # and the request's id (the response id is then <prefix>-<request_id>).
+    prompt_logprobs: int | None = Field(default=None, ge=0)
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS, pattern=r"^[\x21-\x7e]+$")
 
     def constraints(self) -> list[Constraint]:
         found = super().constraints()
@@ -276,7 +303,13 @@ class OpenAIRequest(SamplingFields):
             raise ParamError("best_of", "best_of > n is not supported with stream=true")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed when stream is true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ParamError("prompt_logprobs", "prompt_logprobs is not available when stream is true (as in vLLM)")
         return self
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:

@@ -22,7 +22,7 @@ from engine.sources.redaction import redact
 from .config import ServingConfig
 from .errors import OpenAIError, context_exceeded
 from .metrics import ServingMetrics
-from .protocol import ChatTokenLogprob, RequestLimits, TopLogprob
+from .protocol import ChatTokenLogprob, RequestLimits, TopLogprob, token_name
 from .sampling import SamplingFields
 from .structured import GrammarCache
 
@@ -144,15 +144,36 @@ class OpenAIServing:
                                   f"{request.max_tokens_param}, n or the prompt.", param=request.max_tokens_param)
         self.check_in_vocabulary(request.stop_token_ids or (), "stop_token_ids")
         self.check_in_vocabulary(request.token_bias(), "logit_bias")
+        self.check_in_vocabulary(request.allowed_token_ids or (), "allowed_token_ids")
         self._check_speculation(request)
         if grammar is not None and request.beam_search:
             raise OpenAIError("structured outputs cannot be combined with beam search (beams are scored, not "
                               "masked)", param="use_beam_search")
-        first = request.to_sampling_params(budgets[0], self.engine.generation_defaults, grammar, with_special_tokens)
+        first = request.to_sampling_params(budgets[0], self.engine.generation_defaults, grammar, with_special_tokens,
+                                           self.bad_words_ids(request.bad_words or ()))
         unsupported = self.engine.check_supported(first)
         if unsupported is not None:
             raise OpenAIError(unsupported, param="use_beam_search")
         return [first] + [dataclasses.replace(first, max_tokens=m) for m in budgets[1:]]
+
+    def bad_words_ids(self, words) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as the token sequences it may be generated as: alone (as at the start of a text) and
+        after a space, where a tokenizer spells it differently (vLLM bans both)."""
+        encode = self.engine.tokenizer.encode
+        found: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(encode(word.lstrip(), False))
+            spaced = tuple(encode(" " + word.lstrip(), False))
+            for ids in (bare, spaced):
+                if ids and ids not in found:
+                    found.append(ids)
+        return tuple(found)
+
+    def truncated(self, request: SamplingFields, ids: list[int]) -> list[int]:
+        """The prompt cut to its last truncate_prompt_tokens tokens, when the request asks (as vLLM keeps the
+        end of a prompt, nearest the reply)."""
+        keep = request.truncate_prompt_tokens
+        return ids[-keep:] if keep is not None and len(ids) > keep else ids
 
     def _max_tokens(self, request: SamplingFields, prompt_len: int) -> int:
         """The completion budget of one prompt: what was asked for, or the rest of the context."""
@@ -257,12 +278,14 @@ class OpenAIServing:
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.token_text(token_id)
 
-    def token_logprobs(self, entries: list[TokenLogprob], top_n: int) -> list[ChatTokenLogprob]:
-        """Generated tokens' logprobs as chat reports them, each with its `top_n` most likely alternatives."""
+    def token_logprobs(self, entries: list[TokenLogprob], top_n: int, as_ids: bool = False
+                       ) -> list[ChatTokenLogprob]:
+        """Generated tokens' logprobs as chat reports them, each with its `top_n` most likely alternatives;
+        `as_ids` names tokens `token_id:<id>` (return_tokens_as_token_ids)."""
         content = []
         for entry in entries:
-            text = self.token_text(entry.token_id)
-            top = [TopLogprob(token=(t := self.token_text(tid)), logprob=max(lp, MIN_LOGPROB),
+            text = token_name(self.token_text(entry.token_id), entry.token_id, as_ids)
+            top = [TopLogprob(token=(t := token_name(self.token_text(tid), tid, as_ids)), logprob=max(lp, MIN_LOGPROB),
                               bytes=list(t.encode("utf-8"))) for tid, lp in entry.top[:top_n]]
             content.append(ChatTokenLogprob(token=text, logprob=max(entry.logprob, MIN_LOGPROB),
                                             bytes=list(text.encode("utf-8")), top_logprobs=top))

@@ -382,13 +382,17 @@ SAMPLING_WRONG = {
     "guided_whitespace_pattern": 5, "structured_outputs": "json",
     "use_beam_search": "maybe", "length_penalty": "long", "early_stopping": "soon", "diversity_penalty": "high",
     "num_beam_groups": "two", "num_assistant_tokens": "four", "assistant_confidence_threshold": "sure",
+    "allowed_token_ids": "all", "bad_words": "darn", "truncate_prompt_tokens": "some", "priority": "high",
+    "cache_salt": 5,
 }
-OPENAI_WRONG = {**SAMPLING_WRONG, "model": 5, "stream": "maybe", "stream_options": "usage", "response_format": "json"}
+OPENAI_WRONG = {**SAMPLING_WRONG, "model": 5, "stream": "maybe", "stream_options": "usage", "response_format": "json",
+                "prompt_logprobs": "some", "return_token_ids": "maybe", "return_tokens_as_token_ids": "maybe",
+                "request_id": 5}
 CHAT_WRONG = {
     **OPENAI_WRONG, "messages": "Hi", "max_tokens": "many", "max_completion_tokens": "many", "logprobs": "maybe",
     "top_logprobs": "five", "echo": "maybe", "add_generation_prompt": "maybe", "continue_final_message": "maybe",
     "chat_template_kwargs": "x", "chat_template": 5, "tools": "x", "tool_choice": 5, "documents": "x",
-    "parallel_tool_calls": "maybe",
+    "parallel_tool_calls": "maybe", "reasoning_effort": "extreme", "modalities": ["audio"],
 }
 COMPLETION_WRONG = {**OPENAI_WRONG, "prompt": {"text": "Hi"}, "suffix": 5, "max_tokens": "many", "echo": "maybe",
                     "logprobs": "five", "add_special_tokens": "maybe"}

@@ -89,3 +89,27 @@ def test_invalid_custom_template_stops_start_up(monkeypatch):
                                                "{% endgeneration %}{% if loop.last %}{% break %}{% endif %}"
                                                "{% endfor %}")
     assert load_settings().custom_chat_template.startswith("{% for m")
+
+
+def test_reasoning_effort_reaches_the_template_and_audio_is_refused(plain_model, tmp_path, monkeypatch):
+    """reasoning_effort is a template variable (gpt-oss templates read it), as vLLM passes it; what a text model
+    cannot do (audio out, web search) is a 400 instead of being ignored."""
+    template = "{% if reasoning_effort %}Effort: {{ reasoning_effort }}.{% endif %}{{ messages[-1]['content'] }}"
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(plain_model), CUSTOM_CHAT_TEMPLATE=template)
+
+    def chat(**extra) -> dict:
+        return worker.job({"openai_route": "/v1/chat/completions", "openai_input": {
+            "messages": [{"role": "user", "content": TEXT}], **GREEDY, **extra}})
+
+    plain = chat()["usage"]["prompt_tokens"]
+    assert chat(reasoning_effort="high")["usage"]["prompt_tokens"] > plain
+    assert chat(reasoning_effort="high")["choices"][0]["message"]["content"] == \
+        worker.complete(f"Effort: high.{TEXT}")["choices"][0]["text"]
+    kwargs = chat(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"})
+    assert kwargs["choices"][0]["message"]["content"] == worker.complete(f"Effort: low.{TEXT}")["choices"][0]["text"]
+    for extra, param in (({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {"voice": "alloy"}}, "audio"),
+                         ({"web_search_options": {}}, "web_search_options"),
+                         ({"reasoning_effort": "extreme"}, "reasoning_effort")):
+        error = chat(**extra)["error"]
+        assert error["code"] == 400 and error["param"].startswith(param), error
+    assert chat(modalities=["text"])["usage"]["prompt_tokens"] == plain

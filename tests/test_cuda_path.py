@@ -218,8 +218,8 @@ def test_nothing_cpu_only_runs_on_the_cuda_path(model_folder, monkeypatch):
         assert re.fullmatch(DIGITS, _serve_then_idle(cpu))
     finally:
         cpu.close()
-    assert {"native_kernels.load", "cpu_layout.apply", "cpu_layout.bfloat16_gain", "host_memory.release",
-            "sampling.chunked_argmax", "structured.forbidden_on_host"} <= set(calls)
+    assert {"native_kernels.load", "layout.apply", "layout.bfloat16_gain", "host_memory.release",
+            "sampler.chunked_argmax", "structured.forbidden_on_host"} <= set(calls)
     calls.clear()
     engine = started(sim_config(model_folder))
     try:

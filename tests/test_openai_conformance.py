@@ -489,8 +489,7 @@ def test_user_and_metadata_are_accepted_and_ignored(client):
 
 
 @pytest.mark.parametrize("param,value", [
-    ("chat_template", "{{ messages }}"),
-    ("prompt_logprobs", 1), ("add_special_tokens", True),
+    ("chat_template", "{{ messages }}"), ("add_special_tokens", True), ("logprob_token_ids", [1]),
 ])
 def test_unsupported_features_are_400(client, param, value):
     # Features this worker does not have fail loudly instead of being silently ignored.

@@ -115,6 +115,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens were likelier (prompt logprobs report it, as vLLM)
 
 
 class SequenceSamplingState:
@@ -244,7 +245,9 @@ class Sampler:
     def logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, top_counts: list[int]) -> list[TokenLogprob]:
         """Raw model logprobs (before penalties and temperature, as vLLM reports them)."""
         logp = torch.log_softmax(logits.float(), dim=-1)
-        chosen_lp = logp.gather(1, chosen.view(-1, 1)).view(-1).tolist()
+        chosen_col = logp.gather(1, chosen.view(-1, 1))
+        ranks = ((logp > chosen_col).sum(dim=-1) + 1).tolist()
+        chosen_lp = chosen_col.view(-1).tolist()
         k = max(top_counts)
         top_vals = top_ids = None
         if k > 0:
@@ -253,7 +256,7 @@ class Sampler:
         out = []
         for i, token in enumerate(chosen.tolist()):
             top = list(zip(top_ids[i][: top_counts[i]], top_vals[i][: top_counts[i]])) if k else []
-            out.append(TokenLogprob(token, chosen_lp[i], top))
+            out.append(TokenLogprob(token, chosen_lp[i], top, ranks[i]))
         return out
 
     def _adjust_row(self, logits: torch.Tensor, state: SequenceSamplingState, generated: int) -> torch.Tensor:

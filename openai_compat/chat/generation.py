@@ -30,6 +30,7 @@ class ChoiceResult:
     finish_reason: str | None  # "tool_calls" when the reply ends in calls the model chose to make
     stop_reason: int | str | None
     completion_tokens: int
+    token_ids: list[int]
 
 
 @dataclass
@@ -41,6 +42,7 @@ class ChoiceDelta:
     logprobs: list[ChatTokenLogprob] | None
     finish_reason: str | None  # set on the choice's last delta
     stop_reason: int | str | None
+    token_ids: list[int]  # the tokens this step generated for the choice
 
 
 class ChatGeneration:
@@ -57,6 +59,7 @@ class ChatGeneration:
         self.params = params
         self.plan = plan
         self.completion_tokens = 0  # generated so far, over all choices
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when the request asked for them
 
     @property
     def n(self) -> int:
@@ -68,20 +71,23 @@ class ChatGeneration:
         return len(self.prompt.token_ids)
 
     def _logprobs(self, entries: list[TokenLogprob]) -> list[ChatTokenLogprob]:
-        return self.serving.token_logprobs(entries, self.params.logprobs)
+        return self.serving.token_logprobs(entries, self.params.logprobs, self.request.return_tokens_as_token_ids)
 
     async def results(self) -> list[ChoiceResult]:
         """Run to the end; each choice's reply, in index order."""
         choices: dict[int, Choice] = {}
         async for output in self.serving.run(self.request_id, self.prompt, self.params):
             accumulate(choices, output)
+            if output.prompt_logprobs is not None:
+                self.prompt_logprobs = output.prompt_logprobs
         results = []
         for index in sorted(choices):
             c = choices[index]
             parsed = self.plan.parser().parse(c.text)
             results.append(ChoiceResult(
                 index, parsed, self._logprobs(c.logprobs) if self.params.logprobs is not None else None,
-                self.plan.finish_reason(c.finish_reason, bool(parsed.tool_calls)), c.stop_reason, len(c.token_ids)))
+                self.plan.finish_reason(c.finish_reason, bool(parsed.tool_calls)), c.stop_reason, len(c.token_ids),
+                c.token_ids))
         self.completion_tokens = sum(r.completion_tokens for r in results)
         return results
 
@@ -98,10 +104,11 @@ class ChatGeneration:
                 logprobs = None
                 if self.params.logprobs is not None and delta.logprobs:
                     logprobs = self._logprobs(delta.logprobs)
-                if not piece and logprobs is None and delta.finish_reason is None:
+                if not piece and logprobs is None and delta.finish_reason is None and not (
+                        self.request.return_token_ids and delta.token_ids):
                     continue
                 step.append(ChoiceDelta(delta.index, piece, logprobs,
                                         self.plan.finish_reason(delta.finish_reason, parser.called_tools),
-                                        delta.stop_reason))
+                                        delta.stop_reason, list(delta.token_ids)))
             if step:
                 yield step

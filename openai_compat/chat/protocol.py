@@ -7,7 +7,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
 from ..errors import context_exceeded
-from ..protocol import ChatTokenLogprob, ParamError, RequestLimits, StreamChunk, UsageInfo, limits_of, random_id
+from ..protocol import (ChatTokenLogprob, OmitsNone, ParamError, RequestLimits, StreamChunk, UsageInfo, limits_of,
+                        random_id)
 from ..sampling import OpenAIRequest
 
 
@@ -134,6 +135,10 @@ class ChatCompletionRequest(OpenAIRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     documents: list[dict[str, Any]] | None = None
+    # Reaches the chat template as `reasoning_effort` (as vLLM passes it; gpt-oss templates read it) unless
+    # chat_template_kwargs sets it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    modalities: list[Literal["text"]] | None = None  # text is all a text model can answer in
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -226,21 +231,26 @@ class ChatResponseMessage(BaseModel):
         return data
 
 
-class ChatCompletionChoice(BaseModel):
+class ChatCompletionChoice(OmitsNone):
+    omitted_when_none = frozenset({"token_ids"})
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(OmitsNone):
+    omitted_when_none = frozenset({"prompt_logprobs", "prompt_token_ids"})
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaFunctionCall(BaseModel):
@@ -277,18 +287,22 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
 
 
-class ChatCompletionStreamChoice(BaseModel):
+class ChatCompletionStreamChoice(OmitsNone):
+    omitted_when_none = frozenset({"token_ids"})
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the tokens this chunk adds
 
 
 class ChatCompletionStreamResponse(StreamChunk):
+    omitted_when_none = frozenset({"prompt_token_ids"})
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk

@@ -37,12 +37,15 @@ async def render_chat(serving: OpenAIServing, request: ChatCompletionRequest, ad
     tokenizer = serving.engine.tokenizer
 
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+    template_kwargs = request.chat_template_kwargs
+    if request.reasoning_effort is not None:
+        template_kwargs = {"reasoning_effort": request.reasoning_effort, **(template_kwargs or {})}
 
     def render() -> tuple[list[int], str]:
         text = tokenizer.render_chat(messages, add_generation_prompt=request.add_generation_prompt,
                                      continue_final_message=request.continue_final_message,
                                      tools=tools, documents=request.documents,
-                                     template_kwargs=request.chat_template_kwargs)
+                                     template_kwargs=template_kwargs)
         serving.check_prompt_chars(text, "messages")
         return tokenizer.encode(text, add_special_tokens=add_special_tokens), text
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from ..protocol import ChatTokenLogprob, UsageInfo, random_id
-from ..serving import OpenAIServing
+from ..protocol import ChatTokenLogprob, UsageInfo, prompt_logprobs_json, random_id
+from ..serving import OpenAIServing, Prompt
 from ..streaming import StreamChunks
 from .generation import ChatGeneration, ChoiceDelta, ChoiceResult
 from .plan import plan_chat
@@ -33,9 +33,13 @@ class ChatServing:
         await serving.ready_for(request.model)
         serving.check_generation(request, endpoint, 1)
         prompt = await render_chat(serving, request)
+        kept = serving.truncated(request, prompt.token_ids)
+        if len(kept) < len(prompt.token_ids):
+            prompt = Prompt(kept)
         plan = await plan_chat(serving, request, prompt)
         (params,) = serving.sampling_params(request, [len(prompt.token_ids)], plan.grammar, plan.with_special_tokens)
-        return ChatGeneration(serving, random_id(id_prefix), request, prompt, params, plan)
+        request_id = f"{id_prefix}-{request.request_id}" if request.request_id else random_id(id_prefix)
+        return ChatGeneration(serving, request_id, request, prompt, params, plan)
 
     def response_role(self, request: ChatCompletionRequest) -> str:
         """Without a generation prompt the model continues the last message, so the reply keeps its role (vLLM)."""
@@ -62,10 +66,16 @@ class ChatServing:
         results = await generation.results()
         echo = self._echo_prefix(request)
         role = self.response_role(request)
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and generation.prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs_json(generation.prompt_logprobs, request.prompt_logprobs,
+                                                   self.serving.token_text, request.return_tokens_as_token_ids)
+        ids = request.return_token_ids
         return ChatCompletionResponse(
             id=generation.request_id, model=self.serving.served_model_name,
-            choices=[_choice(result, role, echo) for result in results],
-            usage=UsageInfo.of(generation.prompt_tokens, generation.completion_tokens))
+            choices=[_choice(result, role, echo, ids) for result in results],
+            usage=UsageInfo.of(generation.prompt_tokens, generation.completion_tokens),
+            prompt_logprobs=prompt_logprobs, prompt_token_ids=generation.prompt.token_ids if ids else None)
 
     async def _stream(self, generation: ChatGeneration) -> AsyncIterator[ChatCompletionStreamResponse]:
         request = generation.request
@@ -73,14 +83,18 @@ class ChatServing:
                               request, generation.prompt_tokens)
         echo = self._echo_prefix(request)
         role = self.response_role(request)
+        ids = request.return_token_ids
         for index in range(generation.n):
-            yield chunks.chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(
+            first = chunks.chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(
                 role=role, content=""), logprobs=None, finish_reason=None)], 0)
+            if ids and index == 0:  # the prompt's ids go out once, on the first chunk (vLLM's place)
+                first.prompt_token_ids = generation.prompt.token_ids
+            yield first
         if echo:  # the echoed message follows the role chunks, in chunks of its own (vLLM's order)
             for index in range(generation.n):
                 yield chunks.chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=echo))], 0)
         async for step in generation.stream():
-            yield chunks.chunk([_stream_choice(delta) for delta in step], generation.completion_tokens)
+            yield chunks.chunk([_stream_choice(delta, ids) for delta in step], generation.completion_tokens)
         if (last := chunks.usage(generation.completion_tokens)) is not None:
             yield last
 
@@ -89,16 +103,17 @@ def _logprobs(entries: list[ChatTokenLogprob] | None) -> ChatChoiceLogprobs | No
     return ChatChoiceLogprobs(content=entries) if entries is not None else None
 
 
-def _choice(result: ChoiceResult, role: str, echo: str) -> ChatCompletionChoice:
+def _choice(result: ChoiceResult, role: str, echo: str, with_ids: bool) -> ChatCompletionChoice:
     parsed = result.message
     content = echo + parsed.content if parsed.content is not None else (echo or None)
     message = ChatResponseMessage(role=role, content=content, reasoning_content=parsed.reasoning,
                                   reasoning=parsed.reasoning, tool_calls=parsed.tool_calls)
     return ChatCompletionChoice(index=result.index, message=message, logprobs=_logprobs(result.logprobs),
-                                finish_reason=result.finish_reason, stop_reason=result.stop_reason)
+                                finish_reason=result.finish_reason, stop_reason=result.stop_reason,
+                                token_ids=result.token_ids if with_ids else None)
 
 
-def _stream_choice(delta: ChoiceDelta) -> ChatCompletionStreamChoice:
+def _stream_choice(delta: ChoiceDelta, with_ids: bool) -> ChatCompletionStreamChoice:
     piece = delta.delta
     fields: dict[str, Any] = {}
     if piece.reasoning:
@@ -109,4 +124,4 @@ def _stream_choice(delta: ChoiceDelta) -> ChatCompletionStreamChoice:
         fields["tool_calls"] = piece.tool_calls
     return ChatCompletionStreamChoice(index=delta.index, delta=DeltaMessage(**fields),
                                       logprobs=_logprobs(delta.logprobs), finish_reason=delta.finish_reason,
-                                      stop_reason=delta.stop_reason)
+                                      stop_reason=delta.stop_reason, token_ids=delta.token_ids if with_ids else None)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from ..protocol import RequestLimits, StreamChunk, TokenId, UsageInfo, limits_of
+from ..protocol import OmitsNone, RequestLimits, StreamChunk, TokenId, UsageInfo, limits_of
 from ..sampling import OpenAIRequest
 
 
@@ -60,7 +60,9 @@ class CompletionRequest(OpenAIRequest):
 
     @property
     def prompt_logprobs_asked(self) -> int | None:
-        return self.logprobs if self.echo else None  # echo with logprobs scores the prompt too
+        # echo with logprobs scores the prompt too
+        asked = [v for v in (self.prompt_logprobs, self.logprobs if self.echo else None) if v is not None]
+        return max(asked) if asked else None
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -80,12 +82,16 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(OmitsNone):
+    omitted_when_none = frozenset({"prompt_logprobs", "prompt_token_ids", "token_ids"})
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the choice's first chunk when streamed
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class CompletionResponse(BaseModel):

@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from engine import SamplingParams, TokenLogprob
 
 from ..errors import OpenAIError
-from ..protocol import UsageInfo, random_id
+from ..protocol import UsageInfo, prompt_logprobs_json, random_id, token_name
 from ..serving import MIN_LOGPROB, Choice, OpenAIServing, Prompt, accumulate
 from ..streaming import StreamChunks
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
@@ -37,10 +37,13 @@ class CompletionServing:
                 ids = tokenizer.encode(item, request.add_special_tokens)
                 if not ids:
                     raise OpenAIError("the prompt is empty after tokenization", param=param)
-                prompts.append(Prompt(ids, item))
+                kept = self.serving.truncated(request, ids)
+                prompts.append(Prompt(ids, item) if kept is ids else
+                               Prompt(kept, tokenizer.decode(kept, skip_special_tokens=False)))
             else:
                 if request.suffix is not None:
                     raise OpenAIError("suffix needs a text prompt", param="suffix")
+                item = self.serving.truncated(request, item)
                 self.serving.check_token_ids(item, param)
                 prompts.append(Prompt(item, tokenizer.decode(item, skip_special_tokens=False)))
         total = sum(len(p.token_ids) for p in prompts)
@@ -71,7 +74,7 @@ class CompletionServing:
         grammar = await self.serving.grammar(request)
         params = await asyncio.to_thread(self.serving.sampling_params, request, [len(p.token_ids) for p in prompts],
                                          grammar)
-        response_id = random_id("cmpl")
+        response_id = f"cmpl-{request.request_id}" if request.request_id else random_id("cmpl")
         if request.stream:
             return self._stream(request, response_id, prompts, params)
         return await self._full(request, response_id, prompts, params)
@@ -92,13 +95,20 @@ class CompletionServing:
                 echo = prompt.text if request.echo else ""
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self._logprobs(c.logprobs, c.token_ids, len(echo))
+                    logprobs = self._logprobs(c.logprobs, c.token_ids, len(echo), request.return_tokens_as_token_ids)
                     if request.echo:
                         head = self._logprobs(prompt_logprobs[i] or [None] * len(prompt.token_ids),
-                                              prompt.token_ids, 0)
+                                              prompt.token_ids, 0, request.return_tokens_as_token_ids)
                         logprobs = _join_logprobs(head, logprobs)
+                extra = {}
+                if request.prompt_logprobs is not None and prompt_logprobs[i] is not None:
+                    extra["prompt_logprobs"] = prompt_logprobs_json(
+                        prompt_logprobs[i], request.prompt_logprobs, self.serving.token_text,
+                        request.return_tokens_as_token_ids)
+                if request.return_token_ids:
+                    extra.update(prompt_token_ids=prompt.token_ids, token_ids=c.token_ids)
                 result.append(CompletionChoice(index=i * n + index, text=echo + c.text, logprobs=logprobs,
-                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason, **extra))
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         completion_tokens = sum(len(c.token_ids) for per_prompt in choices for c in per_prompt.values())
         return CompletionResponse(id=response_id, model=self.serving.served_model_name, choices=result,
@@ -119,10 +129,12 @@ class CompletionServing:
                     offsets[i * n + k] = len(prompt.text)
         heads: dict[int, CompletionLogprobs] = {}  # echo with logprobs: the prompt's part, per prompt
         echoed: set[int] = set()
+        ids_sent: set[int] = set()
         async for i, output in self.serving.run_prompts(response_id, prompts, params):
             choices = []
             if request.echo and request.logprobs is not None and output.prompt_logprobs is not None:
-                heads[i] = self._logprobs(output.prompt_logprobs, prompts[i].token_ids, 0)
+                heads[i] = self._logprobs(output.prompt_logprobs, prompts[i].token_ids, 0,
+                                          request.return_tokens_as_token_ids)
             for delta in output.deltas:
                 index = i * n + delta.index
                 generated += len(delta.token_ids)
@@ -134,26 +146,34 @@ class CompletionServing:
                     offsets[index] = len(prompts[i].text)
                 logprobs = None
                 if request.logprobs is not None and delta.logprobs:
-                    logprobs = self._logprobs(delta.logprobs, delta.token_ids, offsets.get(index, 0))
+                    logprobs = self._logprobs(delta.logprobs, delta.token_ids, offsets.get(index, 0),
+                                              request.return_tokens_as_token_ids)
                 if head is not None:
                     logprobs = _join_logprobs(head, logprobs or CompletionLogprobs())
                 offsets[index] = offsets.get(index, 0) + len(delta.text)
-                if not text and logprobs is None and delta.finish_reason is None:
+                extra = {}
+                if request.return_token_ids:
+                    extra["token_ids"] = list(delta.token_ids)
+                    if index not in ids_sent:  # the prompt's ids go out once per choice, on its first chunk
+                        ids_sent.add(index)
+                        extra["prompt_token_ids"] = prompts[i].token_ids
+                if not text and logprobs is None and delta.finish_reason is None and not extra.get("token_ids"):
                     continue
                 choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
+                                                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                                                **extra))
             if choices:
                 yield chunks.chunk(choices, generated)
         if (last := chunks.usage(generated)) is not None:
             yield last
 
-    def _logprobs(self, entries: list[TokenLogprob | None], token_ids: list[int], offset: int
-                  ) -> CompletionLogprobs:
+    def _logprobs(self, entries: list[TokenLogprob | None], token_ids: list[int], offset: int,
+                  as_ids: bool = False) -> CompletionLogprobs:
         """OpenAI's legacy logprobs; `entries[i]` is None for a token with no logprob (the first prompt token)."""
         result = CompletionLogprobs()
         for token_id, entry in zip(token_ids, entries):
             text = self.serving.token_text(token_id)
-            result.tokens.append(text)
+            result.tokens.append(token_name(text, token_id, as_ids))
             result.text_offset.append(offset)
             offset += len(text)
             if entry is None:
@@ -161,8 +181,10 @@ class CompletionServing:
                 result.top_logprobs.append(None)
                 continue
             result.token_logprobs.append(max(entry.logprob, MIN_LOGPROB))
-            top = {self.serving.token_text(tid): max(lp, MIN_LOGPROB) for tid, lp in entry.top}
-            top.setdefault(text, max(entry.logprob, MIN_LOGPROB))  # the sampled token is always listed
+            top = {token_name(self.serving.token_text(tid), tid, as_ids): max(lp, MIN_LOGPROB)
+                   for tid, lp in entry.top}
+            # the sampled token is always listed
+            top.setdefault(token_name(text, token_id, as_ids), max(entry.logprob, MIN_LOGPROB))
             result.top_logprobs.append(top)
         return result
 
