@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .output_scan import held_back
+
 THINK_PARSERS = frozenset({"deepseek_r1", "qwen3", "deepseek_v3", "glm45", "seed_oss", "ernie45", "minimax_m2",
                            "hunyuan_a13b", "think"})
 HARMONY_PARSERS = frozenset({"openai_gptoss", "gpt_oss", "harmony"})
@@ -51,17 +53,6 @@ class ReasoningParser:
         raise NotImplementedError
 
 
-def _held_back(text: str, markers: tuple[str, ...]) -> int:
-    """How many trailing characters may be the start of a marker (held back until the next delta)."""
-    longest = 0
-    for marker in markers:
-        for size in range(min(len(marker) - 1, len(text)), 0, -1):
-            if text.endswith(marker[:size]):
-                longest = max(longest, size)
-                break
-    return longest
-
-
 class ThinkParser(ReasoningParser):
     OPEN, CLOSE = "<think>", "</think>"
     markers = (OPEN, CLOSE)
@@ -84,7 +75,7 @@ class ThinkParser(ReasoningParser):
             return Split(None, text)
         end = body.find(self.CLOSE)
         if end == -1:
-            keep = len(body) if final else len(body) - _held_back(body, (self.CLOSE,))
+            keep = len(body) if final else len(body) - held_back(body, (self.CLOSE,))
             return Split(body[:keep], "")
         return Split(body[:end], body[end + len(self.CLOSE):])
 
@@ -118,7 +109,7 @@ class HarmonyParser(ReasoningParser):
             end, marker = min(found) if found else (len(text), "")
             body = text[body_start:end]
             if not found and not final:
-                body = body[:len(body) - _held_back(body, self.markers)]
+                body = body[:len(body) - held_back(body, self.markers)]
             words = header.split(self.CHANNEL, 1)[1].split() if self.CHANNEL in header else []
             if "to=functions." in header:
                 content.append(f"{self.START}{header}{self.MESSAGE}{body}{marker}")

@@ -15,173 +15,12 @@ from __future__ import annotations
 
 import ast
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .chat.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
+from .output_scan import (PartialCall, Scan, held_back, scan_call_object, scan_json_calls, skip_ws, valid_call,
+                          value_end)
 from .protocol import random_id
-
-_WHITESPACE = " \t\r\n"
-
-
-@dataclass
-class PartialCall:
-    name: str | None  # None until the whole name has been written
-    arguments: str  # the JSON text of the arguments so far
-    complete: bool = False
-
-
-@dataclass
-class Scan:
-    content: str  # text outside tool calls that can be sent now
-    calls: list[PartialCall] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------- JSON scanning
-
-
-def _skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i] in _WHITESPACE:
-        i += 1
-    return i
-
-
-def _string_end(text: str, i: int) -> int | None:
-    """Index after the JSON string starting at text[i] == '"', or None if it is not finished."""
-    i += 1
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == '"':
-            return i + 1
-        i += 1
-    return None
-
-
-def value_end(text: str, i: int) -> int | None:
-    """Index after the JSON value starting at text[i] (no leading whitespace), or None if it is not finished
-    (a number or literal at the very end of the text counts as unfinished)."""
-    if i >= len(text):
-        return None
-    c = text[i]
-    if c == '"':
-        return _string_end(text, i)
-    if c in "{[":
-        depth = 0
-        while i < len(text):
-            c = text[i]
-            if c == '"':
-                end = _string_end(text, i)
-                if end is None:
-                    return None
-                i = end
-                continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return i + 1
-            i += 1
-        return None
-    j = i
-    while j < len(text) and text[j] not in ",}] \t\r\n;":
-        j += 1
-    return j if j < len(text) else None
-
-
-def scan_call_object(text: str, i: int, final: bool, name_keys=("name",),
-                     argument_keys=("arguments", "parameters")) -> tuple[PartialCall | None, int | None]:
-    """Read a call object `{"name": ..., "arguments": {...}}` starting at text[i] == '{'. Returns the call so far
-    (None if nothing is known yet) and the index after the object (None while unfinished)."""
-    name: str | None = None
-    arguments = ""
-    args_done = False
-    j = _skip_ws(text, i + 1)
-    while j < len(text):
-        if text[j] == "}":
-            return PartialCall(name, arguments if args_done or arguments else "{}", True), j + 1
-        if text[j] != '"':
-            return None, None  # not an object of the expected shape
-        key_end = _string_end(text, j)
-        if key_end is None:
-            break
-        key = json.loads(text[j:key_end])
-        j = _skip_ws(text, key_end)
-        if j >= len(text):
-            break
-        if text[j] != ":":
-            return None, None
-        j = _skip_ws(text, j + 1)
-        end = value_end(text, j)
-        if end is None and final and j < len(text):
-            end = len(text.rstrip(_WHITESPACE))
-        if key in name_keys:
-            if end is None:
-                break
-            try:
-                name = json.loads(text[j:end])
-            except ValueError:
-                return None, None
-        elif key in argument_keys:
-            if end is None:
-                arguments = text[j:]
-                break
-            arguments, args_done = text[j:end], True
-        elif end is None:
-            break
-        j = _skip_ws(text, end)
-        if j < len(text) and text[j] == ",":
-            j = _skip_ws(text, j + 1)
-    if name is None and not arguments:
-        return None, None
-    return PartialCall(name, arguments), None
-
-
-def _valid_call(call: PartialCall) -> bool:
-    if not call.complete or not isinstance(call.name, str) or not call.name:
-        return False
-    try:
-        return isinstance(json.loads(call.arguments), dict)
-    except ValueError:
-        return False
-
-
-def _held_back(text: str, marker: str) -> int:
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0
-
-
-def scan_json_calls(text: str, i: int, final: bool, separators: str = ",;") -> tuple[list[PartialCall], bool]:
-    """Call objects one after another from text[i] (optionally in a JSON list), separated by `,` or `;`.
-    Returns the calls and whether everything from i on was read as calls."""
-    calls: list[PartialCall] = []
-    j = _skip_ws(text, i)
-    in_list = j < len(text) and text[j] == "["
-    if in_list:
-        j = _skip_ws(text, j + 1)
-    while j < len(text):
-        if text[j] == "]" and in_list:
-            return calls, _skip_ws(text, j + 1) == len(text)
-        if text[j] != "{":
-            return calls, False
-        call, end = scan_call_object(text, j, final)
-        if call is None:
-            return calls, False
-        calls.append(call)
-        if end is None:
-            return calls, not final
-        j = _skip_ws(text, end)
-        if j < len(text) and text[j] in separators:
-            j = _skip_ws(text, j + 1)
-    return calls, not (final and in_list)
-
-
-# ---------------------------------------------------------------- parsers
-
 
 @dataclass(frozen=True)
 class CallSchema:
@@ -257,7 +96,7 @@ class HermesParser(ToolParser):
             start = text.find(self.OPEN, at)
             segment = text[at:] if start == -1 else text[at:start]
             if start == -1 and not final:
-                segment = segment[:len(segment) - _held_back(segment, self.OPEN)]
+                segment = segment[:len(segment) - held_back(segment, (self.OPEN,))]
             if at == 0 or segment.strip():  # whitespace between and after calls is not content
                 content.append(segment)
             if start == -1:
@@ -266,9 +105,9 @@ class HermesParser(ToolParser):
             close = text.find(self.CLOSE, body_start)
             body = text[body_start:] if close == -1 else text[body_start:close]
             finished = close != -1 or final
-            j = _skip_ws(body, 0)
+            j = skip_ws(body, 0)
             call = scan_call_object(body, j, finished)[0] if j < len(body) else None
-            if finished and (call is None or not _valid_call(call)):
+            if finished and (call is None or not valid_call(call)):
                 # Not a call after all: the text stays content, as the model wrote it.
                 content.append(text[start:] if close == -1 else text[start:close + len(self.CLOSE)])
             elif call is not None:
@@ -303,7 +142,7 @@ class Llama3JsonParser(ToolParser):
                 return Scan("")
             return Scan(text)
         calls, all_calls = scan_json_calls(text, start, final, separators=";")
-        if final and (not calls or not all_calls or not all(_valid_call(c) for c in calls)):
+        if final and (not calls or not all_calls or not all(valid_call(c) for c in calls)):
             return Scan(text)
         return Scan("", calls)
 
@@ -325,7 +164,7 @@ class MistralParser(ToolParser):
     def scan(self, text: str, final: bool) -> Scan:
         start = text.find(self.MARKER)
         if start == -1:
-            return Scan(text if final else text[:len(text) - _held_back(text, self.MARKER)])
+            return Scan(text if final else text[:len(text) - held_back(text, (self.MARKER,))])
         content = text[:start]
         rest = text[start + len(self.MARKER):]
         if self.ARGS in rest or (rest.strip() and rest.lstrip()[0] not in "[{"):
@@ -336,7 +175,7 @@ class MistralParser(ToolParser):
                     if final:
                         return Scan(text)
                     break
-                j = _skip_ws(args, 0)
+                j = skip_ws(args, 0)
                 end = value_end(args, j)
                 complete = end is not None or final
                 calls.append(PartialCall(name.strip(), args[j:end] if end is not None else args[j:].rstrip()
@@ -345,7 +184,7 @@ class MistralParser(ToolParser):
             calls, all_calls = scan_json_calls(rest, 0, final)
             if final and not all_calls:
                 return Scan(text)
-        if final and (not calls or not all(_valid_call(c) for c in calls)):
+        if final and (not calls or not all(valid_call(c) for c in calls)):
             return Scan(text)
         return Scan(content, calls)
 
