@@ -87,7 +87,7 @@ class StructuredOutputs(BaseModel):
 
 @dataclass(frozen=True)
 class Constraint:
-    """What the output must match: a grammar kind and its text (as engine.structured compiles them), and the
+    """What the output must match: a grammar kind and its text (as engine.sampling.structured compiles them), and the
     request parameter it came from (named by errors)."""
     kind: Literal["json_schema", "regex", "choice", "grammar"]
     text: str

@@ -244,7 +244,7 @@ class SamplingFields(RequestModel):
         if so is not None:
             space = so.whitespace_pattern if so.whitespace_pattern is not None else space
             if so.disable_any_whitespace:
-                space = ""  # engine.structured: an empty pattern means no whitespace
+                space = ""  # engine.sampling.structured: an empty pattern means no whitespace
             if so.json_schema is not None:
                 found.append(Constraint("json_schema", schema_text(so.json_schema, "structured_outputs.json"),
                                         "structured_outputs.json", space))

@@ -392,7 +392,7 @@ CHAT_WRONG = {
     **OPENAI_WRONG, "messages": "Hi", "max_tokens": "many", "max_completion_tokens": "many", "logprobs": "maybe",
     "top_logprobs": "five", "echo": "maybe", "add_generation_prompt": "maybe", "continue_final_message": "maybe",
     "chat_template_kwargs": "x", "chat_template": 5, "tools": "x", "tool_choice": 5, "documents": "x",
-    "parallel_tool_calls": "maybe", "reasoning_effort": "extreme", "modalities": ["audio"],
+    "parallel_tool_calls": "maybe", "reasoning_effort": "extreme", "modalities": "text",
 }
 COMPLETION_WRONG = {**OPENAI_WRONG, "prompt": {"text": "Hi"}, "suffix": 5, "max_tokens": "many", "echo": "maybe",
                     "logprobs": "five", "add_special_tokens": "maybe"}

@@ -96,7 +96,7 @@ def test_an_emulated_cpu_without_avx512_loads_and_checks_the_avx2_build():
     machine's flags, torch's CPUID probe sees the emulated CPU). The start loads the avx2 build and its check passes
     there (the -march=native build this machine made before died of SIGILL on it)."""
     native_kernels.build(AVX2)  # natively, as the image or a first start would have: compiling emulated is slow
-    probe = ("from engine import native_kernels as n; ok = n.load('auto'); "
+    probe = ("from engine.cpu import native_kernels as n; ok = n.load('auto'); "
              "print(ok, n.active().__file__ if ok else n.reason())")
     result = subprocess.run(["qemu-x86_64", "-cpu", "Haswell", sys.executable, "-c", probe], cwd=ROOT,
                             capture_output=True, text=True, timeout=900)
@@ -192,7 +192,7 @@ def test_every_path_to_the_same_sources_and_venv_shares_one_build(tmp_path):
     checkout, venv = tmp_path / "checkout", tmp_path / "venv"
     checkout.symlink_to(ROOT, target_is_directory=True)
     venv.symlink_to(Path(sys.prefix), target_is_directory=True)
-    probe = ("import time, engine, torch; from engine import native_kernels as n; t = time.perf_counter(); "
+    probe = ("import time, engine, torch; from engine.cpu import native_kernels as n; t = time.perf_counter(); "
              "ok = n.load('auto'); print(ok, time.perf_counter() - t, engine.__file__, torch.__file__, "
              "n.active().__file__ if ok else n.reason())")
     files = set()
