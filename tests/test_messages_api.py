@@ -352,6 +352,25 @@ def test_job_route_errors_have_anthropics_body(worker):
     assert error["type"] == "error" and "messages" in error["error"]["message"]
 
 
+def test_a_failure_after_the_stream_started_is_an_error_event():
+    from openai_compat.errors import OpenAIError
+    from openai_compat.messages.protocol import ContentBlockDeltaEvent, TextDelta
+    from openai_compat.streaming import BatchSize, job_stream
+
+    async def events():
+        yield ContentBlockDeltaEvent(index=0, delta=TextDelta(text="Hi"))
+        raise OpenAIError("generation failed: the device is gone", status=500)
+
+    async def collect(raw):
+        return [part async for part in job_stream(events(), BatchSize(1, 1, 1), raw, "anthropic")]
+
+    text = "".join(asyncio.run(collect(True)))
+    assert "[DONE]" not in text
+    assert sse_events(text)[-1] == ("error", {"type": "error", "error": {
+        "type": "api_error", "message": "generation failed: the device is gone"}})
+    assert asyncio.run(collect(False))[-1] == [sse_events(text)[-1][1]]
+
+
 def test_chunk_dicts_are_framed_as_named_events_by_the_gateway(worker):
     """With RAW_OPENAI_OUTPUT=0 a job yields lists of event dicts; the gateway frames them as Anthropic does."""
     from aiohttp.test_utils import TestClient, TestServer
