@@ -59,10 +59,10 @@ def _in_messages_terms(exc: OpenAIError) -> OpenAIError:
     """A chat-path refusal, naming the Messages request's fields rather than the chat request's."""
     if exc.param == "tool_choice":  # auto without a tool-call parser for this model
         return OpenAIError('tool_choice {"type": "auto"} (the default when tools are given) needs a tool-call '
-                           "parser for the served model, and it has none (set TOOL_CALL_PARSER, or "
-                           'ENABLE_AUTO_TOOL_CHOICE is false); {"type": "any"} and {"type": "tool"} work on any '
-                           'model (their calls are generated under a grammar), and {"type": "none"} only shows '
-                           "the tools to the model", param="tool_choice")
+                           "parser for the served model: its chat template has no format the worker recognises "
+                           '(set TOOL_CALL_PARSER), or ENABLE_AUTO_TOOL_CHOICE is false; {"type": "any"} and '
+                           '{"type": "tool"} work on any model (their calls are generated under a grammar), and '
+                           '{"type": "none"} only shows the tools to the model', param="tool_choice")
     if exc.param is not None and exc.param.startswith("tools[") and ".function." in exc.param:
         param = exc.param.replace(".function.parameters", ".input_schema").replace(".function.", ".")
         return OpenAIError(exc.message.replace(exc.param, param), exc.status, param, exc.type)
