@@ -1,11 +1,11 @@
 """Replays hostile request shapes against a running gateway and prints what each got and how long a concurrent
-small request (GET /health) waited meanwhile.
+small request (GET /health) waited meanwhile. The shapes cover the OpenAI routes and Anthropic's Messages API.
 
     python bench/adversarial.py [--url http://127.0.0.1:8000] [--timeout 60]
 
 Loopback only (it refuses any other host), bounded (each shape has a timeout; the whole run stops by itself),
-and it sends each shape once. A healthy worker answers every shape with an OpenAI error or a result, and
-/health never waits long.
+and it sends each shape once. A healthy worker answers every shape with an error body (OpenAI's, or Anthropic's
+on /v1/messages) or a result, and /health never waits long.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ import httpx
 TOKEN = 42  # any id in the vocabulary
 
 
-def shapes() -> list[tuple[str, str, bytes, dict]]:
-    """(name, path, body, extra headers) of every shape."""
-    completions, chat = "/openai/v1/completions", "/openai/v1/chat/completions"
+def shapes(model: str) -> list[tuple[str, str, bytes, dict]]:
+    """(name, path, body, extra headers) of every shape; `model` is the served model's id."""
+    completions, chat, messages = "/openai/v1/completions", "/openai/v1/chat/completions", "/v1/messages"
 
     def body(value) -> bytes:
         return json.dumps(value).encode()
@@ -45,6 +45,53 @@ def shapes() -> list[tuple[str, str, bytes, dict]]:
         ("500k content parts", chat, body({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]
                                                          * 500_000}]}), {}),
         ("corrupt gzip body", completions, b"this is not gzip", {"Content-Encoding": "gzip"}),
+        *messages_shapes(model, messages, body),
+    ]
+
+
+def messages_shapes(model: str, path: str, body) -> list[tuple[str, str, bytes, dict]]:
+    """Anthropic's Messages API: conversations and tools shaped to cost the most per byte."""
+    def ask(**fields) -> bytes:
+        return body({"model": model, "max_tokens": 1, **fields})
+
+    user = {"role": "user", "content": "hi"}
+    deep_input = {"a": 1}
+    for _ in range(89):  # just inside the nesting limit: it reaches conversion and the chat template
+        deep_input = {"a": deep_input}
+    deep_list: list = [{"type": "text", "text": "x"}]
+    for _ in range(150):
+        deep_list = [deep_list]
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": deep_input}]}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok"}]}
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    broken = {"$ref": {"type": "object", "properties": {"x": {"$ref": "#/$defs/nowhere"}}, "required": ["x"]},
+              "regex": {"type": "object", "properties": {"x": {"type": "string", "pattern": "(["}}},
+              "enum": {"type": "object", "properties": {"x": {"enum": list(range(100_000))}}},
+              "self-ref": {"type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"],
+                           "$defs": {"n": {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}},
+                                           "required": ["n"]}}}}
+    return [
+        # Each within the bounds on JSON values, so it reaches the Messages request's own checks.
+        ("120k small Messages turns", path, ask(messages=[user] * 120_000), {}),
+        ("120k text blocks in one turn", path,
+         ask(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 120_000}]), {}),
+        ("80k tool_result blocks", path,
+         ask(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]
+                        * 80_000}]), {}),
+        ("tool_use input nested 90 deep", path,
+         ask(messages=[user, call, result], tools=[tool], tool_choice={"type": "none"}), {}),
+        ("tool_result content nested 150 deep", path,
+         ask(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                      "content": deep_list}]}]), {}),
+        ("5000 tools, tool_choice any", path,
+         ask(messages=[user], tools=[{**tool, "name": f"f{i}", "input_schema": {
+             "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}} for i in range(5000)],
+             tool_choice={"type": "any"}), {}),
+        *[(f"broken tool schema ({name})", path,
+           ask(messages=[user], tools=[{"name": "f", "input_schema": schema}], tool_choice={"type": "any"}), {})
+          for name, schema in broken.items()],
+        ("count_tokens of 120k turns", path + "/count_tokens", body({"model": model, "messages": [user] * 120_000}),
+         {}),
     ]
 
 
@@ -63,7 +110,7 @@ def summarize(response: httpx.Response | Exception) -> str:
     if isinstance(response, Exception):
         return f"{type(response).__name__}: {response}"[:150]
     try:
-        error = response.json().get("error")
+        error = response.json().get("error")  # OpenAI's body, or Anthropic's on /v1/messages
     except ValueError:
         return f"{response.status_code} (not JSON) {response.text[:100]!r}"
     if error:
@@ -73,7 +120,8 @@ def summarize(response: httpx.Response | Exception) -> str:
 
 async def replay(base: str, timeout: float) -> None:
     async with httpx.AsyncClient() as client:
-        for name, path, body, headers in shapes():
+        model = (await client.get(base + "/openai/v1/models", timeout=timeout)).json()["data"][0]["id"]
+        for name, path, body, headers in shapes(model):
             stop, waits = asyncio.Event(), []
             watcher = asyncio.create_task(watch_health(client, base, stop, waits))
             started = time.monotonic()

@@ -4,7 +4,7 @@ Routes `{"openai_route", "openai_input"}` jobs to the OpenAI endpoints (and vLLM
 embeddings, pooling, score, rerank, metrics, stats) and `{"prompt" | "messages",
 "sampling_params"}` jobs to the legacy (worker-vllm) form. Non-streaming requests yield one dict; streams
 yield batches of SSE text (or of chunk dicts with RAW_OPENAI_OUTPUT=0). Every failure becomes one OpenAI error
-object; tracebacks go to the log, never to the caller.
+object (an Anthropic one on the Messages API routes); tracebacks go to the log, never to the caller.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 from pydantic import BaseModel
 
 from .config import ServingConfig
-from .errors import OpenAIError, error_body
+from .errors import OpenAIError, error_body_in
 from .legacy.protocol import LegacyJob
 from .legacy.serving import run_legacy
 from .metrics import METRICS_CONTENT_TYPE
@@ -25,6 +25,8 @@ from .chat.protocol import ChatCompletionRequest
 from .chat.serving import ChatServing
 from .completions.protocol import CompletionRequest
 from .completions.serving import CompletionServing
+from .messages.protocol import CountTokensRequest, MessagesRequest
+from .messages.serving import MessagesServing
 from .models import ModelList, list_models
 from . import routes
 from .routes import CHAT_ROUTE
@@ -45,17 +47,21 @@ class JobRouter:
         self.completion_serving = CompletionServing(serving)
         self.tokenization = TokenizationServing(serving)
         self.pooling_serving = PoolingServing(serving)
+        self.messages_serving = MessagesServing(self.chat_serving)
 
     async def run(self, job_input: Any, job_id: str | None = None) -> AsyncIterator[Any]:
+        dialect = "openai"  # errors answer in the dialect of the route asked for
         try:
+            if isinstance(job_input, dict):
+                dialect = routes.dialect(job_input.get("openai_route"))
             async for part in self._dispatch(job_input):
                 yield part
         except OpenAIError as exc:
             log.info("job %s: %d %s", job_id, exc.status, exc.message)
-            yield exc.body()
+            yield exc.body(dialect)
         except Exception:
             log.exception("job %s: internal error", job_id)
-            yield error_body("internal error while processing the request; see the worker log", 500)
+            yield error_body_in(dialect, "internal error while processing the request; see the worker log", 500)
 
     async def _dispatch(self, job_input: Any) -> AsyncIterator[Any]:
         if not isinstance(job_input, dict):
@@ -105,7 +111,7 @@ class JobRouter:
         if isinstance(result, dict):
             yield result
             return
-        async for part in job_stream(result, self._batch_size(), self.config.raw_openai_output):
+        async for part in job_stream(result, self._batch_size(), self.config.raw_openai_output, route.dialect):
             yield part
 
     # ---- the endpoints the route table names ----
@@ -136,6 +142,12 @@ class JobRouter:
 
     async def rerank(self, request: RerankRequest):
         return await self.pooling_serving.create_rerank(request)
+
+    async def messages(self, request: MessagesRequest):
+        return await self.messages_serving.create_message(request)
+
+    async def count_message_tokens(self, request: CountTokensRequest):
+        return await self.messages_serving.count_tokens(request)
 
     async def metrics(self) -> dict:
         # The Prometheus text, wrapped so that a job output stays JSON.

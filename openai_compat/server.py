@@ -13,14 +13,15 @@ An `X-Request-Id` header becomes the job id: it comes back in the response's hea
 written while serving the request carries it (`job=<id>`).
 
 Every answer the gateway gives itself (oversized, slow or undecodable bodies, unknown routes, its own failures)
-is an OpenAI error body. Connections that do not finish their headers or body in time are closed. On SIGTERM
-or SIGINT it stops taking requests, lets running ones finish within the handler's grace period, logs any it
-had to cut, and exits 0.
+is an OpenAI error body (Anthropic's on the Messages API paths). Connections that do not finish their headers
+or body in time are closed. On SIGTERM or SIGINT it stops taking requests, lets running ones finish within the
+handler's grace period, logs any it had to cut, and exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import importlib
 import json
 import logging
@@ -37,7 +38,8 @@ from aiohttp.web_protocol import RequestPayloadError
 from worker import logs as worker_logging
 from engine.sources.redaction import redact
 
-from .errors import error_body, status_of
+from . import routes
+from .errors import Dialect, error_body_in, status_of
 from .routes import MODELS_ROUTE, ROUTES
 from .streaming import DONE, sse_events
 
@@ -69,9 +71,14 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
                         headers=headers)
 
 
+# The dialect of the request being answered (set per request by the error_dialect middleware), so every
+# error the gateway makes itself takes the body its route speaks.
+_dialect: contextvars.ContextVar[Dialect] = contextvars.ContextVar("gateway_error_dialect", default="openai")
+
+
 def _error(message: str, status: int, headers: dict[str, str] | None = None, param: str | None = None
            ) -> web.Response:
-    return _json(error_body(message, status, param=param) if param else error_body(message, status), status, headers)
+    return _json(error_body_in(_dialect.get(), message, status, param), status, headers)
 
 
 def _request_id(request: web.Request) -> str:
@@ -133,15 +140,16 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None, state
                                                    **id_header})
             await response.prepare(request)
             part = first
+            named = routes.dialect(route) == "anthropic"
             while True:
                 # RAW_OPENAI_OUTPUT=0 yields lists of chunk dicts; the wire format is SSE either way.
-                text = part if isinstance(part, str) else sse_events(part)
+                text = part if isinstance(part, str) else sse_events(part, named)
                 await response.write(text.encode("utf-8"))
                 try:
                     part = await parts.__anext__()
                 except StopAsyncIteration:
                     break
-            if not isinstance(first, str):
+            if not isinstance(first, str) and not named:
                 await response.write(DONE.encode("utf-8"))
             await response.write_eof()
             return response
@@ -234,7 +242,17 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None, state
             log.exception("gateway error on %s %s", request.method, request.path)
             return _error("internal error in the gateway; see the worker log", 500)
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[echo_request_id, openai_errors])
+    @web.middleware
+    async def error_dialect(request: web.Request, handler) -> web.StreamResponse:  # aiohttp names it handler
+        """The errors made while answering a request take the dialect of the route its path falls under."""
+        token = _dialect.set(routes.dialect(request.path))
+        try:
+            return await handler(request)
+        finally:
+            _dialect.reset(token)
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES,
+                          middlewares=[error_dialect, echo_request_id, openai_errors])
     for route in ROUTES:  # the job router's own table (routes.py)
         for path in route.http_paths():
             if route.method == "POST":

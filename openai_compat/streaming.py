@@ -1,5 +1,8 @@
 """Streams: the chunks of one stream, their server-sent-event framing (`data: ...` and the closing
-`[DONE]`, for the job router and the gateway alike), and the batching of chunks into job outputs."""
+`[DONE]`, for the job router and the gateway alike), and the batching of chunks into job outputs.
+
+Streams in Anthropic's dialect (the Messages API) are framed as it frames them: each event named by its body's
+`type` (`event: content_block_delta`), an error as an `error` event, and no `[DONE]`."""
 from __future__ import annotations
 
 import json
@@ -9,7 +12,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from pydantic import BaseModel
 
-from .errors import OpenAIError
+from .errors import Dialect, OpenAIError
 from .protocol import UsageInfo
 
 if TYPE_CHECKING:
@@ -20,14 +23,16 @@ log = logging.getLogger("openai_compat.jobs")
 DONE = "data: [DONE]\n\n"
 
 
-def sse(data: BaseModel | dict) -> str:
-    """One server-sent event carrying a JSON body."""
+def sse(data: BaseModel | dict, event: str | None = None) -> str:
+    """One server-sent event carrying a JSON body, named `event` if given."""
     body = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
-    return f"data: {body}\n\n"
+    return f"event: {event}\ndata: {body}\n\n" if event else f"data: {body}\n\n"
 
 
-def sse_events(chunks: list[BaseModel | dict]) -> str:
-    """A batch of chunks as consecutive events."""
+def sse_events(chunks: list[BaseModel | dict], named: bool = False) -> str:
+    """A batch of chunks as consecutive events; `named`: each named by its `type` (Anthropic's framing)."""
+    if named:
+        return "".join(sse(c, c.type if isinstance(c, BaseModel) else c.get("type")) for c in chunks)
     return "".join(sse(chunk) for chunk in chunks)
 
 
@@ -77,6 +82,8 @@ class BatchSize:
 
 def carries_tokens(chunk: BaseModel) -> bool:
     """A chunk counts towards a batch when it carries generated output (not the opening role-only chunk)."""
+    if getattr(chunk, "type", None) == "content_block_delta":  # an Anthropic stream's output
+        return True
     for choice in getattr(chunk, "choices", ()):
         delta = getattr(choice, "delta", None)
         text = delta.content if delta is not None else getattr(choice, "text", None)
@@ -103,19 +110,22 @@ async def batched(chunks: AsyncIterator[Any], size: BatchSize, count=lambda chun
         yield batch
 
 
-async def job_stream(chunks: AsyncIterator[BaseModel], size: BatchSize, raw: bool) -> AsyncIterator[str | list]:
+async def job_stream(chunks: AsyncIterator[BaseModel], size: BatchSize, raw: bool, dialect: Dialect = "openai"
+                     ) -> AsyncIterator[str | list]:
     """A stream as job outputs: batches of SSE text ending in `[DONE]` (`raw`), or lists of chunk dicts. An
     error before the first output is raised (the job answers with it alone); after, it is the stream's last
-    event."""
+    event. In Anthropic's dialect the events are named and there is no `[DONE]`."""
+    named = dialect == "anthropic"
     started = False
     try:
         async for batch in batched(chunks, size, carries_tokens):
             started = True
-            yield sse_events(batch) if raw else [c.model_dump(mode="json") for c in batch]
+            yield sse_events(batch, named) if raw else [c.model_dump(mode="json") for c in batch]
     except OpenAIError as exc:
         if not started:
             raise
         log.warning("stream failed after it started: %s", exc.message)
-        yield sse(exc.body()) if raw else [exc.body()]
-    if raw:
+        body = exc.body(dialect)
+        yield sse(body, "error" if named else None) if raw else [body]
+    if raw and not named:
         yield DONE

@@ -499,3 +499,150 @@ def test_concurrent_bad_and_good_jobs_do_not_disturb_each_other(worker):
     assert good["usage"]["completion_tokens"] == 12 and good["choices"][0]["text"].startswith(" Paris")
     for (body,) in bad:
         assert_error(body, 400, ())
+
+
+# ---------------------------------------------------------------- Anthropic's Messages API
+
+MESSAGES = "/v1/messages"
+COUNT_TOKENS = "/v1/messages/count_tokens"
+ANTHROPIC_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large"}
+
+
+def assert_anthropic_error(body, status: int, words: tuple[str, ...]) -> dict:
+    """Anthropic's error body: `{"type": "error", "error": {"type", "message"}}`, the message naming `words`."""
+    assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", body
+    error = body["error"]
+    assert set(error) == {"type", "message"} and error["type"] == ANTHROPIC_TYPES[status], error
+    for word in words:
+        assert word.lower() in error["message"].lower(), (word, error["message"])
+    for marker in TRACEBACK_MARKERS:
+        assert marker not in error["message"], error["message"]
+    return error
+
+
+def message(**fields) -> dict:
+    from conftest import MODEL
+
+    return {"model": MODEL, "messages": USER, "max_tokens": 2, **fields}
+
+
+def blocks(*content, role="user") -> dict:
+    return message(messages=[{"role": role, "content": list(content)}])
+
+
+TOOL = {"name": "f", "input_schema": {"type": "object"}}
+
+# id: (body factory, status, words the message must contain)
+MESSAGES_CASES = {
+    "no-messages": (lambda: message(messages=[]), 400, ("messages", "at least 1")),
+    "role-tool": (lambda: message(messages=[{"role": "tool", "content": "x"}]), 400, ("messages[0].role",)),
+    "content-null": (lambda: message(messages=[{"role": "user", "content": None}]), 400, ("messages[0].content",)),
+    "block-type-missing": (lambda: blocks({"text": "x"}), 400, ("messages[0].content[0].type", "required")),
+    "block-type-unknown": (lambda: blocks({"type": "hologram"}), 400, ("messages[0].content[0].type", "hologram")),
+    "text-missing": (lambda: blocks({"type": "text"}), 400, ("messages[0].content[0].text",)),
+    "text-extra-field": (lambda: blocks({"type": "text", "text": "x", "mood": "sad"}), 400,
+                         ("messages[0].content[0].mood",)),
+    "text-not-a-string": (lambda: blocks({"type": "text", "text": 5}), 400, ("messages[0].content[0].text",)),
+    "tool-use-in-user": (lambda: blocks({"type": "tool_use", "id": "t", "name": "f", "input": {}}), 400,
+                         ("messages[0].content[0].type", "assistant")),
+    "tool-use-no-input": (lambda: blocks({"type": "tool_use", "id": "t", "name": "f"}, role="assistant"), 400,
+                          ("messages[0].content[0].input",)),
+    "tool-use-input-a-list": (lambda: blocks({"type": "tool_use", "id": "t", "name": "f", "input": [1]},
+                                             role="assistant"), 400, ("messages[0].content[0].input",)),
+    "tool-result-no-id": (lambda: blocks({"type": "tool_result", "content": "x"}), 400,
+                          ("messages[0].content[0].tool_use_id",)),
+    "tool-result-in-assistant": (lambda: blocks({"type": "tool_result", "tool_use_id": "t"}, role="assistant"), 400,
+                                 ("messages[0].content[0].type", "user messages")),
+    "tool-result-image": (lambda: blocks({"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {"type": "url", "url": "http://x"}}]}), 400,
+                          ("messages[0].content[0].content[0].type", "text only")),
+    "thinking-in-user": (lambda: blocks({"type": "thinking", "thinking": "hm", "signature": ""}), 400,
+                         ("messages[0].content[0].type",)),
+    "redacted-thinking-no-data": (lambda: blocks({"type": "redacted_thinking"}, role="assistant"), 400,
+                                  ("messages[0].content[0].data",)),
+    "server-tool-result-block": (lambda: blocks({"type": "web_search_tool_result", "tool_use_id": "s",
+                                                 "content": []}), 400, ("server tools",)),
+    "ends-in-tool-use": (lambda: message(messages=[*USER, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}], tools=[TOOL]), 400, ("messages[1]", "tool_use")),
+    "system-image": (lambda: message(system=[{"type": "image", "source": {}}]), 400, ("system[0].type", "text only")),
+    "tool-no-schema": (lambda: message(tools=[{"name": "f"}]), 400, ("tools[0].input_schema", "required")),
+    "tool-schema-array": (lambda: message(tools=[{"name": "f", "input_schema": {"type": "array"}}]), 400,
+                          ("tools[0].input_schema.type",)),
+    "tool-name-with-space": (lambda: message(tools=[{"name": "get weather", "input_schema": {"type": "object"}}]),
+                             400, ("tools[0].name",)),
+    "tool-names-twice": (lambda: message(tools=[TOOL, TOOL]), 400, ("tools[1].name", "unique")),
+    "tool-openai-shape": (lambda: message(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
+                          ("tools[0].type", "function")),
+    "tool-unknown-field": (lambda: message(tools=[{**TOOL, "input_examples": [{}]}]), 400,
+                           ("tools[0].input_examples",)),
+    "tool-choice-openai-string": (lambda: message(tools=[TOOL], tool_choice="required"), 400, ("tool_choice",)),
+    "tool-choice-required-type": (lambda: message(tools=[TOOL], tool_choice={"type": "required"}), 400,
+                                  ("tool_choice.type",)),
+    "tool-choice-tool-no-name": (lambda: message(tools=[TOOL], tool_choice={"type": "tool"}), 400,
+                                 ("tool_choice.name",)),
+    "tool-choice-any-no-tools": (lambda: message(tool_choice={"type": "any"}), 400, ("tool_choice", "needs tools")),
+    "thinking-no-budget": (lambda: message(thinking={"type": "enabled"}, max_tokens=2000), 400,
+                           ("thinking.budget_tokens",)),
+    "thinking-budget-over-max-tokens": (lambda: message(thinking={"type": "enabled", "budget_tokens": 2048},
+                                                        max_tokens=2000), 400, ("thinking.budget_tokens",
+                                                                                "max_tokens")),
+    "thinking-disabled-with-budget": (lambda: message(thinking={"type": "disabled", "budget_tokens": 1024}), 400,
+                                      ("thinking.budget_tokens",)),
+    "thinking-unknown-type": (lambda: message(thinking={"type": "between_tools"}), 400, ("thinking.type",)),
+    "max-tokens-zero": (lambda: message(max_tokens=0), 400, ("max_tokens",)),
+    "max-tokens-astronomical": (lambda: message(max_tokens=10**30), 400, ("max_tokens", "context length")),
+    "temperature-above-one": (lambda: message(temperature=1.5), 400, ("temperature",)),
+    "stop-sequence-empty": (lambda: message(stop_sequences=[""]), 400, ("stop_sequences",)),
+    "stop-sequences-too-many": (lambda: message(stop_sequences=[str(i) for i in range(33)]), 400,
+                                ("stop_sequences", "32")),
+    "service-tier-unknown": (lambda: message(service_tier="priority"), 400, ("service_tier",)),
+    "openai-field": (lambda: message(n=2), 400, ("n", "unsupported")),
+    "surrogate-in-block": (lambda: blocks({"type": "text", "text": "\ud800"}), 400,
+                           ("messages[0].content[0].text", "surrogate")),
+    "nesting-in-tool-input": (lambda: message(messages=[*USER, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": nested(120, 1, "a")}]}, *USER], tools=[TOOL]), 400,
+                              ("messages", "nested")),
+    "oversized-conversation": (lambda: message(messages=[{"role": "user", "content": "hello " * 50}] * 2000), 400,
+                               ("maximum context length is 8192",)),
+    "oversized-block": (lambda: blocks({"type": "text", "text": HUGE_TEXT}), 400, ("maximum context length",)),
+    "unknown-model": (lambda: message(model="claude-opus-4-1"), 404, ("model", "claude-opus-4-1")),
+    "body-an-array": (lambda: [USER], 400, ("JSON object",)),
+}
+
+
+@pytest.mark.parametrize("case", list(MESSAGES_CASES))
+def test_malformed_messages_request_in_process_and_over_http(worker, gateway_url, case):
+    make, status, words = MESSAGES_CASES[case]
+    body = make()
+    in_process = job_error({"openai_route": MESSAGES, "openai_input": body})
+    assert_anthropic_error(in_process, status, words)
+    response = http(gateway_url, "POST", MESSAGES, json.dumps(body).encode())
+    assert response.status_code == status and response.json() == in_process  # one code path, one answer
+    assert_worker_serves()
+    assert_gateway_serves(gateway_url)
+
+
+MESSAGES_COMMON_WRONG = {"model": 5, "messages": "Hi", "system": 5, "tools": "x", "tool_choice": "auto",
+                         "thinking": "on", "cache_control": "x"}
+MESSAGES_WRONG = {**MESSAGES_COMMON_WRONG, "max_tokens": "many", "stop_sequences": "END", "temperature": "hot",
+                  "top_p": "most", "top_k": "some", "stream": "maybe", "metadata": "x", "service_tier": 5}
+
+
+def test_every_messages_field_has_a_wrong_type_case():
+    from openai_compat.messages.protocol import CountTokensRequest, MessagesRequest
+
+    assert set(MESSAGES_WRONG) == set(MessagesRequest.model_fields)
+    assert set(MESSAGES_COMMON_WRONG) == set(CountTokensRequest.model_fields)
+
+
+@pytest.mark.parametrize("route,field", [(MESSAGES, f) for f in MESSAGES_WRONG] +
+                         [(COUNT_TOKENS, f) for f in MESSAGES_COMMON_WRONG])
+def test_wrong_type_for_every_messages_field(worker, gateway_url, route, field):
+    body = {**message(), field: MESSAGES_WRONG[field]}
+    if route == COUNT_TOKENS:
+        del body["max_tokens"]
+    in_process = job_error({"openai_route": route, "openai_input": body})
+    assert_anthropic_error(in_process, 400, (field,))
+    response = http(gateway_url, "POST", "/openai" + route, json.dumps(body).encode())
+    assert response.status_code == 400 and response.json() == in_process
+    assert_gateway_serves(gateway_url)
