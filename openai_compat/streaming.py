@@ -1,11 +1,13 @@
 """Streams: the chunks of one stream, their server-sent-event framing (`data: ...` and the closing
-`[DONE]`, for the job router and the gateway alike), and the batching of chunks into job outputs."""
+`[DONE]`, for the job router and the gateway alike), and the batching of chunks into job outputs. APIs whose
+streams are typed events (the Responses API) wrap them in an EventStream: each event goes out with an `event:`
+line naming its type, and the stream ends without `[DONE]`."""
 from __future__ import annotations
 
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from pydantic import BaseModel
 
@@ -20,10 +22,10 @@ log = logging.getLogger("openai_compat.jobs")
 DONE = "data: [DONE]\n\n"
 
 
-def sse(data: BaseModel | dict) -> str:
-    """One server-sent event carrying a JSON body."""
+def sse(data: BaseModel | dict, event: str | None = None) -> str:
+    """One server-sent event carrying a JSON body, with an `event:` line when it is given a name."""
     body = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
-    return f"data: {body}\n\n"
+    return f"event: {event}\ndata: {body}\n\n" if event else f"data: {body}\n\n"
 
 
 def sse_events(chunks: list[BaseModel | dict]) -> str:
@@ -61,6 +63,28 @@ class StreamChunks:
             return None
         return self.chunk_type(id=self.response_id, created=self.created, model=self.model, choices=[],
                                usage=UsageInfo.of(self.prompt_tokens, generated))
+
+
+class EventStream:
+    """A stream of typed events (objects with a `type`), framed as OpenAI frames the Responses API's: `event:
+    <type>` before each `data:`, and no `[DONE]`. `counts(event)` says which events count towards a job output's
+    batch (those that carry output); `error_event(exc)` is the event that ends a stream failing after it began."""
+
+    def __init__(self, events: AsyncIterator[BaseModel], counts: Callable[[BaseModel], bool],
+                 error_event: Callable[[OpenAIError], BaseModel]):
+        self.events = events
+        self.counts = counts
+        self.error_event = error_event
+
+    def __aiter__(self) -> AsyncIterator[BaseModel]:
+        return self.events
+
+    async def aclose(self) -> None:
+        await self.events.aclose()
+
+    @staticmethod
+    def frame(event: BaseModel | dict) -> str:
+        return sse(event, event["type"] if isinstance(event, dict) else event.type)
 
 
 class BatchSize:
@@ -106,16 +130,19 @@ async def batched(chunks: AsyncIterator[Any], size: BatchSize, count=lambda chun
 async def job_stream(chunks: AsyncIterator[BaseModel], size: BatchSize, raw: bool) -> AsyncIterator[str | list]:
     """A stream as job outputs: batches of SSE text ending in `[DONE]` (`raw`), or lists of chunk dicts. An
     error before the first output is raised (the job answers with it alone); after, it is the stream's last
-    event."""
+    event. An EventStream is framed as its API frames it (see EventStream)."""
+    typed = isinstance(chunks, EventStream)
+    frame = chunks.frame if typed else sse
     started = False
     try:
-        async for batch in batched(chunks, size, carries_tokens):
+        async for batch in batched(chunks, size, chunks.counts if typed else carries_tokens):
             started = True
-            yield sse_events(batch) if raw else [c.model_dump(mode="json") for c in batch]
+            yield "".join(frame(c) for c in batch) if raw else [c.model_dump(mode="json") for c in batch]
     except OpenAIError as exc:
         if not started:
             raise
         log.warning("stream failed after it started: %s", exc.message)
-        yield sse(exc.body()) if raw else [exc.body()]
-    if raw:
+        last = chunks.error_event(exc).model_dump(mode="json") if typed else exc.body()
+        yield frame(last) if raw else [last]
+    if raw and not typed:
         yield DONE

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from engine import SamplingParams, TokenLogprob
+from engine import RequestOutput, SamplingParams, TokenLogprob
 
 from ..chat_output import ChatOutputParser, MessageDelta, ParsedMessage
 from ..protocol import ChatTokenLogprob
@@ -57,6 +57,7 @@ class ChatGeneration:
         self.params = params
         self.plan = plan
         self.completion_tokens = 0  # generated so far, over all choices
+        self.cached_prompt_tokens = 0  # prompt tokens the prefix cache served (known once the run ends)
 
     @property
     def n(self) -> int:
@@ -70,11 +71,16 @@ class ChatGeneration:
     def _logprobs(self, entries: list[TokenLogprob]) -> list[ChatTokenLogprob]:
         return self.serving.token_logprobs(entries, self.params.logprobs)
 
+    def _metrics(self, output: RequestOutput) -> None:
+        if output.metrics is not None:
+            self.cached_prompt_tokens = output.metrics.cached_prompt_tokens
+
     async def results(self) -> list[ChoiceResult]:
         """Run to the end; each choice's reply, in index order."""
         choices: dict[int, Choice] = {}
         async for output in self.serving.run(self.request_id, self.prompt, self.params):
             accumulate(choices, output)
+            self._metrics(output)
         results = []
         for index in sorted(choices):
             c = choices[index]
@@ -90,6 +96,7 @@ class ChatGeneration:
         skipped). `completion_tokens` counts the tokens generated up to the yielded step."""
         parsers: dict[int, ChatOutputParser] = {}
         async for output in self.serving.run(self.request_id, self.prompt, self.params):
+            self._metrics(output)
             step = []
             for delta in output.deltas:
                 self.completion_tokens += len(delta.token_ids)
