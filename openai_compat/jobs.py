@@ -25,6 +25,8 @@ from .chat.protocol import ChatCompletionRequest
 from .chat.serving import ChatServing
 from .completions.protocol import CompletionRequest
 from .completions.serving import CompletionServing
+from .responses.protocol import ResponsesRequest
+from .responses.serving import ResponsesServing
 from .models import ModelList, list_models
 from . import routes
 from .routes import CHAT_ROUTE
@@ -45,6 +47,7 @@ class JobRouter:
         self.completion_serving = CompletionServing(serving)
         self.tokenization = TokenizationServing(serving)
         self.pooling_serving = PoolingServing(serving)
+        self.responses_serving = ResponsesServing(self.chat_serving)  # keeps this worker's stored responses
 
     async def run(self, job_input: Any, job_id: str | None = None) -> AsyncIterator[Any]:
         try:
@@ -94,7 +97,7 @@ class JobRouter:
                               f"{', '.join(routes.names())}", status=404, param="openai_route")
         await self.serving.ready()  # the request limits depend on the model
         if route.request is None:
-            result = await getattr(self, route.endpoint)()
+            result = await getattr(self, route.endpoint)(**route.params_of(route_name))
         else:
             limits = self.serving.request_limits() if route.limited else None
             request = await asyncio.to_thread(parse, route.request, body, limits)
@@ -115,6 +118,12 @@ class JobRouter:
 
     async def completions(self, request: CompletionRequest):
         return await self.completion_serving.create_completion(request)
+
+    async def responses(self, request: ResponsesRequest):
+        return await self.responses_serving.create_response(request)
+
+    async def retrieve_response(self, response_id: str) -> dict:
+        return self.responses_serving.retrieve(response_id)
 
     async def models(self) -> ModelList:
         return await list_models(self.serving)
