@@ -26,6 +26,7 @@ TOKEN = 42  # any id in the vocabulary
 def shapes() -> list[tuple[str, str, bytes, dict]]:
     """(name, path, body, extra headers) of every shape."""
     completions, chat = "/openai/v1/completions", "/openai/v1/chat/completions"
+    responses = "/openai/v1/responses"
 
     def body(value) -> bytes:
         return json.dumps(value).encode()
@@ -45,7 +46,48 @@ def shapes() -> list[tuple[str, str, bytes, dict]]:
         ("500k content parts", chat, body({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]
                                                          * 500_000}]}), {}),
         ("corrupt gzip body", completions, b"this is not gzip", {"Content-Encoding": "gzip"}),
+        # the Responses API: item lists, nesting and tool schemas
+        ("200k input items", responses, body({"input": [{"role": "user", "content": "hi"}] * 200_000}), {}),
+        ("100k function_call items", responses,
+         body({"input": [{"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
+                         for i in range(100_000)]}), {}),
+        ("8000 items, each missing its text", responses,
+         body({"input": [{"role": "user", "content": [{"type": "input_text"}]}] * 8000}), {}),
+        ("500k parts in one item", responses,
+         body({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}] * 500_000}]}), {}),
+        ("an item nested just within the limit", responses,
+         body({"input": [{"role": "user", "content": nested_list(96)}]}), {}),
+        ("an item nested 100k levels deep", responses,
+         b'{"input": [{"role": "user", "content": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}", {}),
+        ("tool schema: a $ref loop", responses,
+         body({"input": "hi", "max_output_tokens": 1, "tool_choice": "required",
+               "tools": [{"type": "function", "name": "f", "parameters": {"$ref": "#/$defs/a", "$defs": {
+                   "a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}}]}), {}),
+        ("tool schema: 45 levels of nested objects", responses,
+         body({"input": "hi", "max_output_tokens": 1, "tool_choice": "required",
+               "tools": [{"type": "function", "name": "f", "parameters": nested_schema(45)}]}), {}),
+        ("2000 forced tools", responses,
+         body({"input": "hi", "max_output_tokens": 1, "tool_choice": "required",
+               "tools": [{"type": "function", "name": f"f{i}", "parameters": {"type": "object"}}
+                         for i in range(2000)]}), {}),
+        ("a strict tool's schema is not an object", responses,
+         body({"input": "hi", "max_output_tokens": 1, "tool_choice": "required",
+               "tools": [{"type": "function", "name": "f", "parameters": {"type": 5}, "strict": True}]}), {}),
     ]
+
+
+def nested_list(depth: int):
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
 
 
 async def watch_health(client: httpx.AsyncClient, base: str, stop: asyncio.Event, waits: list[float]) -> None:
