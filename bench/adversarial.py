@@ -26,6 +26,7 @@ TOKEN = 42  # any id in the vocabulary
 def shapes(model: str) -> list[tuple[str, str, bytes, dict]]:
     """(name, path, body, extra headers) of every shape; `model` is the served model's id."""
     completions, chat, messages = "/openai/v1/completions", "/openai/v1/chat/completions", "/v1/messages"
+    responses = "/openai/v1/responses"
 
     def body(value) -> bytes:
         return json.dumps(value).encode()
@@ -46,6 +47,7 @@ def shapes(model: str) -> list[tuple[str, str, bytes, dict]]:
                                                          * 500_000}]}), {}),
         ("corrupt gzip body", completions, b"this is not gzip", {"Content-Encoding": "gzip"}),
         *messages_shapes(model, messages, body),
+        *responses_shapes(responses, body),
     ]
 
 
@@ -93,6 +95,52 @@ def messages_shapes(model: str, path: str, body) -> list[tuple[str, str, bytes, 
         ("count_tokens of 120k turns", path + "/count_tokens", body({"model": model, "messages": [user] * 120_000}),
          {}),
     ]
+
+
+def responses_shapes(path: str, body) -> list[tuple[str, str, bytes, dict]]:
+    """The Responses API: item lists, nesting and tool schemas."""
+    return [
+        ("200k input items", path, body({"input": [{"role": "user", "content": "hi"}] * 200_000}), {}),
+        ("100k function_call items", path,
+         body({"input": [{"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
+                         for i in range(100_000)]}), {}),
+        ("8000 items, each missing its text", path,
+         body({"input": [{"role": "user", "content": [{"type": "input_text"}]}] * 8000}), {}),
+        ("500k parts in one item", path,
+         body({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}] * 500_000}]}), {}),
+        ("an item nested just within the limit", path,
+         body({"input": [{"role": "user", "content": nested_list(96)}]}), {}),
+        ("an item nested 100k levels deep", path,
+         b'{"input": [{"role": "user", "content": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}", {}),
+        ("tool schema: a $ref loop", path,
+         body({"input": "hi", "max_output_tokens": 1, "tool_choice": "required",
+               "tools": [{"type": "function", "name": "f", "parameters": {"$ref": "#/$defs/a", "$defs": {
+                   "a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}}]}), {}),
+        ("tool schema: 45 levels of nested objects", path,
+         body({"input": "hi", "max_output_tokens": 1, "tool_choice": "required",
+               "tools": [{"type": "function", "name": "f", "parameters": nested_schema(45)}]}), {}),
+        ("2000 forced tools", path,
+         body({"input": "hi", "max_output_tokens": 1, "tool_choice": "required",
+               "tools": [{"type": "function", "name": f"f{i}", "parameters": {"type": "object"}}
+                         for i in range(2000)]}), {}),
+        ("a strict tool's schema is not an object", path,
+         body({"input": "hi", "max_output_tokens": 1, "tool_choice": "required",
+               "tools": [{"type": "function", "name": "f", "parameters": {"type": 5}, "strict": True}]}), {}),
+    ]
+
+
+def nested_list(depth: int):
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
 
 
 async def watch_health(client: httpx.AsyncClient, base: str, stop: asyncio.Event, waits: list[float]) -> None:

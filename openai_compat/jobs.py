@@ -27,6 +27,8 @@ from .completions.protocol import CompletionRequest
 from .completions.serving import CompletionServing
 from .messages.protocol import CountTokensRequest, MessagesRequest
 from .messages.serving import MessagesServing
+from .responses.protocol import ResponsesRequest
+from .responses.serving import ResponsesServing
 from .models import ModelList, list_models
 from . import routes
 from .routes import CHAT_ROUTE
@@ -48,6 +50,7 @@ class JobRouter:
         self.tokenization = TokenizationServing(serving)
         self.pooling_serving = PoolingServing(serving)
         self.messages_serving = MessagesServing(self.chat_serving)
+        self.responses_serving = ResponsesServing(self.chat_serving)  # keeps this worker's stored responses
 
     async def run(self, job_input: Any, job_id: str | None = None) -> AsyncIterator[Any]:
         dialect = "openai"  # errors answer in the dialect of the route asked for
@@ -100,7 +103,7 @@ class JobRouter:
                               f"{', '.join(routes.names())}", status=404, param="openai_route")
         await self.serving.ready()  # the request limits depend on the model
         if route.request is None:
-            result = await getattr(self, route.endpoint)()
+            result = await getattr(self, route.endpoint)(**route.params_of(route_name))
         else:
             limits = self.serving.request_limits() if route.limited else None
             request = await asyncio.to_thread(parse, route.request, body, limits)
@@ -111,7 +114,8 @@ class JobRouter:
         if isinstance(result, dict):
             yield result
             return
-        async for part in job_stream(result, self._batch_size(), self.config.raw_openai_output, route.dialect):
+        async for part in job_stream(result, self._batch_size(), self.config.raw_openai_output, route.dialect,
+                                    route.events):
             yield part
 
     # ---- the endpoints the route table names ----
@@ -121,6 +125,12 @@ class JobRouter:
 
     async def completions(self, request: CompletionRequest):
         return await self.completion_serving.create_completion(request)
+
+    async def responses(self, request: ResponsesRequest):
+        return await self.responses_serving.create_response(request)
+
+    async def retrieve_response(self, response_id: str) -> dict:
+        return self.responses_serving.retrieve(response_id)
 
     async def models(self) -> ModelList:
         return await list_models(self.serving)

@@ -140,7 +140,8 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None, state
                                                    **id_header})
             await response.prepare(request)
             part = first
-            named = routes.dialect(route) == "anthropic"
+            found = routes.find(route)
+            named = found is not None and found.events  # typed events: named, no [DONE]
             while True:
                 # RAW_OPENAI_OUTPUT=0 yields lists of chunk dicts; the wire format is SSE either way.
                 text = part if isinstance(part, str) else sse_events(part, named)

@@ -1,14 +1,15 @@
 """Streams: the chunks of one stream, their server-sent-event framing (`data: ...` and the closing
 `[DONE]`, for the job router and the gateway alike), and the batching of chunks into job outputs.
 
-Streams in Anthropic's dialect (the Messages API) are framed as it frames them: each event named by its body's
-`type` (`event: content_block_delta`), an error as an `error` event, and no `[DONE]`."""
+Streams of typed events (the Responses API's and Anthropic's Messages API's) are framed as those APIs frame
+them: each event named by its body's `type` (`event: content_block_delta`), a failure as the API's error event,
+and no `[DONE]`. The Responses API's come wrapped in an EventStream, which also names its error event."""
 from __future__ import annotations
 
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from pydantic import BaseModel
 
@@ -24,13 +25,13 @@ DONE = "data: [DONE]\n\n"
 
 
 def sse(data: BaseModel | dict, event: str | None = None) -> str:
-    """One server-sent event carrying a JSON body, named `event` if given."""
+    """One server-sent event carrying a JSON body, with an `event:` line when it is given a name."""
     body = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
     return f"event: {event}\ndata: {body}\n\n" if event else f"data: {body}\n\n"
 
 
 def sse_events(chunks: list[BaseModel | dict], named: bool = False) -> str:
-    """A batch of chunks as consecutive events; `named`: each named by its `type` (Anthropic's framing)."""
+    """A batch of chunks as consecutive events; `named`: each named by its `type` (typed event streams)."""
     if named:
         return "".join(sse(c, c.type if isinstance(c, BaseModel) else c.get("type")) for c in chunks)
     return "".join(sse(chunk) for chunk in chunks)
@@ -66,6 +67,25 @@ class StreamChunks:
             return None
         return self.chunk_type(id=self.response_id, created=self.created, model=self.model, choices=[],
                                usage=UsageInfo.of(self.prompt_tokens, generated))
+
+
+class EventStream:
+    """A stream of typed events (objects with a `type`), framed as OpenAI frames the Responses API's: `event:
+    <type>` before each `data:`, and no `[DONE]`. `counts(event)` says which events count towards a job output's
+    batch (those that carry output); `error_event(exc)` is the event that ends a stream failing after it began."""
+
+    def __init__(self, events: AsyncIterator[BaseModel], counts: Callable[[BaseModel], bool],
+                 error_event: Callable[[OpenAIError], BaseModel]):
+        self.events = events
+        self.counts = counts
+        self.error_event = error_event
+
+    def __aiter__(self) -> AsyncIterator[BaseModel]:
+        return self.events
+
+    async def aclose(self) -> None:
+        await self.events.aclose()
+
 
 
 class BatchSize:
@@ -110,22 +130,25 @@ async def batched(chunks: AsyncIterator[Any], size: BatchSize, count=lambda chun
         yield batch
 
 
-async def job_stream(chunks: AsyncIterator[BaseModel], size: BatchSize, raw: bool, dialect: Dialect = "openai"
-                     ) -> AsyncIterator[str | list]:
+async def job_stream(chunks: AsyncIterator[BaseModel], size: BatchSize, raw: bool, dialect: Dialect = "openai",
+                     events: bool = False) -> AsyncIterator[str | list]:
     """A stream as job outputs: batches of SSE text ending in `[DONE]` (`raw`), or lists of chunk dicts. An
     error before the first output is raised (the job answers with it alone); after, it is the stream's last
-    event. In Anthropic's dialect the events are named and there is no `[DONE]`."""
-    named = dialect == "anthropic"
+    event. Typed events (`events`, or an EventStream) are named by their type and end without `[DONE]`; an error
+    in Anthropic's dialect is its `error` event."""
+    typed = isinstance(chunks, EventStream)
+    named = events or typed
+    count = chunks.counts if typed else carries_tokens
     started = False
     try:
-        async for batch in batched(chunks, size, carries_tokens):
+        async for batch in batched(chunks, size, count):
             started = True
             yield sse_events(batch, named) if raw else [c.model_dump(mode="json") for c in batch]
     except OpenAIError as exc:
         if not started:
             raise
         log.warning("stream failed after it started: %s", exc.message)
-        body = exc.body(dialect)
-        yield sse(body, "error" if named else None) if raw else [body]
+        last = chunks.error_event(exc).model_dump(mode="json") if typed else exc.body(dialect)
+        yield sse_events([last], named) if raw else [last]
     if raw and not named:
         yield DONE

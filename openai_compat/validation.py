@@ -106,6 +106,31 @@ def _clean_loc(loc: tuple) -> tuple:
     return tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in _MEMBER_NAMES)))
 
 
+def explain(exc: ValidationError, prefix: tuple = ()) -> tuple[str | None, str]:
+    """The parameter a validation error names and its message; `prefix` is where the validated value sits in
+    the request (a Responses input item is validated on its own, under `("input", 2)`)."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    # For a field with several accepted forms, each form reports why it failed; the one that got furthest
+    # into the value is the form the caller meant.
+    same_field = [e for e in errors if _clean_loc(e["loc"])[:1] == _clean_loc(first["loc"])[:1]]
+    depth = max(len(_clean_loc(e["loc"])) for e in same_field)
+    chosen = [e for e in same_field if len(_clean_loc(e["loc"])) == depth]
+    loc = (*prefix, *_clean_loc(chosen[0]["loc"]))
+    param = field_path(loc) or None
+    cause = (chosen[0].get("ctx") or {}).get("error")
+    if isinstance(cause, ParamError):
+        param = field_path((*loc, cause.param)) if loc else cause.param
+    messages: list[str] = []
+    for error in chosen:
+        where = field_path((*prefix, *_clean_loc(error["loc"])))
+        text = error["msg"].removeprefix("Value error, ")
+        text = f"{where}: {text}" if where else text
+        if text not in messages:
+            messages.append(text)
+    return param, "; ".join(messages[:3])
+
+
 def parse(model: type[BaseModel], body: Any, context: Any = None):
     """Validate a request body; a problem becomes a 400 naming the parameter. `context` reaches the models'
     validators (the per-request limits)."""
@@ -114,23 +139,5 @@ def parse(model: type[BaseModel], body: Any, context: Any = None):
     try:
         return model.model_validate(body, context=context)
     except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        first = errors[0]
-        # For a field with several accepted forms, each form reports why it failed; the one that got furthest
-        # into the value is the form the caller meant.
-        same_field = [e for e in errors if _clean_loc(e["loc"])[:1] == _clean_loc(first["loc"])[:1]]
-        depth = max(len(_clean_loc(e["loc"])) for e in same_field)
-        chosen = [e for e in same_field if len(_clean_loc(e["loc"])) == depth]
-        loc = _clean_loc(chosen[0]["loc"])
-        param = field_path(loc) or None
-        cause = (chosen[0].get("ctx") or {}).get("error")
-        if isinstance(cause, ParamError):
-            param = field_path((*loc, cause.param)) if loc else cause.param
-        messages: list[str] = []
-        for error in chosen:
-            where = field_path(_clean_loc(error["loc"]))
-            text = error["msg"].removeprefix("Value error, ")
-            text = f"{where}: {text}" if where else text
-            if text not in messages:
-                messages.append(text)
-        raise OpenAIError("; ".join(messages[:3]), param=param) from None
+        param, message = explain(exc)
+        raise OpenAIError(message, param=param) from None

@@ -437,6 +437,148 @@ def test_wrong_type_for_every_legacy_field(worker, field):
     assert_worker_serves()
 
 
+# ---------------------------------------------------------------- the Responses API
+
+RESPONSES = "/v1/responses"
+
+
+def respond(**fields) -> tuple[str, dict]:
+    return RESPONSES, {"input": "Hi", "max_output_tokens": 2, **fields}
+
+
+def items(*entries) -> tuple[str, dict]:
+    return respond(input=list(entries))
+
+
+# id: (route and body factory, status, words the message must contain, param)
+RESPONSES_CASES = {
+    "item-not-an-object": (lambda: items("Hi"), 400, ("input[0]",), "input[0]"),
+    "item-type-not-a-string": (lambda: items({"type": 5}), 400, ("type",), "input[0].type"),
+    "item-type-unknown": (lambda: items({"type": "hologram"}), 400, ("hologram",), "input[0].type"),
+    "item-type-built-in-call": (lambda: items({"type": "code_interpreter_call"}), 400, ("built-in",),
+                                "input[0].type"),
+    "item-role-tool": (lambda: items({"role": "tool", "content": "x"}), 400, ("role",), "input[0].role"),
+    "item-content-an-object": (lambda: items({"role": "user", "content": {"text": "hi"}}), 400, ("content",),
+                               "input[0].content"),
+    "item-part-unknown-type": (lambda: items({"role": "user", "content": [{"type": "text", "text": "x"}]}), 400,
+                               ("type",), "input[0].content[0].type"),
+    "item-part-audio": (lambda: items({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}),
+                        400, ("text only",), "input[0].content[0]"),
+    "call-arguments-an-object": (lambda: items({"type": "function_call", "call_id": "c", "name": "f",
+                                                "arguments": {"a": 1}}), 400, ("arguments",),
+                                 "input[0].arguments"),
+    "call-name-empty": (lambda: items({"type": "function_call", "call_id": "c", "name": "", "arguments": "{}"}),
+                        400, ("name",), "input[0].name"),
+    "output-without-call": (lambda: items({"type": "function_call_output", "call_id": "c", "output": "x"}), 400,
+                            ("function_call",), "input[0].call_id"),
+    "reasoning-summary-malformed": (lambda: items({"type": "reasoning", "summary": ["x"]}), 400, ("summary",),
+                                    "input[0].summary[0]"),
+    "items-later-one-bad": (lambda: items({"role": "user", "content": "Hi"}, {"role": "user"}), 400,
+                            ("content",), "input[1].content"),
+    "tool-built-in": (lambda: respond(tools=[{"type": "web_search_preview"}]), 400, ("web_search_preview",),
+                      "tools[0].type"),
+    "tool-not-an-object": (lambda: respond(tools=["get_weather"]), 400, ("tools[0]",), "tools[0]"),
+    "tool-chat-shape": (lambda: respond(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
+                        ("function",), "tools[0].function"),
+    "tool-parameters-not-an-object": (lambda: respond(tools=[{"type": "function", "name": "f", "parameters": 5}]),
+                                      400, ("parameters",), "tools[0].parameters"),
+    "tool-schema-broken": (lambda: respond(tools=[{"type": "function", "name": "f", "parameters": {
+                               "type": "object", "properties": {"a": {"type": "no-such-type"}}}}],
+                                           tool_choice="required"), 400, ("tools",), "tools"),
+    "tool-choice-unknown-string": (lambda: respond(tool_choice="always"), 400, ("always",), "tool_choice"),
+    "text-format-unknown": (lambda: respond(text={"format": {"type": "xml"}}), 400, ("type",), "text.format.type"),
+    "text-format-name-on-text": (lambda: respond(text={"format": {"type": "text", "name": "x"}}), 400,
+                                 ("json_schema",), "text.format.name"),
+    "reasoning-effort-unknown": (lambda: respond(reasoning={"effort": "extreme"}), 400, ("effort",),
+                                 "reasoning.effort"),
+    "include-unknown": (lambda: respond(include=["file_search_call.results"]), 400, ("file_search_call",),
+                        "include[0]"),
+    "metadata-value-not-a-string": (lambda: respond(metadata={"k": 5}), 400, ("string",), "metadata.k"),
+    "metadata-too-many-pairs": (lambda: respond(metadata={str(i): "v" for i in range(17)}), 400, ("16",),
+                                "metadata"),
+    "max-tool-calls-set": (lambda: respond(max_tool_calls=3), 400, ("max_tool_calls",), "max_tool_calls"),
+    "stream-options-without-stream": (lambda: respond(stream_options={"include_obfuscation": False}), 400,
+                                      ("stream",), "stream_options"),
+    "chat-only-field": (lambda: respond(messages=USER), 400, ("messages",), "messages"),
+    "sampling-range-from-chat": (lambda: respond(top_k=-5), 400, ("top_k",), "top_k"),
+    "two-constraints": (lambda: respond(text={"format": {"type": "json_object"}},
+                                        structured_outputs={"regex": "a"}), 400, ("structured_outputs",),
+                        "structured_outputs.regex"),
+    "previous-id-unknown": (lambda: respond(previous_response_id="resp_0"), 400, ("worker",),
+                            "previous_response_id"),
+    "oversized-input-text": (lambda: respond(input=HUGE_TEXT), 400, ("maximum context length is 8192",),
+                             "input"),
+    "oversized-item-list": (lambda: items(*[{"role": "user", "content": "hi"}] * 9000), 400,
+                            ("maximum context length is 8192", "9000 items"), "input"),
+    "oversized-instructions": (lambda: respond(instructions=HUGE_TEXT), 400, ("maximum context length",),
+                               "instructions"),
+    "surrogate-in-item": (lambda: items({"role": "user", "content": "\ud800"}), 400, ("surrogate",),
+                          "input[0].content"),
+    "nesting-in-item": (lambda: items({"role": "user", "content": nested(150, "x")}), 400, ("nested",), "input"),
+}
+
+
+@pytest.mark.parametrize("case", list(RESPONSES_CASES))
+def test_malformed_responses_body_in_process_and_over_http(worker, gateway_url, case):
+    make, status, words, param = RESPONSES_CASES[case]
+    route, body = make()
+    in_process = job_error({"openai_route": route, "openai_input": body})
+    assert_error(in_process, status, words, param)
+    response = http(gateway_url, "POST", "/openai" + route, json.dumps(body).encode())
+    assert http_error(response, status, words, param) == in_process["error"]
+    assert_worker_serves()
+    assert_gateway_serves(gateway_url)
+
+
+RESPONSES_WRONG = {
+    "model": 5, "input": 5, "instructions": 5, "previous_response_id": 5, "store": "maybe", "stream": "maybe",
+    "stream_options": "x", "max_output_tokens": "many", "temperature": "hot", "top_p": "most",
+    "top_logprobs": "five", "include": "logprobs", "tools": "x", "tool_choice": 5, "parallel_tool_calls": "maybe",
+    "text": "json", "reasoning": "deep", "metadata": "x", "user": 5, "truncation": 5, "background": "maybe",
+    "max_tool_calls": "many", "top_k": "some", "min_p": "low", "repetition_penalty": "high",
+    "presence_penalty": "high", "frequency_penalty": "high", "seed": "random", "stop": 5, "stop_token_ids": "2",
+    "min_tokens": "few", "ignore_eos": "maybe", "include_stop_str_in_output": "maybe",
+    "skip_special_tokens": "maybe", "logit_bias": [5], "structured_outputs": "json", "chat_template_kwargs": "x",
+}
+
+
+def test_every_responses_field_has_a_wrong_type_case():
+    from openai_compat.responses.protocol import ResponsesRequest
+
+    assert set(RESPONSES_WRONG) == set(ResponsesRequest.model_fields)
+
+
+@pytest.mark.parametrize("field", list(RESPONSES_WRONG))
+def test_wrong_type_for_every_responses_field(worker, gateway_url, field):
+    body = {**respond()[1], field: RESPONSES_WRONG[field]}
+    in_process = job_error({"openai_route": RESPONSES, "openai_input": body})
+    assert_error(in_process, 400, (field,), field)
+    response = http(gateway_url, "POST", "/openai" + RESPONSES, json.dumps(body).encode())
+    assert http_error(response, 400, (field,), field) == in_process["error"]
+    assert_worker_serves()
+
+
+@pytest.mark.parametrize("route, status, words", [
+    ("/v1/responses/", 404, ("unknown openai_route",)),
+    ("/v1/responses/resp_1/input_items", 404, ("unknown openai_route",)),
+    ("/v1/responses/resp_%00", 404, ("resp_%00", "stored on this worker")),
+    ("/openai/v1/responses/" + "x" * 5000, 404, ("stored on this worker",)),
+])
+def test_malformed_response_ids_in_process(worker, route, status, words):
+    assert_error(job_error({"openai_route": route}), status, words)
+    assert_worker_serves()
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("POST", "/openai/v1/responses/resp_1", 404), ("GET", "/openai/v1/responses", 404),
+    ("DELETE", "/v1/responses/resp_1", 404), ("GET", "/openai/v1/responses/resp_1/input_items", 404),
+    ("GET", "/openai/v1/responses/%ff%fe", 404),
+])
+def test_responses_routes_refuse_other_methods_and_paths(gateway_url, method, path, status):
+    http_error(http(gateway_url, method, path, b"{}" if method == "POST" else None), status, ())
+    assert_gateway_serves(gateway_url)
+
+
 # ---------------------------------------------------------------- extremes that are valid must still work
 
 def test_valid_extremes_are_served_not_refused(worker, gateway_url):

@@ -13,6 +13,7 @@ VLLM_ROUTES = [
     ("POST", "/openai/v1/chat/completions", "/v1/chat/completions"),
     ("POST", "/v1/chat/completions", "/v1/chat/completions"),
     ("POST", "/openai/v1/completions", "/v1/completions"),
+    ("POST", "/openai/v1/responses", "/v1/responses"),
     ("GET", "/openai/v1/models", "/v1/models"),
     ("GET", "/v1/models", "/v1/models"),
     ("POST", "/openai/v1/embeddings", "/v1/embeddings"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from engine import SamplingParams, TokenLogprob
+from engine import RequestOutput, SamplingParams, TokenLogprob
 
 from ..chat_output import ChatOutputParser, MessageDelta, ParsedMessage
 from ..protocol import ChatTokenLogprob
@@ -60,6 +60,7 @@ class ChatGeneration:
         self.plan = plan
         self.completion_tokens = 0  # generated so far, over all choices
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when the request asked for them
+        self.cached_prompt_tokens = 0  # prompt tokens the prefix cache served (known once the run ends)
 
     @property
     def n(self) -> int:
@@ -73,6 +74,10 @@ class ChatGeneration:
     def _logprobs(self, entries: list[TokenLogprob]) -> list[ChatTokenLogprob]:
         return self.serving.token_logprobs(entries, self.params.logprobs, self.request.return_tokens_as_token_ids)
 
+    def _metrics(self, output: RequestOutput) -> None:
+        if output.metrics is not None:
+            self.cached_prompt_tokens = output.metrics.cached_prompt_tokens
+
     async def results(self) -> list[ChoiceResult]:
         """Run to the end; each choice's reply, in index order."""
         choices: dict[int, Choice] = {}
@@ -80,6 +85,7 @@ class ChatGeneration:
             accumulate(choices, output)
             if output.prompt_logprobs is not None:
                 self.prompt_logprobs = output.prompt_logprobs
+            self._metrics(output)
         results = []
         for index in sorted(choices):
             c = choices[index]
@@ -96,6 +102,7 @@ class ChatGeneration:
         skipped). `completion_tokens` counts the tokens generated up to the yielded step."""
         parsers: dict[int, ChatOutputParser] = {}
         async for output in self.serving.run(self.request_id, self.prompt, self.params):
+            self._metrics(output)
             step = []
             for delta in output.deltas:
                 self.completion_tokens += len(delta.token_ids)
