@@ -137,7 +137,7 @@ async def job_stream(chunks: AsyncIterator[BaseModel], size: BatchSize, raw: boo
     event. Typed events (`events`, or an EventStream) are named by their type and end without `[DONE]`; an error
     in Anthropic's dialect is its `error` event."""
     typed = isinstance(chunks, EventStream)
-    named = events or typed
+    named = events or typed or dialect == "anthropic"  # Anthropic's streams are always typed events
     count = chunks.counts if typed else carries_tokens
     started = False
     try:
