@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from engine import AsyncEngine, GenerationError, RequestOutput, SamplingParams, TokenLogprob
-from engine.sampling.structured import AnswerGate, GrammarSpec
+from engine.sampling.structured import AnswerGate, GrammarFailure, GrammarSpec
 from engine.sources.redaction import redact
 
 from .config import ServingConfig
@@ -229,6 +229,10 @@ class OpenAIServing:
                         log.debug("request=%s outputs=%r", request_id, [outputs[i] for i in sorted(outputs)])
                 yield output
         except GenerationError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, GrammarFailure) and cause.too_complex:
+                raise OpenAIError(f"the output constraint cannot be followed: {cause}. The grammar engine gave up "
+                                  f"on it; a schema that recurses without a way to end does this") from exc
             raise OpenAIError(f"generation failed: {exc}", status=500) from exc
 
     def run_prompts(self, request_id: str, prompts: list[Prompt], params: list[SamplingParams]

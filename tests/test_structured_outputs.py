@@ -348,3 +348,16 @@ def test_strict_tools_under_auto_tool_choice_are_enforced(parsing_client):
     message = bad_request(lambda: chat(parsing_client, FEW_SHOT, tools=[STRICT_WEATHER_TOOL], max_tokens=5,
                                        extra_body={"guided_regex": "a+"}), "guided_regex")
     assert "strict tools" in message
+
+
+def test_a_tool_schema_that_recurses_without_end_is_a_400_that_says_so(client):
+    """A required property that refers to itself admits no finite value: the grammar engine gives up at the first
+    tokens. That is the request's doing, so a short 400 instead of a 500 carrying the parser's state dump."""
+    endless = {"type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"],
+               "$defs": {"n": {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}, "required": ["n"]}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": endless}}
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, WEATHER_Q, tools=[tool], tool_choice="required")
+    message = info.value.response.json()["error"]["message"]
+    assert "cannot be followed" in message and "<state>" not in message and len(message) < 600
+    assert chat(client, WEATHER_Q, tools=[WEATHER_TOOL], tool_choice="required").choices[0].message.tool_calls

@@ -27,6 +27,15 @@ class GrammarError(ValueError):
     """The constraint is malformed, or uses a feature that cannot be enforced; the message names it."""
 
 
+class GrammarFailure(RuntimeError):
+    """A grammar failed while a request generated under it. `too_complex`: the grammar engine gave up on it (a
+    schema that recurses without end, say), which is the request's doing rather than the worker's."""
+
+    def __init__(self, message: str, too_complex: bool):
+        super().__init__(message)
+        self.too_complex = too_complex
+
+
 @dataclass(frozen=True)
 class AnswerGate:
     """For reasoning models: the constraint applies to the answer, not the thinking. The answer starts after
@@ -97,7 +106,10 @@ class GrammarMatcher:
         if self._error is None and self._matcher.is_error():
             self._error = self._matcher.get_error()
         if self._error is not None:
-            raise RuntimeError(f"structured output failed: {self._error}")
+            # The library's message ends in dumps of its parser state and the grammar: the first part says it.
+            reason = _one_line(self._error.split("<state>")[0])
+            raise GrammarFailure(f"structured output failed: {reason}",
+                                 too_complex="ParserTooComplex" in self._error or "Too many items" in self._error)
 
 
 def _bit(index: int) -> int:
