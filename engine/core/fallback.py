@@ -19,7 +19,7 @@ import torch
 from engine.core.interface import EngineDeadError, GenerationLoop, is_fatal
 from engine.core.output_processor import OutputProcessor
 from engine.sampling.sampler import Sampler, SamplingParams
-from engine.core.sequence import Sequence, SequenceGroup, Status
+from engine.core.sequence import Sequence, SequenceGroup, Status, enqueue
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
@@ -126,11 +126,7 @@ class FallbackEngine(GenerationLoop):
         except Exception as exc:  # noqa: BLE001
             self._fail_group(group, exc)
             return
-        # By priority (lowest value first), then arrival, as the paged scheduler admits.
-        at = len(self._waiting)
-        while at > 0 and self._waiting[at - 1].params.priority > group.params.priority:
-            at -= 1
-        self._waiting.insert(at, group)
+        enqueue(self._waiting, group)  # by priority, then arrival, as the paged scheduler admits
 
     def _admit(self) -> None:
         while self._waiting and self.num_running + self._waiting[0].params.num_sequences <= self.max_num_seqs:

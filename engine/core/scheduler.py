@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.core.block_manager import BLOCK_SIZE, BlockManager, blocks_for, chain_key, prefix_root
-from engine.core.sequence import Sequence, SequenceGroup, Status
+from engine.core.sequence import Sequence, SequenceGroup, Status, enqueue
 from engine.executor.state_cache import RecurrentStates
 
 
@@ -68,16 +68,7 @@ class Scheduler:
         return None
 
     def add(self, group: SequenceGroup) -> None:
-        self._enqueue(group)
-
-    def _enqueue(self, group: SequenceGroup) -> None:
-        """Into the waiting queue by priority (lowest value first), then arrival: with every priority equal, a new
-        request goes last and a preempted one (older than everything waiting) first."""
-        key = _waiting_key(group)
-        at = len(self.waiting)
-        while at > 0 and _waiting_key(self.waiting[at - 1]) > key:
-            at -= 1
-        self.waiting.insert(at, group)
+        enqueue(self.waiting, group)
 
     def remove(self, group: SequenceGroup) -> None:
         """A request leaves (finished, aborted or failed): out of the queue, its blocks freed."""
@@ -191,7 +182,7 @@ class Scheduler:
             group.prompt_logprobs = None  # collected again when the prompt is recomputed
         group.metrics.preemptions += 1
         self.preemptions += 1
-        self._enqueue(group)
+        enqueue(self.waiting, group)
 
     def _victim(self) -> SequenceGroup:
         """The running request that gives way: the highest priority value, the latest admitted among equals."""
@@ -280,7 +271,3 @@ class Scheduler:
             previous = chain_key(previous, tokens)
             seq.block_keys.append(previous)
             self.blocks.register(seq.blocks[index], previous, tokens)
-
-
-def _waiting_key(group: SequenceGroup) -> tuple[int, float]:
-    return group.params.priority, group.metrics.arrival

@@ -129,3 +129,14 @@ class SequenceGroup:
     @property
     def all_finished(self) -> bool:
         return all(s.finished for s in self.seqs)
+
+
+def enqueue(waiting, group: SequenceGroup) -> None:
+    """Put `group` in a waiting queue (a deque or list) by priority (lowest value first), then arrival: with
+    every priority equal, a new request goes last and a preempted one (older than everything waiting) first.
+    Both loops admit from the front."""
+    key = (group.params.priority, group.metrics.arrival)
+    at = len(waiting)
+    while at > 0 and (waiting[at - 1].params.priority, waiting[at - 1].metrics.arrival) > key:
+        at -= 1
+    waiting.insert(at, group)
