@@ -126,16 +126,13 @@ class BeamSearch:
             blocked = [t for t in self._stop_tokens(params) if t < self.vocab_size]
             if blocked:
                 logp[:, torch.tensor(blocked, device=logp.device)] = float("-inf")
-        if params.allowed_token_ids is not None:
-            allowed = torch.zeros(logp.shape[1], dtype=torch.bool, device=logp.device)
-            ids = [t for t in params.allowed_token_ids if 0 <= t < logp.shape[1]]
-            if ids:
-                allowed[torch.tensor(ids, device=logp.device)] = True
-            logp[:, ~allowed] = float("-inf")
+        banned = running[0].sampling.banned  # outside allowed_token_ids (built once, with the sequence)
+        if banned is not None:
+            logp.masked_fill_(banned, float("-inf"))
         prompt_len = len(running[0].group.prompt_ids)
         for i, seq in enumerate(running):
             out = seq.tokens[prompt_len:]
-            ends = bad_word_ends([w for w in params.bad_words_ids if w and w[-1] < logp.shape[1]], out)
+            ends = bad_word_ends(seq.sampling.bad_words, out)
             if ends:
                 logp[i, torch.tensor(ends, device=logp.device)] = float("-inf")
             if params.repetition_penalty != 1.0:
