@@ -63,15 +63,20 @@ def start_gateway(env: dict | None = None, extra_args: tuple = (), log: list | N
     raise RuntimeError("gateway did not start:\n" + "".join(lines[-40:]))
 
 
-@pytest.fixture(scope="session")
-def gateway_url():
-    process, url = start_gateway()
-    yield url
+def stop_gateway(process: subprocess.Popen) -> None:
+    """Stop a gateway from start_gateway: SIGTERM (it drains), killed if it has not exited within 20 s."""
     process.terminate()
     try:
         process.wait(timeout=20)
     except subprocess.TimeoutExpired:
         process.kill()
+
+
+@pytest.fixture(scope="session")
+def gateway_url():
+    process, url = start_gateway()
+    yield url
+    stop_gateway(process)
 
 
 @pytest.fixture(scope="session")

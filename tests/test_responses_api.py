@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 from typing import Annotated
 
 import httpx
@@ -21,7 +20,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import Field, TypeAdapter
 
 from api_helpers import bad_request, error_of
-from conftest import MODEL, run_job, start_gateway
+from conftest import MODEL, run_job, start_gateway, stop_gateway
 
 QUESTION = "What is the capital of France?"
 SYSTEM = "You are a helpful assistant. Answer in one sentence."
@@ -408,11 +407,7 @@ def parsing_url():
     process, url = start_gateway({"TOOL_CALL_PARSER": "hermes", "REASONING_PARSER": "qwen3",
                                   "CUSTOM_CHAT_TEMPLATE": EFFORT_TEMPLATE})
     yield url
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    stop_gateway(process)
 
 
 THINKING = {"structured_outputs": {"regex": r"<think>[a-z ]{1,12}</think>\nParis"}}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -16,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from conftest import MODEL, start_gateway
+from conftest import MODEL, start_gateway, stop_gateway
 
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 
@@ -272,11 +271,7 @@ def parsing_client():
     serving Qwen3; the embedded model is made to write those formats with a grammar."""
     process, url = start_gateway({"TOOL_CALL_PARSER": "hermes", "REASONING_PARSER": "qwen3"})
     yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    stop_gateway(process)
 
 
 HERMES_OUTPUT = (r'<think>[a-z ]{1,12}</think>\n<tool_call>\n\{"name": "get_weather", "arguments": '
