@@ -1,11 +1,13 @@
-"""Speculative decoding: output tokens per second at 1 and 8 streams, without speculation, with n-gram prompt
-lookup, and with a draft model (by default the embedded model drafting for itself, a correctness check that
-shows the draft's cost), on an echo-heavy task (repeat / lightly edit a given paragraph), greedy.
+"""Speculative decoding: output tokens per second at 1, 8, 16 and 32 streams, without speculation, with n-gram
+prompt lookup, and with a draft model (by default the embedded model drafting for itself, a correctness check that
+shows the draft's cost), on an echo-heavy task (repeat / lightly edit a given paragraph), greedy. Each proposer
+runs adaptive (the default: engine/core/speculation_control.py) and fixed (`-fixed`: every step speculates).
 
-    .venv/bin/python bench/speculative.py [--streams 1,8] [--max-tokens 48] [--k 4] [--draft MODEL]
-                                          [--modes plain,ngram,draft]
+    .venv/bin/python bench/speculative.py [--streams 1,8,16,32] [--max-tokens 48] [--k 4] [--draft MODEL]
+                                          [--modes plain,ngram,ngram-fixed,draft,draft-fixed]
+                                          [--rounds 3]
 
-Runs the engine in this process (no gateway), one configuration at a time; prints a table (tok/s, ratio to
+Runs the engines in this process (no gateway), taking turns; prints a table (tok/s, ratio to
 plain, acceptance = kept / proposed draft tokens) and one JSON line. Each configuration takes well under a
 minute on a small CPU.
 """
@@ -16,6 +18,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -54,11 +57,12 @@ async def run_level(engine, streams: int, max_tokens: int) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--streams", default="1,8")
+    parser.add_argument("--streams", default="1,8,16,32")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--draft", default=None, help="draft model source (default: the served model itself)")
-    parser.add_argument("--modes", default="plain,ngram,draft")
+    parser.add_argument("--modes", default="plain,ngram,ngram-fixed,draft,draft-fixed")
     args = parser.parse_args()
     os.environ.setdefault("DTYPE", "float32")
 
@@ -74,35 +78,57 @@ def main() -> None:
                   "prompt_lookup_min": 2},
         "draft": {"model": args.draft or str(model_folder(base)), "num_speculative_tokens": args.k},
     }
+    # The same proposers with the load switch and draft lengths off: every step speculates, k guesses each.
+    specs["ngram-fixed"] = {**specs["ngram"], "adaptive": False}
+    specs["draft-fixed"] = {**specs["draft"], "adaptive": False}
     levels = [int(x) for x in args.streams.split(",")]
-    rows = []
-    for mode in args.modes.split(","):
+    modes = args.modes.split(",")
+    engines = {}
+    for mode in modes:
         spec = specs[mode]
-        config = dataclasses.replace(base, speculative=SpeculativeConfig.parse(json.dumps(spec)) if spec else None)
-        engine = AsyncEngine(config)
+        engines[mode] = AsyncEngine(dataclasses.replace(
+            base, speculative=SpeculativeConfig.parse(json.dumps(spec)) if spec else None))
 
-        async def measure():
+    def counters(engine) -> tuple[int, int]:
+        stats = engine.stats()
+        return stats.get("speculative_proposed_tokens", 0), stats.get("speculative_accepted_tokens", 0)
+
+    async def measure() -> list[dict]:
+        for engine in engines.values():
             await engine.start()
             await run_level(engine, 1, 8)  # warm-up
-            before = engine.stats()
-            result = {level: await run_level(engine, level, args.max_tokens) for level in levels}
-            after = engine.stats()
-            proposed = after.get("speculative_proposed_tokens", 0) - before.get("speculative_proposed_tokens", 0)
-            accepted = after.get("speculative_accepted_tokens", 0) - before.get("speculative_accepted_tokens", 0)
-            return result, proposed, accepted
+        # Modes take turns at each level and each round, so a change in the machine's load falls on all of them;
+        # a level's figure is its median over the rounds.
+        rates: dict[tuple[str, int], list[float]] = {}
+        counts: dict[tuple[str, int], list[int]] = {}
+        for _ in range(args.rounds):
+            for level in levels:
+                for mode, engine in engines.items():
+                    before = counters(engine)
+                    rate, _tokens = await run_level(engine, level, args.max_tokens)
+                    after = counters(engine)
+                    rates.setdefault((mode, level), []).append(rate)
+                    proposed, accepted = counts.setdefault((mode, level), [0, 0])
+                    counts[(mode, level)] = [proposed + after[0] - before[0], accepted + after[1] - before[1]]
+        rows = []
+        for mode in engines:
+            for level in levels:
+                proposed, accepted = counts[(mode, level)]
+                rows.append({"mode": mode, "streams": level,
+                             "tok_s": round(statistics.median(rates[(mode, level)]), 1),
+                             "acceptance": round(accepted / proposed, 3) if proposed else None})
+                print(json.dumps(rows[-1]), flush=True)
+        return rows
 
-        result, proposed, accepted = asyncio.run(measure())
+    rows = asyncio.run(measure())
+    for engine in engines.values():
         engine.close()
-        for level, (rate, tokens) in result.items():
-            rows.append({"mode": mode, "streams": level, "tok_s": round(rate, 1), "tokens": tokens,
-                         "acceptance": round(accepted / proposed, 3) if proposed else None})
-            print(json.dumps(rows[-1]), flush=True)
     plain = {r["streams"]: r["tok_s"] for r in rows if r["mode"] == "plain"}
-    print(f"{'mode':<8}{'streams':>8}{'tok/s':>10}{'x plain':>9}{'accept':>8}")
+    print(f"{'mode':<13}{'streams':>8}{'tok/s':>10}{'x plain':>9}{'accept':>8}")
     for r in rows:
         ratio = r["tok_s"] / plain[r["streams"]] if r["streams"] in plain else float("nan")
         accept = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
-        print(f"{r['mode']:<8}{r['streams']:>8}{r['tok_s']:>10.1f}{ratio:>9.2f}{accept:>8}")
+        print(f"{r['mode']:<13}{r['streams']:>8}{r['tok_s']:>10.1f}{ratio:>9.2f}{accept:>8}")
     print(json.dumps({"bench": "speculative", "k": args.k, "max_tokens": args.max_tokens, "rows": rows}))
 
 

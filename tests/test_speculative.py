@@ -30,7 +30,9 @@ def _engine(worker, spec: str) -> AsyncEngine:
 
 @pytest.fixture(scope="module")
 def ngram_engine(worker):
-    engine = _engine(worker, '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    # Not adaptive: these tests check what speculation computes, so every step must speculate.
+    engine = _engine(worker, '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, '
+                             '"adaptive": false}')
     yield engine
     engine.close()
 
@@ -38,7 +40,7 @@ def ngram_engine(worker):
 @pytest.fixture(scope="module")
 def draft_engine(worker):
     # The embedded model drafting for itself: every draft should be kept (up to float noise).
-    engine = _engine(worker, '{"model": "MODEL", "num_speculative_tokens": 3}')
+    engine = _engine(worker, '{"model": "MODEL", "num_speculative_tokens": 3, "adaptive": false}')
     yield engine
     engine.close()
 
@@ -130,3 +132,79 @@ def test_assistant_controls_need_speculation(client):
                                                      "assistant_confidence_threshold": 0.5}),
                 "assistant_confidence_threshold")
     bad_request(lambda: complete(client, extra_body={"num_assistant_tokens": 0}), "num_assistant_tokens")
+
+
+def test_speculation_switches_are_validated_and_default_to_adaptive(monkeypatch):
+    from worker.settings import SettingsError, load_settings
+    for bad in ('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}',
+                '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": true}',
+                '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": "yes"}'):
+        monkeypatch.setenv("SPECULATIVE_CONFIG", bad)
+        with pytest.raises(SettingsError, match="disable_by_batch_size|adaptive"):
+            load_settings()
+    monkeypatch.setenv("SPECULATIVE_CONFIG", '{"method": "ngram", "num_speculative_tokens": 4}')
+    spec = load_settings().engine_config().speculative
+    assert (spec.adaptive, spec.disable_by_batch_size) == (True, None)
+
+
+def _drive(switch, batch: int, steps: int, spec_cost: float, plain_cost: float) -> int:
+    """Run `steps` decode-only steps of `batch` sequences whose time per token is `spec_cost` when they speculate
+    and `plain_cost` when not; returns how many speculated."""
+    speculated = 0
+    for _ in range(steps):
+        chosen = switch.choose(batch)
+        speculated += chosen
+        switch.record(batch, chosen, (spec_cost if chosen else plain_cost) * batch, batch)
+    return speculated
+
+
+def test_load_switch_keeps_the_faster_mode_and_rarely_retries_the_slower():
+    from engine.core.speculation_control import LoadSwitch
+    switch = LoadSwitch()
+    # One stream: speculating is 1.3x faster; it is kept for nearly every step.
+    assert _drive(switch, 1, 400, spec_cost=1.0, plain_cost=1.3) >= 392
+    # Eight streams: speculating is 0.68x; after the first trials it runs on few steps (a retry now and then).
+    assert _drive(switch, 8, 400, spec_cost=1.47, plain_cost=1.0) <= 6
+    # Sixteen streams, never seen: borrows eight's verdict instead of trying speculation first.
+    assert _drive(switch, 16, 15, spec_cost=1.47, plain_cost=1.0) == 0
+    # The machine changes (another load goes away): retries notice and the verdict turns.
+    _drive(switch, 8, 600, spec_cost=0.5, plain_cost=1.0)
+    assert _drive(switch, 8, 100, spec_cost=0.5, plain_cost=1.0) >= 95
+    # vLLM's switch wins over measurements; without adaptation every step below it speculates.
+    fixed = LoadSwitch(disable_by_batch_size=4, adaptive=False)
+    assert _drive(fixed, 3, 50, spec_cost=9.0, plain_cost=1.0) == 50
+    assert _drive(fixed, 4, 50, spec_cost=0.1, plain_cost=1.0) == 0
+
+
+def test_draft_length_follows_each_sequences_acceptance():
+    from engine.core.speculation_control import DraftLength
+    lengths = DraftLength()
+    for _ in range(30):  # sequence 1: every guess kept; sequence 2: every guess rejected
+        lengths.verified(1, lengths.length(1, 4) or 1, lengths.length(1, 4) or 1)
+        k = lengths.length(2, 4)
+        if k:
+            lengths.verified(2, k, 0)
+    assert lengths.length(1, 4) == 4
+    tried = [lengths.length(2, 4) for _ in range(16)]
+    assert tried.count(0) >= 14 and 1 in tried  # stopped guessing, but still probes now and then
+    lengths.forget_except({2})
+    assert lengths.length(1, 4) == 2  # a new sequence starts from even odds: guesses kept 1/2, 1/4 > 0.2
+
+
+def test_speculating_engine_switches_modes_and_keeps_greedy_output(worker):
+    prompt = chat_ids(worker.engine, ECHO[0])
+    plain = asyncio.run(generate(worker.engine, "plain-adaptive", prompt, greedy(32)))["choices"][0]["ids"]
+    adaptive = _engine(worker, '{"method": "ngram", "num_speculative_tokens": 4}')
+    never = _engine(worker, '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 1}')
+    try:
+        got = asyncio.run(generate(adaptive, "adaptive", prompt, greedy(32)))["choices"][0]
+        assert_same_greedy(got, plain)
+        stats = adaptive.engine.stats()
+        assert stats["speculative_proposed_tokens"] > 0 and stats["speculative_plain_steps"] > 0  # tried both
+        got = asyncio.run(generate(never, "never", prompt, greedy(32)))["choices"][0]
+        assert_same_greedy(got, plain)
+        stats = never.engine.stats()
+        assert stats["speculative_proposed_tokens"] == 0 and stats["speculative_plain_steps"] >= 31
+    finally:
+        adaptive.close()
+        never.close()

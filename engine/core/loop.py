@@ -117,7 +117,8 @@ class Engine(GenerationLoop):
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             **({"speculative_proposed_tokens": self.speculator.stats.proposed,
-                "speculative_accepted_tokens": self.speculator.stats.accepted} if self.speculator else {}),
+                "speculative_accepted_tokens": self.speculator.stats.accepted,
+                "speculative_plain_steps": self.speculator.switch.switched_off_steps} if self.speculator else {}),
         }
 
     # ---- the loop ----
@@ -171,8 +172,9 @@ class Engine(GenerationLoop):
 
     def _step(self) -> None:
         self.steps += 1
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, self.max_model_len)
+        started, generated = time.perf_counter(), self.generation_tokens_total
+        speculated = self.speculator is not None and \
+            self.speculator.propose(self.scheduler.running, self.max_model_len, bool(self.scheduler.waiting))
         plan = self.scheduler.schedule()
         if plan.empty:
             return
@@ -181,6 +183,10 @@ class Engine(GenerationLoop):
             self._zeroed_blocks = self.blocks.high_water
         for part, logits in self._guarded_execute(plan):
             self._process(part, logits)
+        if self.speculator is not None and not plan.prefills:
+            # Decode-only steps teach the load switch what a generated token costs with and without guesses.
+            self.speculator.timed(speculated, time.perf_counter() - started,
+                                  self.generation_tokens_total - generated)
         for group, output in self.outputs.take_outputs():
             if output.finished:  # out of the engine before the caller can see the end
                 self._finish_group(group)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.speculation_control import DraftLength, LoadSwitch
+
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -32,6 +34,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     model: str | None = None  # the draft model: any source MODEL_NAME takes
     revision: str | None = None
+    # vLLM's switch: no speculation while this many sequences or more decode. Ours, `adaptive` (on by default),
+    # measures where speculation pays instead (engine/core/speculation_control.py).
+    disable_by_batch_size: int | None = None
+    adaptive: bool = True
 
     @staticmethod
     def parse(text: str) -> "SpeculativeConfig":
@@ -43,7 +49,7 @@ class SpeculativeConfig:
         if not isinstance(data, dict):
             raise ValueError("must be a JSON object such as {\"method\": \"ngram\", \"num_speculative_tokens\": 4}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-                 "revision"}
+                 "revision", "disable_by_batch_size", "adaptive"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unsupported key(s) {', '.join(unknown)}; supported: {', '.join(sorted(known))}")
@@ -78,7 +84,13 @@ class SpeculativeConfig:
         revision = data.get("revision")
         if revision is not None and not isinstance(revision, str):
             raise ValueError("revision must be a string")
-        return SpeculativeConfig(method, k, lookup_max, lookup_min, model, revision)
+        disable = data.get("disable_by_batch_size")
+        if disable is not None and (isinstance(disable, bool) or not isinstance(disable, int) or disable < 1):
+            raise ValueError(f"disable_by_batch_size must be a positive integer, got {disable!r}")
+        adaptive = data.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {adaptive!r}")
+        return SpeculativeConfig(method, k, lookup_max, lookup_min, model, revision, disable, adaptive)
 
 
 class NgramProposer:
@@ -173,27 +185,50 @@ class Speculator:
         self.proposer = DraftModelProposer(draft_model, device) if config.method == "draft_model" \
             else NgramProposer(config)
         self.stats = SpeculativeStats()
+        self.switch = LoadSwitch(config.disable_by_batch_size, config.adaptive)
+        self.lengths = DraftLength()
         self._seen: set[int] = set()
+        self._batch = 0
 
-    def propose(self, groups, max_model_len: int) -> None:
-        """Set `proposal` on every decoding sequence that speculates this step (others get none)."""
-        seqs, ks, thresholds = [], [], []
-        live = set()
+    def timed(self, speculated: bool, seconds: float, tokens: int) -> None:
+        """The last step's wall time (drafting included) and tokens generated, for the load switch; the caller
+        reports decode-only steps (a prompt chunk's cost says nothing of speculation's)."""
+        self.switch.record(self._batch, speculated, seconds, tokens)
+
+    def propose(self, groups, max_model_len: int, prompts_waiting: bool = False) -> bool:
+        """Set `proposal` on every decoding sequence that speculates this step (others get none); returns whether
+        the step speculates at all (the load switch's choice)."""
+        decoding, prefilling = [], False
         for group in groups:
-            params = group.params
             for seq in group.seqs:
                 seq.proposal, seq.proposal_at = [], -1
-                # Beams are scored together, and a grammar masks one token at a time: neither speculates.
-                if params.beam_search or params.grammar is not None or seq.status.name != "DECODING":
-                    continue
-                live.add(id(seq))
-                k = params.num_assistant_tokens or self.config.num_speculative_tokens
-                # Never past max_tokens (the verified chunk adds one token of its own) or the context.
-                k = min(k, params.max_tokens - seq.num_generated - 1, max_model_len - len(seq.tokens))
-                if k > 0:
-                    seqs.append(seq)
-                    ks.append(k)
-                    thresholds.append(params.assistant_confidence_threshold)
+                if seq.status.name == "DECODING":
+                    decoding.append(seq)
+                elif seq.status.name == "PREFILLING":
+                    prefilling = True
+        live = {id(seq) for seq in decoding}
+        self.lengths.forget_except(live)
+        self._batch = len(decoding)
+        if self.config.adaptive and (prefilling or prompts_waiting):
+            # A step with prompt chunks is compute-bound already, and guesses would take the chunks' budget.
+            return False
+        if not self.switch.choose(self._batch):
+            return False
+        seqs, ks, thresholds = [], [], []
+        for seq in decoding:
+            params = seq.group.params
+            # Beams are scored together, and a grammar masks one token at a time: neither speculates.
+            if params.beam_search or params.grammar is not None:
+                continue
+            k = params.num_assistant_tokens or self.config.num_speculative_tokens
+            # Never past max_tokens (the verified chunk adds one token of its own) or the context.
+            k = min(k, params.max_tokens - seq.num_generated - 1, max_model_len - len(seq.tokens))
+            if k > 0 and self.config.adaptive:
+                k = self.lengths.length(id(seq), k)
+            if k > 0:
+                seqs.append(seq)
+                ks.append(k)
+                thresholds.append(params.assistant_confidence_threshold)
         if isinstance(self.proposer, DraftModelProposer):
             for gone in self._seen - live:
                 self.proposer.forget(gone)
@@ -203,6 +238,7 @@ class Speculator:
             proposals = self.proposer.propose(seqs, ks)
         for seq, proposal in zip(seqs, proposals):
             seq.proposal, seq.proposal_at = proposal, len(seq.tokens)
+        return True
 
     def verify(self, seq, proposal: list[int], logits: torch.Tensor, sampler):
         """Yield (token, logprob) for the tokens the target model keeps: each agreeing guess, then one token of
@@ -234,6 +270,8 @@ class Speculator:
                     logprob = sampler.logprobs_of(logits[i:i + 1], torch.tensor([token], device=logits.device),
                                                   [params.logprobs or 0])[0]
             self.stats.accepted += token == guess
+            if token != guess and proposal:
+                self.lengths.verified(id(seq), len(proposal), i)
             yield token, logprob
             if token != guess:
                 break
