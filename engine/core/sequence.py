@@ -115,6 +115,7 @@ class SequenceGroup:
     # The submitter's context (made on its thread): log lines about the request carry its job id.
     context: contextvars.Context = field(default_factory=contextvars.copy_context)
     beam: object | None = None  # beam_search.BeamState of a beam-search request
+    images: object | None = None  # engine.vision.ImageInputs of a prompt with images (vision-language models)
 
     @property
     def holds_output(self) -> bool:
