@@ -1,6 +1,8 @@
 """Tiny random vision-language models built from transformers' config classes, each saved with a processor
 assembled from the embedded model's tokenizer (its image tokens added as special tokens), the family's image
 processor at a small size (the PIL backend: no torchvision), and a chat template that places the image tokens.
+Qwen2-VL's and Pixtral's (Mistral 3) processors need torchvision in transformers 5.23, which this CPU install
+does not have, so they are not built here.
 Random weights say gibberish, but deterministically under greedy."""
 from __future__ import annotations
 
@@ -75,20 +77,6 @@ def _idefics3(tokenizer_folder):
     return transformers.Idefics3ForConditionalGeneration(config), processor
 
 
-def _mistral3(tokenizer_folder):
-    tok = _tokenizer(tokenizer_folder, ["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
-    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                              num_attention_heads=2, head_dim=16, image_size=56, patch_size=14)
-    config = transformers.Mistral3Config(vision_config=vision, text_config=transformers.MistralConfig(
-        vocab_size=_vocab(tok), **_TEXT), image_token_id=tok.convert_tokens_to_ids("[IMG]"),
-        spatial_merge_size=2, vision_feature_layer=-1)
-    images = transformers.PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=14, **_MEAN)
-    processor = transformers.PixtralProcessor(images, tok, patch_size=14, spatial_merge_size=2, image_token="[IMG]",
-                                              image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]",
-                                              chat_template=TEMPLATE.replace("IMAGE", "'[IMG]'"))
-    return transformers.Mistral3ForConditionalGeneration(config), processor
-
-
 def _gemma3(tokenizer_folder):
     names = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_folder, extra_special_tokens=names)
@@ -119,8 +107,7 @@ def _paligemma(tokenizer_folder):
     return transformers.PaliGemmaForConditionalGeneration(config), processor
 
 
-FAMILIES = {"llava": _llava, "llava_next": _llava_next, "idefics3": _idefics3, "mistral3": _mistral3,
-            "gemma3": _gemma3, "paligemma": _paligemma}
+FAMILIES = {"llava": _llava, "llava_next": _llava_next, "idefics3": _idefics3, "gemma3": _gemma3, "paligemma": _paligemma}
 
 
 def build(family: str, tokenizer_folder: Path, folder: Path) -> Path:

@@ -22,6 +22,11 @@ def is_vision_config(model_config) -> bool:
             and getattr(model_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
+class ImagePlacementError(ValueError):
+    """The rendered prompt's image placeholders and the request's images do not pair up (a template that drops
+    images, or text that spells an image token)."""
+
+
 @dataclass
 class ImageInputs:
     """What the engine needs besides the prompt's token ids to run a prompt with images: the model's extra
@@ -50,13 +55,19 @@ class VisionProcessor:
         self.dtype = model_dtype
         self.chat_template = getattr(processor, "chat_template", None)
 
-    def prepare(self, text: str, images: list) -> tuple[list[int], ImageInputs | None]:
+    def prepare(self, text: str, images: list, add_special_tokens: bool = False
+                ) -> tuple[list[int], ImageInputs | None]:
         """The token ids of `text` (already rendered by the chat template, one placeholder per image) with the
         image tokens expanded, and the images' model inputs."""
         if not images:
-            encoded = self.hf.tokenizer(text, add_special_tokens=False)
+            encoded = self.hf.tokenizer(text, add_special_tokens=add_special_tokens)
             return list(encoded["input_ids"]), None
-        encoded = self.hf(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
+        try:
+            encoded = self.hf(text=[text], images=[images], return_tensors="pt",
+                              add_special_tokens=add_special_tokens)
+        except (ValueError, IndexError) as exc:  # placeholders and images do not pair up
+            raise ImagePlacementError(f"the images do not fit the rendered prompt: {' '.join(str(exc).split())}"
+                                      ) from exc
         ids = encoded["input_ids"][0].tolist()
         tensors = {k: v for k, v in encoded.items() if k not in _NOT_MODEL_INPUTS and isinstance(v, torch.Tensor)}
         tensors = {k: (v.to(self.dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
