@@ -181,7 +181,7 @@ def load(config: EngineConfig) -> LoadedModel:
         task = model_task(model_config)
         vision = None
         if task == "generate" and is_vision_config(model_config):
-            model, vision, fallback_reason = _vision_model(folder, config, dtype, placement)
+            model, vision, fallback_reason = _vision_model(folder, model_config, config, dtype, placement)
             hf_tokenizer = vision.hf.tokenizer
         elif task == "generate":
             fallback_reason = _fallback_reason(model_config)
@@ -239,13 +239,19 @@ def load(config: EngineConfig) -> LoadedModel:
                        task, pooling, fallback_reason, platform, verdicts, invariant, vision)
 
 
-def _vision_model(folder: Path, config: EngineConfig, dtype: torch.dtype, placement: dict):
+_CROSS_ATTENTION_VISION = ("mllama",)
+
+
+def _vision_model(folder: Path, model_config, config: EngineConfig, dtype: torch.dtype, placement: dict):
     """A vision-language model, its processor, and why it runs on the fallback loop. The loop runs the whole
     model's forward (vision tower, projector and text decoder, with the family's own position handling such as
     multimodal rotary positions) on a prompt with images, then decodes with transformers' cache; the worker's
     CPU rewrites (fused linears, native kernels) target plain decoders and are not applied."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    if getattr(model_config, "model_type", None) in _CROSS_ATTENTION_VISION:
+        raise ModelLoadError("cross-attention vision models (mllama) are not supported: their image masks must be "
+                             "carried into every decode step, which the fallback loop does not do")
     if config.tokenizer:
         raise ModelLoadError("TOKENIZER_NAME cannot replace a vision-language model's tokenizer: its processor "
                              "places the image tokens with its own")
