@@ -141,6 +141,9 @@ class AsyncEngine:
                 except (AttributeError, NotImplementedError, TypeError, PagedPathUnsupported) as exc:
                     # The model calls cache methods the paged cache does not have (recurrent or conv state), or
                     # keeps its state elsewhere (a cache of its own, as Mamba does).
+                    if model.vision is not None:  # the fallback loop would need the whole model, not its decoder
+                        raise RuntimeError(f"the vision-language model's decoder cannot run on the paged engine: "
+                                           f"{exc}") from exc
                     model.fallback_reason = f"the paged engine cannot run it ({exc})"
                     _use_own_attention(model.model)
             if model.task == "generate" and model.fallback_reason is not None:

@@ -18,6 +18,7 @@ from engine.sources.gguf import local_folder
 from engine.config import EngineConfig
 from engine.core.pooling import PoolingConfig, Task, pooling_config
 from engine.tokenizer import Tokenizer
+from engine.vision.encoder import ImageEncoder, paged_vision_refusal, text_view
 from engine.vision.processor import VisionProcessor, is_vision_config
 
 log = logging.getLogger("engine.loader")
@@ -181,7 +182,7 @@ def load(config: EngineConfig) -> LoadedModel:
         task = model_task(model_config)
         vision = None
         if task == "generate" and is_vision_config(model_config):
-            model, vision, fallback_reason = _vision_model(folder, model_config, config, dtype, placement)
+            model, vision, fallback_reason = _vision_model(folder, model_config, config, dtype, placement, verdicts)
             hf_tokenizer = vision.hf.tokenizer
         elif task == "generate":
             fallback_reason = _fallback_reason(model_config)
@@ -242,11 +243,14 @@ def load(config: EngineConfig) -> LoadedModel:
 _CROSS_ATTENTION_VISION = ("mllama",)
 
 
-def _vision_model(folder: Path, model_config, config: EngineConfig, dtype: torch.dtype, placement: dict):
-    """A vision-language model, its processor, and why it runs on the fallback loop. The loop runs the whole
-    model's forward (vision tower, projector and text decoder, with the family's own position handling such as
-    multimodal rotary positions) on a prompt with images, then decodes with transformers' cache; the worker's
-    CPU rewrites (fused linears, native kernels) target plain decoders and are not applied."""
+def _vision_model(folder: Path, model_config, config: EngineConfig, dtype: torch.dtype, placement: dict,
+                  verdicts):
+    """A vision-language model as served, its processor, and why it runs on the fallback loop (None: the paged
+    engine runs its decoder, engine/vision/encoder.py). The fallback loop runs the whole model's forward (vision
+    tower, projector and text decoder, with the family's own position handling such as multimodal rotary
+    positions) on a prompt with images, then decodes with transformers' cache. A paged decoder gets its fused
+    projections (for the compact forward); the native kernels and weight layouts are not applied to
+    vision-language models."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     if getattr(model_config, "model_type", None) in _CROSS_ATTENTION_VISION:
@@ -260,8 +264,16 @@ def _vision_model(folder: Path, model_config, config: EngineConfig, dtype: torch
                                                         **placement)
     model.eval()
     model.requires_grad_(False)
-    return model, VisionProcessor(processor, dtype), ("a vision-language model (the whole model's forward runs "
-                                                      "on prompts with images)")
+    refusal = paged_vision_refusal(model_config)
+    if refusal is not None:
+        return model, VisionProcessor(processor, dtype), refusal
+    # The paged engine runs the decoder (with its attention); the vision tower keeps transformers' own.
+    view = text_view(model)
+    view.model.set_attn_implementation(attention.ATTENTION_IMPLEMENTATION)
+    windows.mark_windows(view)
+    fusion.apply(view, verdicts)  # fused projections, which the compact forward takes
+    encoder = ImageEncoder(model)
+    return view, VisionProcessor(processor, dtype, encoder), None
 
 
 def _fallback_reason(model_config) -> str | None:

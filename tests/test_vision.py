@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,6 +20,9 @@ import transformers
 from PIL import Image
 
 from api_helpers import Worker
+from engine.core.fallback import FallbackEngine
+from engine.core.loop import Engine
+from engine.vision.encoder import PAGED_FAMILIES
 from conftest import start_gateway, stop_gateway
 from vision_models import FAMILIES, build
 
@@ -114,6 +118,8 @@ def test_greedy_tokens_equal_generate(family, folders, monkeypatch, tmp_path):
         assert out["prompt_token_ids"] == prompt, family
         assert out["choices"][0]["token_ids"] == expected, (family, messages)
         assert out["usage"]["prompt_tokens"] == len(prompt)
+    # LLaVA-style families run their decoder on the paged engine, the others the whole model on the fallback.
+    assert isinstance(worker.engine.engine, Engine if family in PAGED_FAMILIES else FallbackEngine)
     # Several choices share the prompt's images; a text-only request to a vision model is plain text.
     out = worker.job(chat_job(with_images(ONE, urls), n=2))
     assert [c["token_ids"] for c in out["choices"]] == [reference.tokens(as_reference(ONE), [a])[1]] * 2
@@ -148,6 +154,23 @@ def test_concurrent_image_and_text_requests_batch_and_each_equals_generate(folde
         assert out["choices"][0]["token_ids"] == reference.tokens(as_reference(messages), images)[1]
     # A different picture is a different prompt: same text, different tokens.
     assert outputs[0]["choices"][0]["token_ids"] != outputs[4]["choices"][0]["token_ids"]
+
+    # Logprobs are the model's own for the prompt with its image; a grammar holds with an image in the prompt.
+    messages, images = requests[0]
+    out = worker.job(chat_job(messages, logprobs=True, top_logprobs=2, max_tokens=1))
+    text = reference.processor.apply_chat_template(as_reference(messages), add_generation_prompt=True,
+                                                   tokenize=False)
+    inputs = reference.processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():  # over the tokenizer's ids: the worker never samples the embedding table's padding rows
+        logits = reference.model(**inputs).logits[0, -1, :len(reference.processor.tokenizer)]
+        expected = torch.log_softmax(logits.float(), -1)
+    token = out["choices"][0]["token_ids"][0]
+    assert out["choices"][0]["logprobs"]["content"][0]["logprob"] == pytest.approx(expected[token].item(), abs=1e-4)
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"],
+              "additionalProperties": False}
+    out = worker.job(chat_job(messages, max_tokens=30, ignore_eos=False, response_format={
+        "type": "json_schema", "json_schema": {"name": "c", "schema": schema}}))
+    assert json.loads(out["choices"][0]["message"]["content"])["colour"] in ("red", "blue")
 
 
 class _Server(ThreadingHTTPServer):
@@ -289,3 +312,27 @@ def test_official_clients_over_http_chat_responses_messages_and_tokenize(folders
         assert bad.status_code == 400 and "messages[0].content[1]" in bad.text, bad.text
     finally:
         stop_gateway(process)
+
+
+def test_prefix_cache_reuses_an_image_in_a_later_turn_and_never_a_different_image(folders, monkeypatch, tmp_path):
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders["llava"]), DTYPE="float32")
+    reference = Reference(folders["llava"])
+    first, other = picture(21), picture(22)
+    long_text = "Describe every part of this picture in detail, please, with care"
+
+    def turn(image, later: bool):
+        messages = [{"role": "user", "content": [image_part(data_url(image)), {"type": "text", "text": long_text}]}]
+        if later:
+            messages += [{"role": "assistant", "content": "It is noise."}, {"role": "user", "content": "More?"}]
+        return messages
+
+    def hits():
+        return worker.engine.stats()["prefix_cache_hit_tokens"]
+
+    asyncio.run(worker.engine.start())
+
+    for image, later, cached in ((first, False, False), (first, True, True), (other, True, False)):
+        before = hits()
+        out = worker.job(chat_job(turn(image, later)))
+        assert out["choices"][0]["token_ids"] == reference.tokens(as_reference(turn(image, later)), [image])[1]
+        assert (hits() > before) == cached, (later, hits() - before)

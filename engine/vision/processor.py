@@ -4,10 +4,11 @@ image placeholder expanded into the family's image tokens) and the tensors the m
 the PIL image backend), so the tokens and pixels are the ones `generate` would be given."""
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from engine.vision.encoder import row_keys
 
 # Processor outputs that are the prompt itself or that the fallback loop builds for itself.
 _NOT_MODEL_INPUTS = ("input_ids", "attention_mask", "labels")
@@ -29,31 +30,37 @@ class ImagePlacementError(ValueError):
 
 @dataclass
 class ImageInputs:
-    """What the engine needs besides the prompt's token ids to run a prompt with images: the model's extra
-    forward inputs (for one row), and each image's content hash (what a cache keys the image tokens by)."""
+    """What the engine needs besides the prompt's token ids to run a prompt with images. For the fallback loop:
+    the model's extra forward inputs, for one row (pixel values, image sizes, patch masks, token types). For the
+    paged engine (encoder.py): the image-token positions, the embedding rows they take, and the prompt's
+    prefix-cache keys (its token ids with each image position keyed by its row's content)."""
     tensors: dict[str, torch.Tensor]
-    image_hashes: list[str] = field(default_factory=list)
+    positions: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    key_ids: list[int] | None = None
 
     def to(self, device) -> "ImageInputs":
-        return ImageInputs({k: v.to(device) for k, v in self.tensors.items()}, self.image_hashes)
+        return ImageInputs({k: v.to(device) for k, v in self.tensors.items()}, self.positions, self.rows,
+                           self.key_ids)
 
-
-def image_hash(image) -> str:
-    """A picture's content hash: its size, mode and pixels (not its encoding, so the same picture sent as PNG
-    and as a fetched URL hashes alike)."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{image.mode}:{image.size}".encode())
-    digest.update(image.tobytes())
-    return digest.hexdigest()
+    def rows_between(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The image rows of prompt positions start..end-1, as (offsets from start, rows), or None."""
+        if self.positions is None:
+            return None
+        inside = (self.positions >= start) & (self.positions < end)
+        if not bool(inside.any()):
+            return None
+        return self.positions[inside] - start, self.rows[inside]
 
 
 class VisionProcessor:
     """The served model's processor, as the API layer uses it (from a worker thread: it is CPU work)."""
 
-    def __init__(self, processor, model_dtype: torch.dtype):
+    def __init__(self, processor, model_dtype: torch.dtype, encoder=None):
         self.hf = processor
         self.dtype = model_dtype
         self.chat_template = getattr(processor, "chat_template", None)
+        self.encoder = encoder  # an encoder.ImageEncoder when the paged engine runs the decoder
 
     def prepare(self, text: str, images: list, add_special_tokens: bool = False
                 ) -> tuple[list[int], ImageInputs | None]:
@@ -71,4 +78,10 @@ class VisionProcessor:
         ids = encoded["input_ids"][0].tolist()
         tensors = {k: v for k, v in encoded.items() if k not in _NOT_MODEL_INPUTS and isinstance(v, torch.Tensor)}
         tensors = {k: (v.to(self.dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
-        return ids, ImageInputs(tensors, [image_hash(image) for image in images])
+        if self.encoder is None:
+            return ids, ImageInputs(tensors)
+        positions, rows = self.encoder.encode(ids, tensors)
+        key_ids = list(ids)
+        for position, key in zip(positions.tolist(), row_keys(rows)):
+            key_ids[position] = key
+        return ids, ImageInputs({}, positions, rows, key_ids)
