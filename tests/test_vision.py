@@ -336,3 +336,19 @@ def test_prefix_cache_reuses_an_image_in_a_later_turn_and_never_a_different_imag
         out = worker.job(chat_job(turn(image, later)))
         assert out["choices"][0]["token_ids"] == reference.tokens(as_reference(turn(image, later)), [image])[1]
         assert (hits() > before) == cached, (later, hits() - before)
+
+
+def test_prompt_chunks_that_split_an_image_block_equal_generate(folders, monkeypatch, tmp_path):
+    """Prompts prefilled 16 tokens at a time, so a chunk ends inside an image's block of tokens."""
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders["llava_next"]), DTYPE="float32",
+                    MAX_NUM_SEQS="4", MAX_NUM_BATCHED_TOKENS="16")
+    reference = Reference(folders["llava_next"])
+    a, b = picture(31), picture(32, (60, 30))
+    urls = {"A": data_url(a), "B": data_url(b)}
+    image_token = reference.model.config.image_token_id
+    split = 0
+    for messages, images in ((ONE, [a]), (TWO, [a, b])):
+        prompt, expected = reference.tokens(as_reference(messages), images)
+        split += prompt[15] == prompt[16] == image_token  # the first chunk ends inside an image's block
+        assert worker.job(chat_job(with_images(messages, urls)))["choices"][0]["token_ids"] == expected
+    assert split
