@@ -60,12 +60,19 @@ def _check_url(url: str, limits: MediaLimits) -> None:
 
 
 async def fetch_image_bytes(url: str, limits: MediaLimits) -> bytes:
-    """The body at `url`, following at most `max_redirects` redirects, within the size and time limits."""
+    """The body at `url`, following at most `max_redirects` redirects, within the size and time limits (the time
+    limit covers the whole fetch, redirects included)."""
+    try:
+        return await asyncio.wait_for(_fetch(url, limits), limits.fetch_timeout)
+    except asyncio.TimeoutError:
+        raise ImageError(f"fetching the image took longer than {limits.fetch_timeout:g} s") from None
+
+
+async def _fetch(url: str, limits: MediaLimits) -> bytes:
     resolver = None if limits.allow_private else _CheckingResolver()
     connector = aiohttp.TCPConnector(resolver=resolver, force_close=True)
-    timeout = aiohttp.ClientTimeout(total=limits.fetch_timeout)
     try:
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
+        async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
             for _ in range(limits.max_redirects + 1):
                 _check_url(url, limits)
                 async with session.get(url, allow_redirects=False) as response:
@@ -85,8 +92,6 @@ async def fetch_image_bytes(url: str, limits: MediaLimits) -> bytes:
                                              f"bytes")
                     return bytes(body)
             raise ImageError(f"fetching the image took more than {limits.max_redirects} redirects")
-    except asyncio.TimeoutError:
-        raise ImageError(f"fetching the image took longer than {limits.fetch_timeout:g} s") from None
     except aiohttp.ClientConnectorError as exc:
         if isinstance(exc.os_error, ImageError):
             raise exc.os_error from None

@@ -62,10 +62,11 @@ class VisionProcessor:
         self.chat_template = getattr(processor, "chat_template", None)
         self.encoder = encoder  # an encoder.ImageEncoder when the paged engine runs the decoder
 
-    def prepare(self, text: str, images: list, add_special_tokens: bool = False
+    def prepare(self, text: str, images: list, add_special_tokens: bool = False, encode: bool = True
                 ) -> tuple[list[int], ImageInputs | None]:
         """The token ids of `text` (already rendered by the chat template, one placeholder per image) with the
-        image tokens expanded, and the images' model inputs."""
+        image tokens expanded, and the images' model inputs (not encoded when `encode` is false: counting
+        tokens needs no image rows)."""
         if not images:
             encoded = self.hf.tokenizer(text, add_special_tokens=add_special_tokens)
             return list(encoded["input_ids"]), None
@@ -78,7 +79,7 @@ class VisionProcessor:
         ids = encoded["input_ids"][0].tolist()
         tensors = {k: v for k, v in encoded.items() if k not in _NOT_MODEL_INPUTS and isinstance(v, torch.Tensor)}
         tensors = {k: (v.to(self.dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
-        if self.encoder is None:
+        if self.encoder is None or not encode:
             return ids, ImageInputs(tensors)
         positions, rows = self.encoder.encode(ids, tensors)
         key_ids = list(ids)

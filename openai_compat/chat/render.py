@@ -15,11 +15,11 @@ from .protocol import ChatCompletionRequest
 
 
 async def render_chat(serving: OpenAIServing, request: ChatCompletionRequest, add_special_tokens: bool = False,
-                      image_paths: list[str] | None = None) -> Prompt:
+                      image_paths: list[str] | None = None, count_only: bool = False) -> Prompt:
     """The token ids of a chat request's conversation, rendered with the chat template (which writes the
     special tokens itself; `add_special_tokens` adds the tokenizer's, as /tokenize may ask). An endpoint that
     mapped its request onto chat gives `image_paths`, where its image parts were in its own request (in order),
-    so errors name them there."""
+    so errors name them there. `count_only`: the prompt is only counted, its images are not encoded."""
     if request.chat_template is not None:
         raise OpenAIError("a chat template in the request is not accepted; set CUSTOM_CHAT_TEMPLATE on the "
                           "worker instead", param="chat_template")
@@ -66,7 +66,7 @@ async def render_chat(serving: OpenAIServing, request: ChatCompletionRequest, ad
                                      template_kwargs=template_kwargs)
         serving.check_prompt_chars(text, "messages")
         if pictures:  # the processor expands each image's placeholder into the model's image tokens
-            ids, images = vision.prepare(text, pictures, add_special_tokens)
+            ids, images = vision.prepare(text, pictures, add_special_tokens, encode=not count_only)
             return ids, text, images
         return tokenizer.encode(text, add_special_tokens=add_special_tokens), text, None
 

@@ -38,7 +38,7 @@ class MessagesServing:
         await self.serving.ready_for(request.model)
         _check_images(self.serving, request)
         prompt = await render_chat(self.serving, chat_request(request, Thinking.of(self.serving)),
-                                   image_paths=image_paths(request))
+                                   image_paths=image_paths(request), count_only=True)
         return CountTokensResponse(input_tokens=len(prompt.token_ids))
 
     async def create_message(self, request: MessagesRequest) -> Message | AsyncIterator[StreamEvent]:
