@@ -7,7 +7,8 @@ Builds the family's tiny random model (tests/vision_models.py, with the embedded
 temporary folder and serves it in-process through the job router, as the handler does: each request is a chat
 request with one distinct PNG data URL, so decoding, the processor, the vision tower at prefill and the decode
 steps are all in the figure. The encoder's share is the time spent in the vision tower and projector over the
-time spent in the whole model's forward passes (hooks on those modules).
+time spent in the model: on the paged path the engine's steps plus the encoding (which runs on the API
+layer's threads), on the fallback path the whole model's forward passes.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import io
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -28,19 +30,37 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
 class _Timer:
-    """Wall time spent inside a module's forward (hooks; forwards run on the engine thread only)."""
+    """Wall time spent inside a module's forward (hooks; a start per thread, as images encode on several)."""
 
     def __init__(self, module):
         self.total = 0.0
-        self._started = 0.0
+        self._local = threading.local()
+        self._lock = threading.Lock()
         module.register_forward_pre_hook(self._pre)
         module.register_forward_hook(self._post)
 
     def _pre(self, *_):
-        self._started = time.perf_counter()
+        self._local.started = time.perf_counter()
 
     def _post(self, *_):
-        self.total += time.perf_counter() - self._started
+        with self._lock:
+            self.total += time.perf_counter() - self._local.started
+
+
+class _StepTimer:
+    """Wall time of the paged engine's steps (the runner's execute; the compact forward bypasses module hooks)."""
+
+    def __init__(self, runner):
+        self.total = 0.0
+        execute = runner.execute
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return execute(*args, **kwargs)
+            finally:
+                self.total += time.perf_counter() - started
+        runner.execute = timed
 
 
 def _data_url(seed: int) -> str:
@@ -81,9 +101,11 @@ def main() -> None:
 
     async def run() -> None:
         await engine.start()
-        model = engine.loaded_model.model
-        inner = getattr(model, "model", model)
-        whole = _Timer(model)
+        encoder = engine.vision.encoder
+        paged = encoder is not None  # the decoder on the paged engine, images encoded on the API's threads
+        vlm = encoder.model if paged else engine.loaded_model.model
+        whole = _StepTimer(engine.engine.runner) if paged else _Timer(vlm)
+        inner = vlm.model
         vision = [_Timer(m) for m in (getattr(inner, "vision_tower", None), getattr(inner, "vision_model", None),
                                       getattr(inner, "multi_modal_projector", None), getattr(inner, "connector", None))
                   if m is not None]
@@ -106,10 +128,12 @@ def main() -> None:
             for at in range(0, len(batch), concurrency):
                 await asyncio.gather(*(one(url) for url in batch[at:at + concurrency]))
             elapsed = time.perf_counter() - started
-            share = sum(t.total for t in vision) / whole.total if whole.total else 0.0
-            print(f"{args.family}: concurrency {concurrency}: {len(batch) / elapsed:.2f} image requests/s "
-                  f"({len(batch)} requests of {args.max_tokens} tokens in {elapsed:.2f} s); vision encoder "
-                  f"{share:.1%} of the model's forward time")
+            encoding = sum(t.total for t in vision)
+            model_time = whole.total + encoding if paged else whole.total
+            share = encoding / model_time if model_time else 0.0
+            print(f"{args.family} ({'paged' if paged else 'fallback'}): concurrency {concurrency}: "
+                  f"{len(batch) / elapsed:.2f} image requests/s ({len(batch)} requests of {args.max_tokens} tokens "
+                  f"in {elapsed:.2f} s); vision encoder {share:.1%} of the model's time")
 
     asyncio.run(run())
     engine.close()
