@@ -29,6 +29,7 @@ from engine.executor.startup_checks import PagedPathUnsupported
 from engine.loader import LoadedModel, load
 from engine.sampling.sampler import SamplingParams
 from engine.tokenizer import Tokenizer
+from engine.vision.processor import VisionProcessor
 
 log = logging.getLogger("engine")
 
@@ -140,6 +141,9 @@ class AsyncEngine:
                 except (AttributeError, NotImplementedError, TypeError, PagedPathUnsupported) as exc:
                     # The model calls cache methods the paged cache does not have (recurrent or conv state), or
                     # keeps its state elsewhere (a cache of its own, as Mamba does).
+                    if model.vision is not None:  # the fallback loop would need the whole model, not its decoder
+                        raise RuntimeError(f"the vision-language model's decoder cannot run on the paged engine: "
+                                           f"{exc}") from exc
                     model.fallback_reason = f"the paged engine cannot run it ({exc})"
                     _use_own_attention(model.model)
             if model.task == "generate" and model.fallback_reason is not None:
@@ -248,6 +252,11 @@ class AsyncEngine:
         return self._require().task
 
     @property
+    def vision(self) -> VisionProcessor | None:
+        """The processor of a vision-language model (prompts may carry images), or None for a text model."""
+        return self._require().vision
+
+    @property
     def pooling_config(self) -> PoolingConfig:
         return self._require().pooling
 
@@ -271,13 +280,14 @@ class AsyncEngine:
 
     # ---- generation ----
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, images=None
                        ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine produces them; the last has `finished` set. Closing the iterator
-        early (cancellation, a client that went away) takes the request out of the engine."""
+        early (cancellation, a client that went away) takes the request out of the engine. `images` is the
+        ImageInputs of a prompt with images (VisionProcessor.prepare), for a vision-language model."""
         await self.start()
         sink = _QueueSink(asyncio.get_running_loop())
-        self._engine.submit(request_id, prompt_ids, params, sink)
+        self._engine.submit(request_id, prompt_ids, params, sink, images)
         done = False
         try:
             while True:

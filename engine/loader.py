@@ -18,6 +18,8 @@ from engine.sources.gguf import local_folder
 from engine.config import EngineConfig
 from engine.core.pooling import PoolingConfig, Task, pooling_config
 from engine.tokenizer import Tokenizer
+from engine.vision.encoder import ImageEncoder, paged_vision_refusal, text_view
+from engine.vision.processor import VisionProcessor, is_vision_config
 
 log = logging.getLogger("engine.loader")
 
@@ -41,6 +43,7 @@ class LoadedModel:
     platform: devices.Platform | None = None  # None: the plain platform of `device`
     verdicts: startup_cache.Verdicts | None = None  # the start-up probes' verdicts for this model and machine
     batch_invariant: bool = False  # a request's output does not depend on what is batched with it
+    vision: "VisionProcessor | None" = None  # a vision-language model's processor (images in prompts), or None
 
     def __post_init__(self):
         if self.platform is None:
@@ -177,7 +180,11 @@ def load(config: EngineConfig) -> LoadedModel:
         hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, trust_remote_code=config.trust_remote_code)
         model_config = AutoConfig.from_pretrained(folder, trust_remote_code=config.trust_remote_code)
         task = model_task(model_config)
-        if task == "generate":
+        vision = None
+        if task == "generate" and is_vision_config(model_config):
+            model, vision, fallback_reason = _vision_model(folder, model_config, config, dtype, placement, verdicts)
+            hf_tokenizer = vision.hf.tokenizer
+        elif task == "generate":
             fallback_reason = _fallback_reason(model_config)
 
             def causal_lm(dtype: torch.dtype) -> torch.nn.Module:
@@ -207,7 +214,7 @@ def load(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError(f"model {config.model or source.name}: loading failed: "
                              f"{_one_line(exc)}") from exc
     invariant = config.batch_invariant is True
-    if task == "generate" and platform.cpu_fast_paths:  # never on CUDA, real or simulated
+    if task == "generate" and platform.cpu_fast_paths and vision is None:  # never on CUDA, real or simulated
         cpu_plan.load_kernels(config, dtype, verdicts)
         if gguf_blocks and not cpu_plan.gguf_blocks_win(model, verdicts):
             dtype, model = torch.bfloat16, None  # the float32 copy goes before the bfloat16 one loads
@@ -219,17 +226,54 @@ def load(config: EngineConfig) -> LoadedModel:
              str(config.batch_invariant).lower())
     pooling = pooling_config(folder, model.config, task, config.pooling_type, config.embedding_normalize)
 
-    limit = _model_max_len(model.config)
+    limit = _model_max_len(model.config.get_text_config())
     if config.max_model_len is not None and config.max_model_len > limit:
         raise ModelLoadError(f"MAX_MODEL_LEN={config.max_model_len} exceeds the model's limit of {limit} tokens")
     max_model_len = config.max_model_len or limit
     vocab_size = model.get_input_embeddings().num_embeddings
-    tokenizer = Tokenizer(hf_tokenizer, config.chat_template, _eos_ids(hf_tokenizer, model), vocab_size)
+    chat_template = config.chat_template or (vision.chat_template if vision is not None else None)
+    tokenizer = Tokenizer(hf_tokenizer, chat_template, _eos_ids(hf_tokenizer, model), vocab_size)
     log.info("loaded %s on %s (%s, max_model_len %d, task %s, pooling %s%s from %s) in %.1f s", source.name,
              platform.name, str(dtype).removeprefix("torch."), max_model_len, task, pooling.pooling_type,
              " normalized" if pooling.normalize else "", pooling.source, time.perf_counter() - started)
     return LoadedModel(model, tokenizer, device, dtype, max_model_len, source.name, _generation_defaults(model),
-                       task, pooling, fallback_reason, platform, verdicts, invariant)
+                       task, pooling, fallback_reason, platform, verdicts, invariant, vision)
+
+
+_CROSS_ATTENTION_VISION = ("mllama",)
+
+
+def _vision_model(folder: Path, model_config, config: EngineConfig, dtype: torch.dtype, placement: dict,
+                  verdicts):
+    """A vision-language model as served, its processor, and why it runs on the fallback loop (None: the paged
+    engine runs its decoder, engine/vision/encoder.py). The fallback loop runs the whole model's forward (vision
+    tower, projector and text decoder, with the family's own position handling such as multimodal rotary
+    positions) on a prompt with images, then decodes with transformers' cache. A paged decoder gets its fused
+    projections (for the compact forward); the native kernels and weight layouts are not applied to
+    vision-language models."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    if getattr(model_config, "model_type", None) in _CROSS_ATTENTION_VISION:
+        raise ModelLoadError("cross-attention vision models (mllama) are not supported: their image masks must be "
+                             "carried into every decode step, which the fallback loop does not do")
+    if config.tokenizer:
+        raise ModelLoadError("TOKENIZER_NAME cannot replace a vision-language model's tokenizer: its processor "
+                             "places the image tokens with its own")
+    processor = AutoProcessor.from_pretrained(folder, backend="pil", trust_remote_code=config.trust_remote_code)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype, trust_remote_code=config.trust_remote_code,
+                                                        **placement)
+    model.eval()
+    model.requires_grad_(False)
+    refusal = paged_vision_refusal(model_config)
+    if refusal is not None:
+        return model, VisionProcessor(processor, dtype), refusal
+    # The paged engine runs the decoder (with its attention); the vision tower keeps transformers' own.
+    view = text_view(model)
+    view.model.set_attn_implementation(attention.ATTENTION_IMPLEMENTATION)
+    windows.mark_windows(view)
+    fusion.apply(view, verdicts)  # fused projections, which the compact forward takes
+    encoder = ImageEncoder(model)
+    return view, VisionProcessor(processor, dtype, encoder), None
 
 
 def _fallback_reason(model_config) -> str | None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.vision.images import MediaLimits
+
 
 @dataclass(frozen=True)
 class ServingConfig:
@@ -22,3 +24,4 @@ class ServingConfig:
     max_prompts_per_request: int = 256
     max_sequences_per_request: int = 256  # prompts x max(n, best_of)
     max_prompt_tokens_per_request: int = 262144  # all prompts of the request together
+    media: MediaLimits = MediaLimits()  # image parts: how many, how large, where they may be fetched from

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 from engine import AsyncEngine, GenerationError, RequestOutput, SamplingParams, TokenLogprob
 from engine.sampling.structured import AnswerGate, GrammarFailure, GrammarSpec
 from engine.sources.redaction import redact
+from engine.vision import ImageInputs
 
 from .config import ServingConfig
 from .errors import OpenAIError, context_exceeded
@@ -35,6 +36,7 @@ MIN_LOGPROB = -9999.0  # what vLLM reports for -inf
 class Prompt:
     token_ids: list[int]
     text: str | None = None  # for echo; decoded from the ids when the prompt came as ids
+    images: ImageInputs | None = None  # a vision model's image inputs for this prompt (chat/render.py)
 
 
 @dataclass
@@ -219,7 +221,7 @@ class OpenAIServing:
         outputs: dict[int, str] = {}
         recorder = self.metrics.request(len(prompt.token_ids))
         try:
-            async for output in self.engine.generate(request_id, prompt.token_ids, params):
+            async for output in self.engine.generate(request_id, prompt.token_ids, params, prompt.images):
                 recorder.output(output)
                 for delta in output.deltas:
                     outputs[delta.index] = outputs.get(delta.index, "") + delta.text

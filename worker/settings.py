@@ -5,6 +5,7 @@ A bad value raises `SettingsError` naming the variable, and the entrypoint exits
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Literal
@@ -14,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
 from engine.core.speculative import SpeculativeConfig
+from engine.vision.images import MediaLimits
 from openai_compat.config import ServingConfig
 
 _DTYPE_ALIASES = {
@@ -89,6 +91,22 @@ class WorkerSettings(BaseSettings):
     enable_auto_tool_choice: bool = True
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+
+    # Images (vision-language models)
+    limit_mm_per_prompt: str | None = None  # images per request: a number or vLLM's JSON form {"image": N}
+    media_max_bytes: int = Field(default=20 * 2**20, ge=1)
+    media_max_pixels: int = Field(default=40_000_000, ge=1)
+    media_fetch_timeout: float = Field(default=10.0, gt=0, le=600)
+    media_max_redirects: int = Field(default=3, ge=0, le=20)
+    allowed_media_domains: str | None = None  # comma-separated hosts image URLs may name; unset: any public host
+    media_allow_private: bool = False  # image URLs may reach private, loopback and link-local addresses
+
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _limit_mm(cls, value: str | None) -> str | None:
+        if value is not None:
+            _images_per_prompt(value)
+        return value
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -241,7 +259,30 @@ class WorkerSettings(BaseSettings):
             max_prompts_per_request=self.max_prompts_per_request,
             max_sequences_per_request=self.max_sequences_per_request,
             max_prompt_tokens_per_request=self.max_prompt_tokens_per_request,
+            media=MediaLimits(
+                max_images=_images_per_prompt(self.limit_mm_per_prompt) if self.limit_mm_per_prompt else None,
+                max_image_bytes=self.media_max_bytes, max_image_pixels=self.media_max_pixels,
+                fetch_timeout=self.media_fetch_timeout, max_redirects=self.media_max_redirects,
+                allow_private=self.media_allow_private,
+                allowed_domains=tuple(d.strip().lower().rstrip(".") for d in self.allowed_media_domains.split(",")
+                                      if d.strip()) if self.allowed_media_domains else None),
         )
+
+
+def _images_per_prompt(value: str) -> int:
+    """LIMIT_MM_PER_PROMPT as a number of images: `2`, or vLLM's JSON `{"image": 2}` (other modalities are
+    refused: the worker takes images only)."""
+    text = value.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict) or set(parsed) - {"image"} or not isinstance(parsed.get("image"), int) \
+            or isinstance(parsed["image"], bool) or parsed["image"] < 0:
+        raise ValueError('must be a number of images or JSON such as {"image": 2} (images are the only modality)')
+    return parsed["image"]
 
 
 def load_settings() -> WorkerSettings:

@@ -48,6 +48,7 @@ class _Running:
         self.group = group
         self.cache: dict | None = None  # the model's cache, as the keyword argument it takes it back by
         self.recompute = False  # the model hands back no cache (it keeps state in its modules): no cache is used
+        self.module_state: dict[int, object] = {}  # per-request state some models keep on a module (see below)
 
 
 class FallbackEngine(GenerationLoop):
@@ -64,7 +65,12 @@ class FallbackEngine(GenerationLoop):
         self.outputs = OutputProcessor(tokenizer.eos_token_ids, max_model_len)
         self._waiting: list[SequenceGroup] = []
         self._running: list[_Running] = []
+        # Qwen2-VL-style models remember a prompt's multimodal rotary offsets (rope_deltas) on a module between
+        # its prefill and its decode steps; requests take turns here, so each keeps its own and puts it back.
+        self._stateful = [m for m in model.modules() if hasattr(m, "rope_deltas")]
         self._start_loop("fallback-engine-loop")
+
+    serves_images = True  # a vision-language model's whole forward runs a prompt's images at its prefill
 
     # ---- API used from other threads (as engine.Engine) ----
 
@@ -144,6 +150,8 @@ class FallbackEngine(GenerationLoop):
             # Every step computes the whole sequences again: quadratic, but exact for any model.
             ids = torch.tensor([s.tokens for s in seqs], device=self.device)
             out = self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        elif running.cache is None and group.images is not None:
+            out = self._prefill_with_images(running, rows)
         elif running.cache is None:
             ids = torch.tensor([group.prompt_ids] * rows, device=self.device)
             want_all = group.params.prompt_logprobs is not None
@@ -157,7 +165,9 @@ class FallbackEngine(GenerationLoop):
                 seq.num_computed = len(group.prompt_ids)
         else:
             ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)
+            self._restore_state(running)
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **running.cache)
+            self._save_state(running)
         # Most models return their cache as past_key_values; Mamba's is cache_params. Some keep their state in
         # their own modules and return none (RecurrentGemma): one model-wide state cannot serve several requests.
         if not running.recompute:
@@ -174,6 +184,38 @@ class FallbackEngine(GenerationLoop):
         for i, seq in enumerate(seqs):
             if seq.finished and i not in live:
                 seq.tokens.append(seq.tokens[-1])  # keeps every row's length equal; never sent
+
+    def _prefill_with_images(self, running: _Running, rows: int):
+        """A prompt with images through the whole model once (vision tower, projector, text decoder, with the
+        family's own positions), its cache then copied to every choice's row."""
+        group = running.group
+        want_all = group.params.prompt_logprobs is not None
+        ids = torch.tensor([group.prompt_ids], device=self.device)
+        self._restore_state(running)
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=0 if want_all else 1,
+                         **group.images.to(self.device).tensors)
+        self._save_state(running)
+        if out.past_key_values is None:
+            raise RuntimeError("the vision-language model returned no cache")
+        if rows > 1:
+            out.past_key_values.batch_repeat_interleave(rows)
+            out.logits = out.logits.expand(rows, *out.logits.shape[1:])
+        self.prompt_tokens_total += len(group.prompt_ids)
+        if want_all:
+            self._collect_prompt_logprobs(group, out.logits[0])
+        group.metrics.first_token = time.perf_counter()
+        for seq in group.seqs:
+            seq.status = Status.DECODING
+            seq.num_computed = len(group.prompt_ids)
+        return out
+
+    def _restore_state(self, running: _Running) -> None:
+        for module in self._stateful:
+            module.rope_deltas = running.module_state.get(id(module))
+
+    def _save_state(self, running: _Running) -> None:
+        for module in self._stateful:
+            running.module_state[id(module)] = module.rope_deltas
 
     def _collect_prompt_logprobs(self, group: SequenceGroup, logits: torch.Tensor) -> None:
         targets = group.prompt_ids[1:]

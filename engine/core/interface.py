@@ -87,8 +87,13 @@ class GenerationLoop:
         if self._stopping:
             raise EngineDeadError("the engine was shut down")
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink) -> None:
+    serves_images = False  # prompts with images (a vision-language model's ImageInputs) run on this loop
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink,
+               images=None) -> None:
         self._check_alive()
+        if images is not None and not self.serves_images:
+            raise ValueError("this model takes text only: a prompt with images cannot run on it")
         if not prompt_ids or len(prompt_ids) >= self.max_model_len:
             raise RequestTooLarge(f"a prompt of {len(prompt_ids)} tokens does not fit a context of "
                                   f"{self.max_model_len} tokens")
@@ -102,7 +107,8 @@ class GenerationLoop:
         if reason is not None:
             raise ValueError(reason)
         group = SequenceGroup(request_id, list(prompt_ids), params, sink,
-                              RequestMetrics(arrival=time.perf_counter(), prompt_tokens=len(prompt_ids)))
+                              RequestMetrics(arrival=time.perf_counter(), prompt_tokens=len(prompt_ids)),
+                              images=images)
         self._commands.put(("add", group))
         self._wake.set()
 

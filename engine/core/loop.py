@@ -74,6 +74,12 @@ class Engine(GenerationLoop):
 
     serves_pooling = True
 
+    @property
+    def serves_images(self) -> bool:
+        """Prompts with image rows (a vision-language model's decoder, engine/vision/encoder.py) run here; models
+        with recurrent state take none (their prompts' steps carry no embedding rows)."""
+        return self.runner is not None and self.states is None
+
     def submit_pooling(self, request_id: str, inputs: list[PoolingInput], params: PoolingParams,
                        sink: PoolingSink) -> None:
         """Embeddings, pooled states and scores: engine/core/pooling.py batches them, the loop runs one batch between
@@ -228,7 +234,9 @@ class Engine(GenerationLoop):
     def _execute(self, plan: StepPlan) -> torch.Tensor | None:
         decodes = [DecodeRow(s.tokens[-1], len(s.tokens) - 1, s.blocks, s.state_slot) for s in plan.decodes]
         chunks = [PrefillChunk(w.seq.tokens[w.seq.num_computed:w.seq.num_computed + w.length], w.seq.num_computed,
-                               w.seq.blocks, w.logits, w.seq.state_slot) for w in plan.prefills]
+                               w.seq.blocks, w.logits, w.seq.state_slot,
+                               w.seq.group.images.rows_between(w.seq.num_computed, w.seq.num_computed + w.length)
+                               if w.seq.group.images is not None else None) for w in plan.prefills]
         chunks += [PrefillChunk([s.tokens[-1]] + s.proposal, len(s.tokens) - 1, s.blocks, "all")
                    for s in plan.verifies]
         return self.runner.execute(decodes, chunks)

@@ -211,7 +211,7 @@ class Scheduler:
             found = []
             if group.params.prompt_logprobs is None or not fresh:
                 # leave at least one token to compute: its logits give the next token
-                found = self.blocks.lookup(seq.tokens, seq.prefill_target - (1 if fresh else 0),
+                found = self.blocks.lookup(seq.cache_tokens, seq.prefill_target - (1 if fresh else 0),
                                            prefix_root(group.params.cache_salt))
             hits.append(found)
             need += blocks_for(seq.prefill_target) - len(found)
@@ -266,8 +266,9 @@ class Scheduler:
         if not self.blocks.enabled:
             return
         previous = seq.block_keys[-1] if seq.block_keys else prefix_root(seq.group.params.cache_salt)
+        keyed = seq.cache_tokens
         for index in range(len(seq.block_keys), seq.num_computed // BLOCK_SIZE):
-            tokens = tuple(seq.tokens[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE])
+            tokens = tuple(keyed[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE])
             previous = chain_key(previous, tokens)
             seq.block_keys.append(previous)
             self.blocks.register(seq.blocks[index], previous, tokens)

@@ -90,6 +90,15 @@ class Sequence:
         return len(self.tokens) - len(self.group.prompt_ids)
 
     @property
+    def cache_tokens(self) -> list[int]:
+        """The tokens as the prefix cache keys them: a prompt's image positions by their image's content (two
+        prompts with the same image tokens but different images never share a block)."""
+        images = self.group.images
+        if images is None or images.key_ids is None:
+            return self.tokens
+        return images.key_ids + self.tokens[len(images.key_ids):]
+
+    @property
     def prefill_target(self) -> int:
         """Tokens to have in the cache before decoding: the whole prompt for a new sequence (its last position
         gives the first token); all but the last token for one resumed after preemption (the last is the next
@@ -115,6 +124,7 @@ class SequenceGroup:
     # The submitter's context (made on its thread): log lines about the request carry its job id.
     context: contextvars.Context = field(default_factory=contextvars.copy_context)
     beam: object | None = None  # beam_search.BeamState of a beam-search request
+    images: object | None = None  # engine.vision.ImageInputs of a prompt with images (vision-language models)
 
     @property
     def holds_output(self) -> bool:

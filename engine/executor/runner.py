@@ -133,8 +133,11 @@ class ModelRunner:
             return self._execute_stateful(decodes, chunks)
         ids, positions, slots, buckets, keep = self._decode_rows(decodes)
         segments = []
+        image_rows = []  # (offsets among the step's tokens, rows) of vision-language prompts' image positions
         for chunk in chunks:
             offset, n = len(ids), len(chunk.token_ids)
+            if chunk.image_rows is not None:
+                image_rows.append((chunk.image_rows[0] + offset, chunk.image_rows[1]))
             span, chunk_slots, segment = self._chunk_segment(chunk, offset)
             ids.extend(chunk.token_ids)
             positions.extend(span)
@@ -148,10 +151,25 @@ class ModelRunner:
         if not keep:
             keep = [len(ids) - 1]  # the model computes at least one logit row; it is dropped below
         with StepCache(self.kv, layout) as cache:
-            logits = self._forward([ids], [positions], cache, keep)
+            if image_rows:
+                logits = self._forward_with_images(ids, positions, cache, keep, image_rows)
+            else:
+                logits = self._forward([ids], [positions], cache, keep)
         if not any(c.logits != "none" for c in chunks) and not decodes:
             return None
         return logits[0]
+
+    def _forward_with_images(self, ids: list[int], positions: list[int], cache, keep: list[int],
+                             image_rows: list) -> torch.Tensor:
+        """A step holding image positions: the tokens' embeddings with those positions' rows put in, through the
+        model's own forward (the compact forward takes token ids only)."""
+        embeds = self.model.get_input_embeddings()(torch.tensor([ids], device=self.device))
+        for offsets, rows in image_rows:
+            embeds[0, offsets.to(self.device)] = rows.to(self.device, embeds.dtype)
+        out = self.model(inputs_embeds=embeds, position_ids=torch.tensor([positions], device=self.device),
+                         use_cache=True, logits_to_keep=torch.tensor(keep, device=self.device),
+                         **{self._cache_argument: cache})
+        return out.logits
 
     def _chunk_segment(self, chunk: PrefillChunk, offset: int) -> tuple[range, list[int], PrefillSegment]:
         """A prompt chunk's positions, the pool slots its new keys and values go to, and its segment starting at

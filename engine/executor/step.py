@@ -20,3 +20,6 @@ class PrefillChunk:
     blocks: list[int]  # covering at least start + len(token_ids) slots
     logits: str = "none"  # "none" | "last" | "all": which positions' logits the step returns
     state_slot: int | None = None
+    # A vision-language prompt's image rows among these tokens: (offsets in the chunk, embedding rows), which
+    # replace those tokens' embeddings (engine/vision/encoder.py); None for text.
+    image_rows: tuple | None = None

@@ -7,27 +7,43 @@ import json
 from typing import Any
 
 from engine import ChatTemplateError
+from engine.vision import ImageError, ImagePlacementError, load_image
 
 from ..errors import OpenAIError
 from ..serving import OpenAIServing, Prompt
 from .protocol import ChatCompletionRequest
 
 
-async def render_chat(serving: OpenAIServing, request: ChatCompletionRequest, add_special_tokens: bool = False
-                      ) -> Prompt:
+async def render_chat(serving: OpenAIServing, request: ChatCompletionRequest, add_special_tokens: bool = False,
+                      image_paths: list[str] | None = None, count_only: bool = False) -> Prompt:
     """The token ids of a chat request's conversation, rendered with the chat template (which writes the
-    special tokens itself; `add_special_tokens` adds the tokenizer's, as /tokenize may ask)."""
+    special tokens itself; `add_special_tokens` adds the tokenizer's, as /tokenize may ask). An endpoint that
+    mapped its request onto chat gives `image_paths`, where its image parts were in its own request (in order),
+    so errors name them there. `count_only`: the prompt is only counted, its images are not encoded."""
     if request.chat_template is not None:
         raise OpenAIError("a chat template in the request is not accepted; set CUSTOM_CHAT_TEMPLATE on the "
                           "worker instead", param="chat_template")
+    vision = serving.engine.vision
     messages = []
+    image_urls: list[tuple[str, str]] = []  # (the part's path, its URL), in prompt order
     for i, message in enumerate(request.messages):
         entry: dict[str, Any] = {"role": message.role}
+        parts = []
         for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
-            if part.type != "text":
+            param = f"messages[{i}].content[{j}]"
+            if part.type in IMAGE_PART_TYPES and image_paths is not None:
+                param = image_paths[len(image_urls)]
+            if part.type in IMAGE_PART_TYPES and vision is not None:
+                image_urls.append((param, image_part_url(part, param)))
+                parts.append({"type": "image"})
+            elif part.type != "text":
                 raise OpenAIError(f"content part type {part.type} is not supported: this model takes text only",
-                                  param=f"messages[{i}].content[{j}]")
-        entry["content"] = message.text
+                                  param=param)
+            else:
+                parts.append({"type": "text", "text": part.text})
+        # A vision model's template takes content as parts ({"type": "image"} where an image goes), as
+        # transformers' processors pass it; a text model's takes the text parts joined.
+        entry["content"] = parts if vision is not None and isinstance(message.content, list) else message.text
         for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(message, key) is not None:
                 entry[key] = getattr(message, key)
@@ -41,21 +57,71 @@ async def render_chat(serving: OpenAIServing, request: ChatCompletionRequest, ad
     if request.reasoning_effort is not None:
         template_kwargs = {"reasoning_effort": request.reasoning_effort, **(template_kwargs or {})}
 
-    def render() -> tuple[list[int], str]:
+    pictures = await load_images(serving, image_urls)
+
+    def render() -> tuple[list[int], str, Any]:
         text = tokenizer.render_chat(messages, add_generation_prompt=request.add_generation_prompt,
                                      continue_final_message=request.continue_final_message,
                                      tools=tools, documents=request.documents,
                                      template_kwargs=template_kwargs)
         serving.check_prompt_chars(text, "messages")
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens), text
+        if pictures:  # the processor expands each image's placeholder into the model's image tokens
+            ids, images = vision.prepare(text, pictures, add_special_tokens, encode=not count_only)
+            return ids, text, images
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens), text, None
 
     try:
-        ids, text = await asyncio.to_thread(render)
+        ids, text, images = await asyncio.to_thread(render)
     except ChatTemplateError as exc:
+        raise OpenAIError(str(exc), param="messages") from exc
+    except ImagePlacementError as exc:
         raise OpenAIError(str(exc), param="messages") from exc
     if not ids:  # the template dropped everything: nothing for the model to continue from
         raise OpenAIError("the chat template rendered these messages to an empty prompt", param="messages")
-    return Prompt(ids, text)
+    return Prompt(ids, text, images)
+
+
+IMAGE_PART_TYPES = ("image_url", "input_image")
+
+
+def image_part_url(part, param: str) -> str:
+    """The URL of an image part: `{"type": "image_url", "image_url": {"url": ..., "detail": ...}}` (OpenAI's
+    chat form) or `{"type": "input_image", "image_url": "..."}` (the Responses form). `detail` is accepted and
+    has no effect: the model's processor decides the resolution."""
+    value = getattr(part, "image_url", None)
+    extra = set(part.model_extra or ()) - {"image_url", "detail"}
+    if extra or part.text is not None:
+        raise OpenAIError(f"unknown field {sorted(extra)[0] if extra else 'text'} in an image part",
+                          param=f"{param}.{sorted(extra)[0] if extra else 'text'}")
+    detail = getattr(part, "detail", None)
+    if isinstance(value, dict):
+        if set(value) - {"url", "detail"}:
+            name = sorted(set(value) - {"url", "detail"})[0]
+            raise OpenAIError(f"unknown field {name} in image_url", param=f"{param}.image_url.{name}")
+        detail, value = value.get("detail", detail), value.get("url")
+    if detail not in (None, "auto", "low", "high"):
+        raise OpenAIError("detail must be auto, low or high", param=f"{param}.image_url.detail")
+    if not isinstance(value, str) or not value:
+        raise OpenAIError("an image part needs image_url with a url: a data: URL or an http(s) URL",
+                          param=f"{param}.image_url")
+    return value
+
+
+async def load_images(serving: OpenAIServing, image_urls: list[tuple[str, str]]) -> list:
+    """The pictures of a request's image parts, fetched and decoded concurrently; a bad one is a 400 naming
+    its part, and more than LIMIT_MM_PER_PROMPT is a 400 before anything is fetched."""
+    limits = serving.config.media
+    if limits.max_images is not None and len(image_urls) > limits.max_images:
+        raise OpenAIError(f"the request has {len(image_urls)} images; at most {limits.max_images} are accepted per "
+                          f"prompt (LIMIT_MM_PER_PROMPT)", param=image_urls[limits.max_images][0])
+
+    async def one(param: str, url: str):
+        try:
+            return await load_image(url, limits)
+        except ImageError as exc:
+            raise OpenAIError(f"{param}: {exc}", param=param) from None
+
+    return list(await asyncio.gather(*(one(param, url) for param, url in image_urls)))
 
 
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
+from ..errors import OpenAIError
 from ..protocol import ChatTokenLogprob, UsageInfo, prompt_logprobs_json, random_id
 from ..serving import OpenAIServing, Prompt
 from ..streaming import StreamChunks
@@ -25,16 +26,19 @@ class ChatServing:
         self.serving = serving
 
     async def generate(self, request: ChatCompletionRequest, endpoint: str = "chat completions",
-                       id_prefix: str = "chatcmpl") -> ChatGeneration:
+                       id_prefix: str = "chatcmpl", image_paths: list[str] | None = None) -> ChatGeneration:
         """Everything before the engine runs: the model and the request's size checked (errors say `endpoint`
         when the model cannot generate), the conversation rendered, the reply planned, the SamplingParams built
         and checked. The generation's id is `<id_prefix>-<random hex>`."""
         serving = self.serving
         await serving.ready_for(request.model)
         serving.check_generation(request, endpoint, 1)
-        prompt = await render_chat(serving, request)
+        prompt = await render_chat(serving, request, image_paths=image_paths)
         kept = serving.truncated(request, prompt.token_ids)
         if len(kept) < len(prompt.token_ids):
+            if prompt.images is not None:
+                raise OpenAIError("truncate_prompt_tokens cannot cut a prompt with images (its image tokens would "
+                                  "lose their pictures)", param="truncate_prompt_tokens")
             prompt = Prompt(kept)
         plan = await plan_chat(serving, request, prompt)
         (params,) = serving.sampling_params(request, [len(prompt.token_ids)], plan.grammar, plan.with_special_tokens)

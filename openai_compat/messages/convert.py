@@ -95,8 +95,16 @@ def chat_request(request: AnthropicRequest, model: Thinking) -> ChatCompletionRe
         raise OpenAIError(f"the request could not be run as a chat request: {exc.message}") from None
 
 
-def _text_parts(blocks) -> list[dict[str, str]]:
-    return [{"type": "text", "text": block.text} for block in blocks]
+def _text_parts(blocks) -> list[dict[str, Any]]:
+    """Text blocks as chat text parts, image blocks as chat image parts (in place)."""
+    return [{"type": "image_url", "image_url": {"url": block.image_url}} if block.type == "image"
+            else {"type": "text", "text": block.text} for block in blocks]
+
+
+def image_paths(request: AnthropicRequest) -> list[str]:
+    """Where each image block is in the request (in order, as the chat request has them), for errors."""
+    return [f"messages[{i}].content[{j}]" for i, message in enumerate(request.messages)
+            if isinstance(message.content, list) for j, block in enumerate(message.content) if block.type == "image"]
 
 
 def _messages(request: AnthropicRequest) -> list[dict[str, Any]]:

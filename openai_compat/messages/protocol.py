@@ -27,13 +27,15 @@ BLOCK_FIELDS = {
     "tool_result": {"tool_use_id", "content", "is_error", "cache_control"},
     "thinking": {"thinking", "signature"},
     "redacted_thinking": {"data"},
+    "image": {"source", "cache_control"},
 }
 REQUIRED_BLOCK_FIELDS = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",),
-                         "thinking": ("thinking",), "redacted_thinking": ("data",)}
+                         "thinking": ("thinking",), "redacted_thinking": ("data",), "image": ("source",)}
 # Which blocks each role's messages may hold.
-ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+ROLE_BLOCKS = {"user": ("text", "tool_result", "image"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
                "system": ("text",)}
 MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
 
 def _text_chars(value: Any) -> int:
@@ -121,11 +123,19 @@ class ContentBlock(BaseModel):
     data: str | None = None  # redacted_thinking
     cache_control: dict[str, Any] | None = None
     citations: list[dict[str, Any]] | None = None
+    source: dict[str, Any] | None = None  # image: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
 
     @model_validator(mode="before")
     @classmethod
     def _type(cls, value):
         return _check_block_type(value, BLOCK_FIELDS)
+
+    @property
+    def image_url(self) -> str:
+        """An image block's source as the URL chat's image part takes (a data: URL for base64 data)."""
+        if self.source["type"] == "url":
+            return self.source["url"]
+        return f"data:{self.source['media_type']};base64,{self.source['data']}"
 
     @model_validator(mode="after")
     def _fields(self) -> "ContentBlock":
@@ -136,6 +146,8 @@ class ContentBlock(BaseModel):
         for name in REQUIRED_BLOCK_FIELDS[self.type]:
             if getattr(self, name) is None:
                 raise ParamError(name, f"a {self.type} block needs {name}")
+        if self.type == "image":
+            _check_image_source(self.source)
         return self
 
     @property
@@ -144,6 +156,22 @@ class ContentBlock(BaseModel):
         if isinstance(self.content, list):
             return "\n".join(block.text for block in self.content)
         return self.content or ""
+
+
+def _check_image_source(source: dict[str, Any]) -> None:
+    kind = source.get("type")
+    fields = {"base64": {"type", "media_type", "data"}, "url": {"type", "url"}}.get(kind)
+    if fields is None:
+        raise ParamError("source.type", "an image source is base64 (media_type and data) or url (url); file "
+                                        "sources are not supported (there is no Files API here)")
+    unknown = sorted(set(source) - fields)
+    if unknown:
+        raise ParamError(f"source.{unknown[0]}", f"a {kind} image source has no field {unknown[0]}")
+    for name in sorted(fields - {"type"}):
+        if not isinstance(source.get(name), str) or not source[name]:
+            raise ParamError(f"source.{name}", f"a {kind} image source needs {name} as a string")
+    if kind == "base64" and source["media_type"] not in IMAGE_MEDIA_TYPES:
+        raise ParamError("source.media_type", f"media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}")
 
 
 class InputMessage(BaseModel):

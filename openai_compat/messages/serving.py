@@ -19,7 +19,7 @@ from ..chat.serving import ChatServing
 from ..chat.protocol import DeltaToolCall
 from ..errors import OpenAIError
 from ..protocol import random_id
-from .convert import Thinking, chat_request
+from .convert import Thinking, chat_request, image_paths
 from .protocol import (ContentBlockDeltaEvent, ContentBlockStartEvent, ContentBlockStopEvent, CountTokensRequest,
                        CountTokensResponse, InputJSONDelta, Message, MessageDeltaEvent, MessagesRequest,
                        MessageStartEvent, MessageStopEvent, OutputUsage, StopInfo, StreamEvent, TextContent,
@@ -36,14 +36,18 @@ class MessagesServing:
     async def count_tokens(self, request: CountTokensRequest) -> CountTokensResponse:
         """The prompt's tokens, rendered exactly as /v1/messages renders it."""
         await self.serving.ready_for(request.model)
-        prompt = await render_chat(self.serving, chat_request(request, Thinking.of(self.serving)))
+        _check_images(self.serving, request)
+        prompt = await render_chat(self.serving, chat_request(request, Thinking.of(self.serving)),
+                                   image_paths=image_paths(request), count_only=True)
         return CountTokensResponse(input_tokens=len(prompt.token_ids))
 
     async def create_message(self, request: MessagesRequest) -> Message | AsyncIterator[StreamEvent]:
         await self.serving.ready_for(request.model)
+        _check_images(self.serving, request)
         chat = chat_request(request, Thinking.of(self.serving))
         try:
-            generation = await self.chat.generate(chat, endpoint=ENDPOINT, id_prefix="msg")
+            generation = await self.chat.generate(chat, endpoint=ENDPOINT, id_prefix="msg",
+                                                  image_paths=image_paths(request))
         except OpenAIError as exc:
             raise _in_messages_terms(exc) from None
         omit = request.thinking is not None and request.thinking.display == "omitted"
@@ -53,6 +57,15 @@ class MessagesServing:
         async for _ in reply.events():
             pass
         return reply.message()
+
+
+def _check_images(serving, request) -> None:
+    """Image blocks need a vision model: for a text model the 400 names the block's type, as for the other
+    media blocks."""
+    paths = image_paths(request)
+    if paths and serving.engine.vision is None:
+        raise OpenAIError("image blocks are not supported: the served model reads text only",
+                          param=f"{paths[0]}.type")
 
 
 def _in_messages_terms(exc: OpenAIError) -> OpenAIError:

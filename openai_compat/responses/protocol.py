@@ -61,8 +61,17 @@ class ContentPart(BaseModel):
 
     @model_validator(mode="after")
     def _text(self) -> "ContentPart":
-        if self.type in ("input_image", "input_file", "input_audio"):
+        if self.type in ("input_file", "input_audio"):
             raise ValueError(f"content part type {self.type} is not supported: this model takes text only")
+        if self.type == "input_image":  # a vision model takes it (chat's image part); a text model refuses it
+            if self.file_id is not None:
+                raise ParamError("file_id", "an input_image by file_id is not supported (there is no Files API "
+                                            "here): send image_url, a data: or http(s) URL")
+            if not isinstance(self.image_url, str) or not self.image_url:
+                raise ParamError("image_url", "an input_image part needs image_url, a data: or http(s) URL")
+            if self.detail not in (None, "auto", "low", "high"):
+                raise ParamError("detail", "detail must be auto, low or high")
+            return self
         if self.type == "refusal":
             if self.refusal is None:
                 raise ParamError("refusal", "a refusal part needs a refusal string")
@@ -77,7 +86,8 @@ class ContentPart(BaseModel):
 
 def _joined(content: str | list[ContentPart]) -> str:
     """Text parts joined by newlines, as chat joins a message's text parts."""
-    return content if isinstance(content, str) else "\n".join(part.plain for part in content)
+    return content if isinstance(content, str) else "\n".join(part.plain for part in content
+                                                               if part.type != "input_image")
 
 
 class MessageItem(BaseModel):
@@ -93,6 +103,16 @@ class MessageItem(BaseModel):
     @property
     def text(self) -> str:
         return _joined(self.content)
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(part.type == "input_image" for part in self.content)
+
+    def chat_parts(self) -> list[dict]:
+        """The content as chat content parts, images in place (for a message with images)."""
+        return [{"type": "image_url", "image_url": {"url": part.image_url, **({"detail": part.detail}
+                                                                             if part.detail else {})}}
+                if part.type == "input_image" else {"type": "text", "text": part.plain} for part in self.content]
 
 
 class FunctionCallItem(BaseModel):

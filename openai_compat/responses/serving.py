@@ -54,6 +54,14 @@ def _call_id(chat_id: str | None) -> str:
 # ---------------------------------------------------------------- the request as a chat request
 
 
+def image_paths(items: list[InputItem], first_input: int = 0) -> list[str]:
+    """Where each input_image part is in the request (in order), for errors about it: `input[i].content[j]`, or
+    the stored response an earlier item came from."""
+    return [f"input[{index - first_input}].content[{j}]" if index >= first_input else "previous_response_id"
+            for index, item in enumerate(items) if isinstance(item, MessageItem) and item.has_images
+            for j, part in enumerate(item.content) if part.type == "input_image"]
+
+
 def chat_messages(instructions: str | None, items: list[InputItem], first_input: int = 0) -> list[dict[str, Any]]:
     """The conversation as chat messages. Consecutive function calls (and an assistant message just before
     them) make one assistant message with tool calls; a function call's output is a tool message; a reasoning
@@ -94,10 +102,10 @@ def chat_messages(instructions: str | None, items: list[InputItem], first_input:
             reasoning.clear()
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
         elif item.role == "assistant":
-            assistant({"role": "assistant", "content": item.text})
+            assistant({"role": "assistant", "content": item.chat_parts() if item.has_images else item.text})
         else:
             reasoning.clear()
-            messages.append({"role": item.role, "content": item.text})
+            messages.append({"role": item.role, "content": item.chat_parts() if item.has_images else item.text})
     if not messages:
         raise OpenAIError("the input is empty: give at least one input item or instructions", param="input")
     return messages
@@ -190,7 +198,8 @@ class ResponsesServing:
         await self.serving.ready_for(request.model)
         chat_request = await asyncio.to_thread(self._chat_request, request, items, len(prior))
         try:
-            generation = await self.chat.generate(chat_request, endpoint="the Responses API", id_prefix="resp")
+            generation = await self.chat.generate(chat_request, endpoint="the Responses API", id_prefix="resp",
+                                                  image_paths=image_paths(items, len(prior)))
         except OpenAIError as exc:
             raise responses_error(exc) from None
         run = _Run(self, request, generation, items, prior_size)

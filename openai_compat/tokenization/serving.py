@@ -24,7 +24,7 @@ class TokenizationServing:
                       "chat_template_kwargs": request.chat_template_kwargs, "chat_template": request.chat_template,
                       "tools": request.tools, "documents": request.documents}
             chat = parse(ChatCompletionRequest, fields)  # its consistency checks, errors naming the same fields
-            ids = (await render_chat(serving, chat, bool(request.add_special_tokens))).token_ids
+            ids = (await render_chat(serving, chat, bool(request.add_special_tokens), count_only=True)).token_ids
         else:
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
             ids = await serving.tokenize(request.prompt, add_special)

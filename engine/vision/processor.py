@@ -1,0 +1,88 @@
+"""A vision-language model's processor: a rendered prompt and its pictures become the prompt's token ids (each
+image placeholder expanded into the family's image tokens) and the tensors the model's forward takes with them
+(pixel values, image sizes, patch masks, token types). The processor is transformers' own (AutoProcessor,
+the PIL image backend), so the tokens and pixels are the ones `generate` would be given."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.vision.encoder import row_keys
+
+# Processor outputs that are the prompt itself or that the fallback loop builds for itself.
+_NOT_MODEL_INPUTS = ("input_ids", "attention_mask", "labels")
+
+
+def is_vision_config(model_config) -> bool:
+    """Whether a configuration is an image-text-to-text model transformers loads with
+    AutoModelForImageTextToText (a vision tower beside a text decoder)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return (getattr(model_config, "vision_config", None) is not None
+            and getattr(model_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+class ImagePlacementError(ValueError):
+    """The rendered prompt's image placeholders and the request's images do not pair up (a template that drops
+    images, or text that spells an image token)."""
+
+
+@dataclass
+class ImageInputs:
+    """What the engine needs besides the prompt's token ids to run a prompt with images. For the fallback loop:
+    the model's extra forward inputs, for one row (pixel values, image sizes, patch masks, token types). For the
+    paged engine (encoder.py): the image-token positions, the embedding rows they take, and the prompt's
+    prefix-cache keys (its token ids with each image position keyed by its row's content)."""
+    tensors: dict[str, torch.Tensor]
+    positions: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    key_ids: list[int] | None = None
+
+    def to(self, device) -> "ImageInputs":
+        return ImageInputs({k: v.to(device) for k, v in self.tensors.items()}, self.positions, self.rows,
+                           self.key_ids)
+
+    def rows_between(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The image rows of prompt positions start..end-1, as (offsets from start, rows), or None."""
+        if self.positions is None:
+            return None
+        inside = (self.positions >= start) & (self.positions < end)
+        if not bool(inside.any()):
+            return None
+        return self.positions[inside] - start, self.rows[inside]
+
+
+class VisionProcessor:
+    """The served model's processor, as the API layer uses it (from a worker thread: it is CPU work)."""
+
+    def __init__(self, processor, model_dtype: torch.dtype, encoder=None):
+        self.hf = processor
+        self.dtype = model_dtype
+        self.chat_template = getattr(processor, "chat_template", None)
+        self.encoder = encoder  # an encoder.ImageEncoder when the paged engine runs the decoder
+
+    def prepare(self, text: str, images: list, add_special_tokens: bool = False, encode: bool = True
+                ) -> tuple[list[int], ImageInputs | None]:
+        """The token ids of `text` (already rendered by the chat template, one placeholder per image) with the
+        image tokens expanded, and the images' model inputs (not encoded when `encode` is false: counting
+        tokens needs no image rows)."""
+        if not images:
+            encoded = self.hf.tokenizer(text, add_special_tokens=add_special_tokens)
+            return list(encoded["input_ids"]), None
+        try:
+            encoded = self.hf(text=[text], images=[images], return_tensors="pt",
+                              add_special_tokens=add_special_tokens)
+        except (ValueError, IndexError) as exc:  # placeholders and images do not pair up
+            raise ImagePlacementError(f"the images do not fit the rendered prompt: {' '.join(str(exc).split())}"
+                                      ) from exc
+        ids = encoded["input_ids"][0].tolist()
+        tensors = {k: v for k, v in encoded.items() if k not in _NOT_MODEL_INPUTS and isinstance(v, torch.Tensor)}
+        tensors = {k: (v.to(self.dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
+        if self.encoder is None or not encode:
+            return ids, ImageInputs(tensors)
+        positions, rows = self.encoder.encode(ids, tensors)
+        key_ids = list(ids)
+        for position, key in zip(positions.tolist(), row_keys(rows)):
+            key_ids[position] = key
+        return ids, ImageInputs({}, positions, rows, key_ids)
