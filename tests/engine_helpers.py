@@ -9,7 +9,9 @@ from conftest import ROOT
 from engine import AsyncEngine, SamplingParams
 
 sys.path.insert(0, str(ROOT / "bench"))
-from throughput import PROMPTS  # noqa: E402,F401  (the benchmark's prompts: varied, short chat questions)
+import throughput  # noqa: E402  (the benchmark's prompts: varied, short chat questions)
+
+PROMPTS = throughput.PROMPTS
 
 
 def chat_ids(engine: AsyncEngine, text: str) -> list[int]:
