@@ -7,8 +7,9 @@ sequential stream laid out once at load, in the order VDPBF16PS multiplies it (d
 copy replaces oneDNN's packed one, so the model keeps one extra copy of its linear weights, as before.
 
 A probe at load times it against the layout in use over a step's weights in order, at decode batch sizes and at
-a prompt chunk's size on one layer's weights; it serves batches up to the largest size that wins with every
-smaller one, every size when it wins at all of them (then the packed oneDNN copies are released). Each distinct
+a prompt chunk's size on one layer's weights; where it wins at decode sizes and loses at none it serves every
+batch size and oneDNN's packed copies are released, else the layout keeps serving (a CPU with AMX, whose oneDNN
+prompt chunks would be far faster, say). Each distinct
 weight shape is first checked against a float32 product of the same bfloat16 values. CPUs without AVX512_BF16,
 builds without AVX-512, float16 and float32 weights keep the layout's products.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import types
 
 import torch
@@ -27,12 +29,14 @@ log = logging.getLogger("engine.cpu.bf16_weights")
 
 _DECODE_ROWS = (1, 4, 16, 64)  # timed over a step's weights in order
 _PREFILL_ROWS = 256  # timed over one layer's weights (a product this size is bound by its multiplies)
-_GAIN_NEEDED = 1.02
-EVERY_SIZE = 2**62
+# It serves every batch size or none: serving only some would keep oneDNN's packed copy for the others, a second
+# extra copy of the weights. It must win at decode sizes (geometric mean) and lose nowhere by more than timing noise.
+_GAIN_NEEDED = 1.05
+_LOSS_ALLOWED = 0.9
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
-    if x.dtype is not torch.bfloat16 or x.numel() > self.bf16_until * x.shape[-1]:
+    if x.dtype is not torch.bfloat16:
         return self.dense_forward(x)
     out = self.bf16_kernels.bf16_linear(x.reshape(-1, x.shape[-1]).contiguous(), self.weight_bf16,
                                         self.out_features, self.bias_float)
@@ -108,10 +112,9 @@ def _verdict_name(modules: list[torch.nn.Linear]) -> str:
 
 
 def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=None) -> int:
-    """Give every bfloat16 linear layer the kernel's product for batches up to the size where it wins over the
-    layout in use (`kernels`: native_kernels.active(), or None). With `every_size` (BATCH_INVARIANT) it serves
-    every size: a row's sums do not depend on the other rows, but a row that went to another product when the
-    step had more rows would round differently. Returns how many layers got it. `verdicts`
+    """Give every bfloat16 linear layer the kernel's product where it wins over the layout in use (`kernels`:
+    native_kernels.active(), or None). With `every_size` (BATCH_INVARIANT) it serves even where it does not win:
+    a row's sums do not depend on the other rows, so the product is batch invariant by itself. Returns how many layers got it. `verdicts`
     (engine/startup_cache.py) keeps the check's and the timing's outcome across starts."""
     if kernels is None or not hasattr(kernels, "bf16_linear_supported") or not kernels.bf16_linear_supported():
         return 0
@@ -120,8 +123,8 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
         return 0
     name = _verdict_name(modules)
     stored, value = verdicts.cached(name) if verdicts is not None else (False, None)
-    until, timed = value if stored else (0, "")
-    if stored and not until and not every_size:
+    serves, timed = value if stored else (False, "")
+    if stored and not serves and not (every_size and timed != "differs"):
         return 0
     with torch.inference_mode():
         packs = [kernels.bf16_pack(m.weight.detach()) for m in modules]
@@ -134,37 +137,28 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
             if not all(checked.values()):
                 log.warning("the bfloat16 product (engine/cpu/native/bf16_linear.cpp) differs from float32 sums on "
                             "this machine; not used")
-                until, timed = 0, "differs"
+                serves, timed = False, "differs"
             else:
                 gains = _gains(modules, packs, kernels, _layer_count(model, modules))
-                until = 0
-                for rows in _DECODE_ROWS:
-                    if gains[rows] < _GAIN_NEEDED:
-                        break
-                    until = rows
-                if until == _DECODE_ROWS[-1] and gains[_PREFILL_ROWS] >= _GAIN_NEEDED:
-                    until = EVERY_SIZE
-                timed = ", ".join(f"{g:.2f}x at {rows}" for rows, g in gains.items())
+                decode = math.prod(gains[rows] for rows in _DECODE_ROWS) ** (1 / len(_DECODE_ROWS))
+                serves = decode >= _GAIN_NEEDED and min(gains.values()) >= _LOSS_ALLOWED
+                timed = ", ".join(f"{g:.2f}x at {rows}" for rows, g in gains.items()) + " rows"
             if verdicts is not None:
-                verdicts.get(name, lambda: [until, timed])
-    if every_size and timed != "differs":
-        until = EVERY_SIZE
-    if not until:
-        log.info("linear weights: the AVX512_BF16 product is not faster here (%s rows); the layout's kept", timed)
+                verdicts.get(name, lambda: [serves, timed])
+    if not (serves or (every_size and timed != "differs")):
+        log.info("linear weights: the AVX512_BF16 product is not faster here (%s); the layout's products kept", timed)
         return 0
     released = 0
     for module, packed in zip(modules, packs):
         module.weight_bf16 = packed
         module.bias_float = _bias(module)
-        module.bf16_until = until
         module.bf16_kernels = kernels
-        module.dense_forward = module.forward
+        module.dense_forward = module.forward  # for inputs of another type
         module.forward = types.MethodType(_forward, module)
-        if until == EVERY_SIZE:  # no other product serves these layers now: oneDNN's packed copies go
-            released += cpu_layout.release_packed(module)
-    log.info("linear weights: %d bfloat16 layers multiply through the AVX512_BF16 product (engine/cpu/native/"
-             "bf16_linear.cpp, a %.0f MB copy) %s: %s rows", len(modules), sum(p.numel() * 2 for p in packs) / 2**20,
-             "at every batch size" if until == EVERY_SIZE else f"up to {until} rows", timed)
+        released += cpu_layout.release_packed(module)  # no other product serves these layers now
+    log.info("linear weights: %d bfloat16 layers multiply through the AVX512_BF16 product at every batch size "
+             "(engine/cpu/native/bf16_linear.cpp, a %.0f MB copy): %s", len(modules),
+             sum(p.numel() * 2 for p in packs) / 2**20, timed or "BATCH_INVARIANT")
     if released:
         log.info("linear weights: %.0f MB of oneDNN's packed copies released (engine/cpu/layout.py)", released / 2**20)
     return len(modules)
