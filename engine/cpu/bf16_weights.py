@@ -93,7 +93,7 @@ def _gains(modules: list[torch.nn.Linear], packs: list[torch.Tensor], kernels,
         gains[rows] = cpu_layout.speedup(
             lambda: [m.forward(x_for[m.in_features]) for m, _ in timed],
             lambda: [kernels.bf16_linear(x_for[m.in_features], p, m.out_features, bias[m]) for m, p in timed],
-            repeats=3)
+            repeats=5)
     return gains
 
 
