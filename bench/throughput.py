@@ -1,7 +1,7 @@
 """Streaming throughput of the worker's gateway against plain `model.generate`, in one run.
 
-    .venv/bin/python bench/throughput.py [--levels 1,4,8,16] [--long-levels 4] [--long-words 1000]
-                                         [--max-tokens 64] [--rounds 2] [--env KEY=VALUE ...]
+    .venv/bin/python bench/throughput.py [--model FOLDER] [--levels 1,4,8,16] [--long-levels 4]
+                                         [--long-words 1000] [--max-tokens 64] [--rounds 2] [--env KEY=VALUE ...]
 
 1. Baseline: transformers' `model.generate`, batch 1, greedy, `--max-tokens` new tokens, on the same model in
    this process (stock attention and cache), over the same prompts.
@@ -12,8 +12,12 @@
    `--long-levels`, `--long-requests` requests per level.
 With `--base-url` the same loads drive another running OpenAI-compatible server (vLLM's, say) instead of the
 gateway, so that two servers are measured one after the other in one sitting.
+`--model` serves that model (MODEL_NAME: a local folder such as a bfloat16 checkpoint) in both, instead of the
+embedded one; with `--base-url` it only names the weights whose bytes are counted.
 Prints the machine's own ceilings (matmul GFLOP/s in float32 and bfloat16, copy GB/s), a table (aggregate
-output tok/s, TTFT p50/mean/p95, ratio to the baseline) and one JSON line.
+output tok/s, TTFT p50/mean/p95, ratio to the baseline) and one JSON line. For a local safetensors model it also
+prints the weights a decode step reads per token (every linear weight, the output head included, once) and the
+bytes per second that 1 stream reads them at, as a share of the copy ceiling.
 """
 from __future__ import annotations
 
@@ -95,6 +99,26 @@ def long_document_prompt(index: int, words: int) -> str:
     so the prefix cache cannot shortcut the prefill (a RAG-like load)."""
     body = " ".join(FILLER[(index * 7 + k) % len(FILLER)] for k in range(words))
     return f"Document {index * 7919 % 10007}: {body}\n\nQuestion: {PROMPTS[index % len(PROMPTS)]}"
+
+
+def weight_bytes_per_token(folder: str | Path) -> int:
+    """The bytes of weights one decode step reads from a safetensors folder: every tensor once (the output head
+    included, the input embeddings only where the head is tied to them: a lookup reads one row)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    sizes = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                count = 1
+                for dim in piece.get_shape():
+                    count *= dim
+                sizes[name] = count * {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}.get(piece.get_dtype(), 1)
+    tied = config.get("tie_word_embeddings", False) and not any("lm_head" in n for n in sizes)
+    return sum(size for name, size in sizes.items() if tied or "embed_tokens" not in name)
 
 
 def machine_ceilings(threads: int | None) -> dict:
@@ -179,6 +203,7 @@ async def drive(base_url: str, model: str, concurrency: int, requests: int, max_
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="serve this model folder (MODEL_NAME) instead of the embedded model")
     parser.add_argument("--levels", default="1,4,8,16")
     parser.add_argument("--long-levels", default="4",
                         help="concurrency levels of the long-document load ('' to skip)")
@@ -197,6 +222,8 @@ def main() -> None:
     long_levels = [int(x) for x in args.long_levels.split(",") if x]
     mixed_levels = [int(x) for x in args.mixed_levels.split(",") if x]
     env = dict(item.split("=", 1) for item in args.env)
+    if args.model:
+        env["MODEL_NAME"] = os.environ["MODEL_NAME"] = args.model
     threads = int(env["TORCH_NUM_THREADS"]) if "TORCH_NUM_THREADS" in env else None
 
     base, folder, ceilings = 0.0, "", {}
@@ -229,6 +256,13 @@ def main() -> None:
             process.terminate()
             process.wait(timeout=30)
 
+    model_dir = Path(os.environ.get("MODEL_NAME") or folder or "/nonexistent")
+    weight_bytes = weight_bytes_per_token(model_dir) if any(model_dir.glob("*.safetensors")) else 0
+    single = next((r for r in results if r["concurrency"] == 1 and not r["long_words"]), None)
+    if weight_bytes and single:
+        read = weight_bytes * single["tok_s"] / 1e9
+        share = f", {read / ceilings['copy_gb_s']:.0%} of the copy ceiling" if ceilings else ""
+        print(f"1 stream reads {weight_bytes / 1e6:.0f} MB of weights a token: {read:.1f} GB/s{share}")
     print()
     print(f"| load | output tok/s | TTFT p50 | TTFT mean | TTFT p95 | vs model.generate ({base:.1f} tok/s) | errors |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -242,7 +276,8 @@ def main() -> None:
     print(json.dumps({"bench": "throughput", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
                       "ceilings": ceilings, "max_tokens": args.max_tokens, "server": args.base_url or "gateway",
                       "gateway_env": env,
-                      "baseline_tok_s": round(base, 1), "levels": results}))
+                      "baseline_tok_s": round(base, 1), "weight_bytes_per_token": weight_bytes,
+                      "levels": results}))
 
 
 if __name__ == "__main__":

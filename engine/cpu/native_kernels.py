@@ -56,6 +56,7 @@ log = logging.getLogger("engine.cpu.native_kernels")
 SOURCE = Path(__file__).with_name("native") / "decode_kernels.cpp"
 QUANTIZED_SOURCE = SOURCE.with_name("quantized_linear.cpp")  # built into the same module
 PREFILL_SOURCE = SOURCE.with_name("prefill_attention.cpp")  # this one too
+BF16_SOURCE = SOURCE.with_name("bf16_linear.cpp")  # and the AVX512_BF16 product
 PREBUILT = SOURCE.with_name("prebuilt")  # the image's builds (--prebuild), beside the sources they came from
 
 BUILD_WAIT_S = 300.0  # the longest a start waits for another process's build (one takes about a minute)
@@ -133,7 +134,7 @@ def build_name(variant: Variant) -> str:
              platform.machine()]
     for part in parts:
         digest.update(part.encode() + b"\0")
-    for source in (SOURCE, QUANTIZED_SOURCE, PREFILL_SOURCE):
+    for source in (SOURCE, QUANTIZED_SOURCE, PREFILL_SOURCE, BF16_SOURCE):
         digest.update(source.read_bytes() + b"\0")
     return f"llm_worker_kernels_{variant.name}_{digest.hexdigest()[:16]}"
 
@@ -257,7 +258,7 @@ def _compile(variant: Variant, root: Path, wait_s: float):
             # -fopenmp links libgomp.so.1 by name: the loader reuses the copy torch already loaded, so the
             # kernels share torch's OpenMP threads instead of starting a second team (which halves decode
             # speed; README).
-            module = cpp_extension.load(name, [str(SOURCE), str(QUANTIZED_SOURCE), str(PREFILL_SOURCE)],
+            module = cpp_extension.load(name, [str(SOURCE), str(QUANTIZED_SOURCE), str(PREFILL_SOURCE), str(BF16_SOURCE)],
                                extra_cflags=[*_COMMON_FLAGS, *variant.flags], extra_ldflags=["-fopenmp"],
                                build_directory=str(work), verbose=False)
             os.replace(work / f"{name}.so", target)  # whole or absent: a reader never sees a partial file

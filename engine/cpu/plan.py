@@ -4,7 +4,7 @@
 2. whether a GGUF model may serve from its Q4_1 / Q8_0 blocks (`try_gguf_blocks`), which loads it as float32;
 3. after the weights load: the C++ kernels of this CPU's variant (`load_kernels`), the blocks' verdict against
    bfloat16 (`gguf_blocks_win`; the model reloads as bfloat16 when they lose), then batch invariance, the weights'
-   layouts and the block products (`apply`);
+   layouts, the AVX512_BF16 product of bfloat16 weights and the block products (`apply`);
 4. the KV cache's type (`kv_cache_dtype`).
 
 The loader and the engine call these; none of the choices is made anywhere else. Probes' verdicts come from and
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.cpu import layout, native_kernels, quantized_weights
+from engine.cpu import bf16_weights, layout, native_kernels, quantized_weights
 
 log = logging.getLogger("engine.loader")
 
@@ -70,6 +70,7 @@ def apply(model: torch.nn.Module, dtype: torch.dtype, config: EngineConfig, *, f
         config.batch_invariant == "auto" and from_gguf and dtype == torch.float32
         and native_kernels.active() is not None)
     layout.apply(model, batch_invariant=invariant, verdicts=verdicts)
+    bf16_weights.apply(model, native_kernels.active(), every_size=invariant, verdicts=verdicts)
     # DTYPE=auto lets GGUF blocks take 16-bit integer activations; an explicit float32 keeps float32 activations.
     quantized_weights.apply(model, native_kernels.active(), integer_activations=config.dtype == "auto",
                             every_size=invariant, verdicts=verdicts)

@@ -554,6 +554,11 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 bool prefill_attention_supported();
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
                              const at::Tensor& blocks, int64_t start, int64_t window, double scale, at::Tensor& out);
+// engine/native/bf16_linear.cpp
+bool bf16_linear_supported();
+at::Tensor bf16_pack(const at::Tensor& weight);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMS norm of the last dimension");
@@ -568,4 +573,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_blocks", &pack_blocks, "(format, blocks): a float32 weight's exact Q4_1 or Q8_0 blocks, or (0, empty)",
         py::arg("weight"), py::arg("words") = false);
   m.def("blocks_linear", &blocks_linear, "x times a weight packed by pack_blocks");
+  m.def("bf16_linear_supported", &bf16_linear_supported, "whether this build and CPU have the AVX512_BF16 product");
+  m.def("bf16_pack", &bf16_pack, "a bfloat16 weight laid out for bf16_linear");
+  m.def("bf16_linear", &bf16_linear, "bfloat16 rows times a weight packed by bf16_pack (+ bias)",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
 }

@@ -1,0 +1,164 @@
+"""Linear layers with bfloat16 weights multiply through the AVX512_BF16 kernel (engine/cpu/native/bf16_linear.cpp).
+
+A decode step at a few rows reads every weight once from memory, so the product's speed is the speed it streams
+weights at. oneDNN's packed bfloat16 product (engine/cpu/layout.py) read a step's weights of a 362M Llama at about
+half the machine's copy bandwidth on a 2-core AMD EPYC; the kernel reads each thread's share of a weight as one
+sequential stream laid out once at load, in the order VDPBF16PS multiplies it (docs/cpu-kernels.md). The kernel's
+copy replaces oneDNN's packed one, so the model keeps one extra copy of its linear weights, as before.
+
+A probe at load times it against the layout in use over a step's weights in order, at decode batch sizes and at
+a prompt chunk's size on one layer's weights; where it wins at decode sizes and loses at none it serves every
+batch size and oneDNN's packed copies are released, else the layout keeps serving (a CPU with AMX, whose oneDNN
+prompt chunks would be far faster, say). Each distinct
+weight shape is first checked against a float32 product of the same bfloat16 values. CPUs without AVX512_BF16,
+builds without AVX-512, float16 and float32 weights keep the layout's products.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import types
+
+import torch
+import torch.nn.functional as F
+
+from engine.cpu import layout as cpu_layout
+
+log = logging.getLogger("engine.cpu.bf16_weights")
+
+_DECODE_ROWS = (1, 4, 16, 64)  # timed over a step's weights in order
+_PREFILL_ROWS = 256  # timed over one layer's weights (a product this size is bound by its multiplies)
+# It serves every batch size or none: serving only some would keep oneDNN's packed copy for the others, a second
+# extra copy of the weights. It must win at decode sizes (geometric mean) and lose nowhere by more than timing noise.
+_GAIN_NEEDED = 1.05
+_LOSS_ALLOWED = 0.9
+
+
+def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype is not torch.bfloat16:
+        return self.dense_forward(x)
+    out = self.bf16_kernels.bf16_linear(x.reshape(-1, x.shape[-1]).contiguous(), self.weight_bf16,
+                                        self.out_features, self.bias_float)
+    return out.view(*x.shape[:-1], self.out_features)
+
+
+def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """Linear layers in step order (fused projections' parts, which run only when the fused product cannot, left
+    out) with 2-D bfloat16 CPU weights."""
+    return [m for m in model.modules()
+            if type(m) is torch.nn.Linear and not getattr(m, "fused_into", False)
+            and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu" and m.weight.dim() == 2]
+
+
+def _bias(module: torch.nn.Linear) -> torch.Tensor | None:
+    return None if module.bias is None else module.bias.detach().float().contiguous()
+
+
+def agrees(module: torch.nn.Linear, kernels, packed: torch.Tensor) -> bool:
+    """The kernel's product against float32 sums of the same bfloat16 values (+ bias) at 1, 7 and 17 rows: each
+    output within its rounding to bfloat16 (half a unit in the last place) plus float32 summation error."""
+    weight = module.weight.detach().float()
+    bias = _bias(module)
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 7, 17):
+        x = torch.randn(rows, module.in_features, generator=gen).bfloat16()
+        expected = F.linear(x.float(), weight, bias)
+        got = kernels.bf16_linear(x, packed, module.out_features, bias).float()
+        bound = expected.abs() * 2.0**-8 + 1e-5 * F.linear(x.float().abs(), weight.abs()) + 1e-30
+        if got.shape != expected.shape or not bool(((got - expected).abs() <= bound).all()):
+            return False
+    return True
+
+
+def _gains(modules: list[torch.nn.Linear], packs: list[torch.Tensor], kernels,
+           layer_count: int) -> dict[int, float]:
+    """The kernel's speed-up over each layer's current forward at each probed batch size, timed in turns over a
+    step's weights in order (up to cpu_layout.PROBE_BYTES, and the output head), a prompt chunk's size over the
+    first `layer_count` weights."""
+    chosen, total = [], 0
+    head = modules[-1]
+    for module, packed in zip(modules, packs):
+        chosen.append((module, packed))
+        total += module.weight.numel() * 2
+        if total >= cpu_layout.PROBE_BYTES:
+            break
+    if chosen[-1][0] is not head:
+        chosen.append((head, packs[-1]))
+    gains = {}
+    for rows in (*_DECODE_ROWS, _PREFILL_ROWS):
+        timed = chosen[:layer_count] if rows == _PREFILL_ROWS else chosen
+        x_for = {m.in_features: torch.randn(rows, m.in_features, dtype=torch.bfloat16) for m, _ in timed}
+        bias = {m: _bias(m) for m, _ in timed}
+        gains[rows] = cpu_layout.speedup(
+            lambda: [m.forward(x_for[m.in_features]) for m, _ in timed],
+            lambda: [kernels.bf16_linear(x_for[m.in_features], p, m.out_features, bias[m]) for m, p in timed],
+            repeats=5)
+    return gains
+
+
+def _layer_count(model: torch.nn.Module, modules: list[torch.nn.Linear]) -> int:
+    """How many of `modules` belong to the first decoder layer (the first ModuleList of several blocks)."""
+    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1), None)
+    if layers is None:
+        return 1
+    first = {id(m) for m in layers[0].modules()}
+    return max(1, sum(id(m) in first for m in modules))
+
+
+def _verdict_name(modules: list[torch.nn.Linear]) -> str:
+    shapes = repr([(tuple(m.weight.shape), m.bias is not None) for m in modules] + [torch.get_num_threads()])
+    return "bf16_linear:" + hashlib.sha256(shapes.encode()).hexdigest()[:16]
+
+
+def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=None) -> int:
+    """Give every bfloat16 linear layer the kernel's product where it wins over the layout in use (`kernels`:
+    native_kernels.active(), or None). With `every_size` (BATCH_INVARIANT) it serves even where it does not win:
+    a row's sums do not depend on the other rows, so the product is batch invariant by itself. Returns how many layers got it. `verdicts`
+    (engine/startup_cache.py) keeps the check's and the timing's outcome across starts."""
+    if kernels is None or not hasattr(kernels, "bf16_linear_supported") or not kernels.bf16_linear_supported():
+        return 0
+    modules = _candidates(model)
+    if not modules:
+        return 0
+    name = _verdict_name(modules)
+    stored, value = verdicts.cached(name) if verdicts is not None else (False, None)
+    serves, timed = value if stored else (False, "")
+    if stored and not serves and not (every_size and timed != "differs"):
+        return 0
+    with torch.inference_mode():
+        packs = [kernels.bf16_pack(m.weight.detach()) for m in modules]
+        if not stored:
+            checked = {}
+            for module, packed in zip(modules, packs):
+                key = (tuple(module.weight.shape), module.bias is not None)
+                if key not in checked:
+                    checked[key] = agrees(module, kernels, packed)
+            if not all(checked.values()):
+                log.warning("the bfloat16 product (engine/cpu/native/bf16_linear.cpp) differs from float32 sums on "
+                            "this machine; not used")
+                serves, timed = False, "differs"
+            else:
+                gains = _gains(modules, packs, kernels, _layer_count(model, modules))
+                decode = math.prod(gains[rows] for rows in _DECODE_ROWS) ** (1 / len(_DECODE_ROWS))
+                serves = decode >= _GAIN_NEEDED and min(gains.values()) >= _LOSS_ALLOWED
+                timed = ", ".join(f"{g:.2f}x at {rows}" for rows, g in gains.items()) + " rows"
+            if verdicts is not None:
+                verdicts.get(name, lambda: [serves, timed])
+    if not (serves or (every_size and timed != "differs")):
+        log.info("linear weights: the AVX512_BF16 product is not faster here (%s); the layout's products kept", timed)
+        return 0
+    released = 0
+    for module, packed in zip(modules, packs):
+        module.weight_bf16 = packed
+        module.bias_float = _bias(module)
+        module.bf16_kernels = kernels
+        module.dense_forward = module.forward  # for inputs of another type
+        module.forward = types.MethodType(_forward, module)
+        released += cpu_layout.release_packed(module)  # no other product serves these layers now
+    log.info("linear weights: %d bfloat16 layers multiply through the AVX512_BF16 product at every batch size "
+             "(engine/cpu/native/bf16_linear.cpp, a %.0f MB copy): %s", len(modules),
+             sum(p.numel() * 2 for p in packs) / 2**20, timed or "BATCH_INVARIANT")
+    if released:
+        log.info("linear weights: %.0f MB of oneDNN's packed copies released (engine/cpu/layout.py)", released / 2**20)
+    return len(modules)

@@ -1,0 +1,188 @@
+// The product of a few bfloat16 rows by a bfloat16 weight with AVX512_BF16 (engine/cpu/bf16_weights.py calls it).
+//
+// Why: a decode step at a few rows streams every weight from memory once, so its speed is the speed weights are
+// read at. oneDNN's packed bfloat16 product read a step's weights at about half the machine's copy bandwidth
+// here. This kernel reads the weight as one sequential stream per thread, in the order it multiplies it:
+// `bf16_pack` lays the weight out once, in panels of 64 outputs (4 blocks of 16), each panel input pair by input
+// pair: for pair g the 16 outputs of block j hold (w[o][2g], w[o][2g + 1]) side by side, 64 bytes, exactly the
+// 32 bfloat16 that one VDPBF16PS multiplies by a broadcast pair of inputs into 16 float32 sums. A register tile of
+// up to 6 rows by 4 blocks (24 sums) takes each weight load 6 times, so batches and prompt chunks run from the
+// same copy: a panel (at most 4 x 16 x K x 2 bytes, 320 KB at K = 2560) stays in L2 while every row tile of a
+// call passes over it. Sums are float32 in input-pair order, the bias is added in float32 and the result rounded
+// once to bfloat16 (round to nearest even), as oneDNN does. Each row's sums do not depend on the other rows.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__GNUC__) && (__GNUC__ >= 10 || defined(__clang__))
+#include <immintrin.h>
+#define LLM_BF16_PRODUCT 1
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 16;       // outputs per block: one register of float32 sums
+constexpr int64_t kPanelBlocks = 4;  // blocks per panel
+constexpr int64_t kPanel = kLanes * kPanelBlocks;
+constexpr int kMaxRows = 6;          // rows per register tile (6 x 4 sums + 4 weights + a broadcast: 29 registers)
+
+int64_t pairs_of(int64_t in_features) { return (in_features + 1) / 2; }
+
+void check_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
+              "bf16_pack: a 2-D bfloat16 CPU weight is needed");
+}
+
+#if defined(LLM_BF16_PRODUCT)
+
+// Rows r0..r0+R of x (row stride xs elements, K inputs) by one panel of NB blocks; sums out to `out` (row stride
+// os, N outputs, block `first` of the panel is output first * 16), bias (float32 of N) or null.
+template <int R, int NB>
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void panel_tile(const uint16_t* x, int64_t xs, int64_t K, const uint16_t* panel, int64_t first_out, int64_t N,
+                const float* bias, uint16_t* out, int64_t os) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t full = K / 2;
+  const uint16_t* w = panel;
+  constexpr int64_t step = NB * 32;  // elements of one input pair across the panel's blocks
+  constexpr int64_t ahead = 16 * step;  // prefetch distance: 16 pairs (4 KB for a full panel)
+  for (int64_t g = 0; g < full; ++g, w += step) {
+    for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + ahead + j * 32), _MM_HINT_T0);
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * 32);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * xs + 2 * g, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  if (K & 1) {  // the last input alone: its pair's second weight is a zero the packing added, its input is zero too
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[r * xs + K - 1]));
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t o = first_out + j * kLanes;
+    const int64_t lanes = N - o < kLanes ? N - o : kLanes;
+    const __mmask16 mask = lanes == kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << lanes) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + o) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b));
+      _mm256_mask_storeu_epi16(out + r * os + o, mask, rounded);
+    }
+  }
+}
+
+template <int R>
+void panel_rows(int nb, const uint16_t* x, int64_t xs, int64_t K, const uint16_t* panel, int64_t first_out,
+                int64_t N, const float* bias, uint16_t* out, int64_t os) {
+  switch (nb) {
+    case 4: return panel_tile<R, 4>(x, xs, K, panel, first_out, N, bias, out, os);
+    case 3: return panel_tile<R, 3>(x, xs, K, panel, first_out, N, bias, out, os);
+    case 2: return panel_tile<R, 2>(x, xs, K, panel, first_out, N, bias, out, os);
+    default: return panel_tile<R, 1>(x, xs, K, panel, first_out, N, bias, out, os);
+  }
+}
+
+void tile(int rows, int nb, const uint16_t* x, int64_t xs, int64_t K, const uint16_t* panel, int64_t first_out,
+          int64_t N, const float* bias, uint16_t* out, int64_t os) {
+  switch (rows) {
+    case 6: return panel_rows<6>(nb, x, xs, K, panel, first_out, N, bias, out, os);
+    case 5: return panel_rows<5>(nb, x, xs, K, panel, first_out, N, bias, out, os);
+    case 4: return panel_rows<4>(nb, x, xs, K, panel, first_out, N, bias, out, os);
+    case 3: return panel_rows<3>(nb, x, xs, K, panel, first_out, N, bias, out, os);
+    case 2: return panel_rows<2>(nb, x, xs, K, panel, first_out, N, bias, out, os);
+    default: return panel_rows<1>(nb, x, xs, K, panel, first_out, N, bias, out, os);
+  }
+}
+
+bool cpu_has_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16");
+}
+
+#endif
+
+}  // namespace
+
+bool bf16_linear_supported() {
+#if defined(LLM_BF16_PRODUCT)
+  return cpu_has_bf16();
+#else
+  return false;
+#endif
+}
+
+// weight [N, K] (any strides) -> the panels described above, zero-padded to whole blocks and input pairs.
+at::Tensor bf16_pack(const at::Tensor& weight) {
+  check_weight(weight);
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), K2 = pairs_of(K);
+  const int64_t blocks = (N + kLanes - 1) / kLanes, panels = (blocks + kPanelBlocks - 1) / kPanelBlocks;
+  at::Tensor packed = at::zeros({blocks * kLanes * K2 * 2}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t nb = std::min(kPanelBlocks, blocks - p * kPanelBlocks);
+      uint16_t* panel = dst + p * kPanel * K2 * 2;
+      for (int64_t j = 0; j < nb; ++j)
+        for (int64_t i = 0; i < kLanes; ++i) {
+          const int64_t o = (p * kPanelBlocks + j) * kLanes + i;
+          if (o >= N) break;
+          const uint16_t* row = src + o * K;
+          for (int64_t k = 0; k < K; ++k) panel[((k / 2 * nb + j) * kLanes + i) * 2 + (k & 1)] = row[k];
+        }
+    }
+  });
+  return packed;
+}
+
+// x [M, K] bfloat16 by the weight `bf16_pack` made of a [N, K] weight (+ bias [N]) -> [M, N] bfloat16.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias) {
+#if defined(LLM_BF16_PRODUCT)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "bf16_linear: x must be a contiguous 2-D bfloat16 tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, K2 = pairs_of(K);
+  const int64_t blocks = (N + kLanes - 1) / kLanes, panels = (blocks + kPanelBlocks - 1) / kPanelBlocks;
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.numel() == blocks * kLanes * K2 * 2,
+              "bf16_linear: the packed weight does not match x and out_features");
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "bf16_linear: bias size");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  // Row tiles of nearly equal size (8 rows: 4 + 4, not 6 + 2).
+  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int nb = static_cast<int>(std::min(kPanelBlocks, blocks - p * kPanelBlocks));
+      const uint16_t* panel = wp + p * kPanel * K2 * 2;
+      int64_t r0 = 0;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t r1 = M * (t + 1) / tiles;
+        tile(static_cast<int>(r1 - r0), nb, xp + r0 * K, K, K, panel, p * kPanel, N, bp, op + r0 * N, N);
+        r0 = r1;
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "bf16_linear: this build has no AVX512_BF16 product");
+#endif
+}

@@ -1,0 +1,110 @@
+"""The AVX512_BF16 product of bfloat16 weights (engine/cpu/native/bf16_linear.cpp, engine/cpu/bf16_weights.py): it
+multiplies by exactly the weights' values with float32 sums for any number of rows and any shape (bias, odd
+sizes, partial panels), a row's result does not depend on its batch, bad arguments are errors, and a bfloat16
+model serves the same greedy tokens through it as through the layout's products."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import AsyncEngine, EngineConfig
+from engine.cpu import bf16_weights, native_kernels
+from engine_helpers import greedy_tokens
+from tiny_models import build_model
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    assert native_kernels.load("auto", torch.bfloat16), native_kernels.reason()
+    kernels = native_kernels.active()
+    if not kernels.bf16_linear_supported():
+        pytest.skip("the bfloat16 product needs AVX-512 with AVX512_BF16")
+    return kernels
+
+
+def _bf16(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+# (outputs, inputs): a single block, partial blocks and panels (17, 70, 100), odd inputs (7, 129), one input
+@pytest.mark.parametrize("out_features, in_features", [(16, 64), (17, 7), (70, 129), (100, 1), (200, 960)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_product_is_float32_sums_of_the_bfloat16_values(kernels, out_features, in_features, with_bias):
+    weight = _bf16(out_features, in_features, seed=1)
+    bias = _bf16(out_features, seed=2).float() if with_bias else None
+    packed = kernels.bf16_pack(weight)
+    for rows in range(1, 34):
+        x = _bf16(rows, in_features, seed=rows)
+        exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+        got = kernels.bf16_linear(x, packed, out_features, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        # Rounded once to bfloat16 (half a unit in its last place: 2^-9 of the value, 2^-8 bounds it) from float32
+        # sums, whose error is bounded by a few float32 units of the sum of |x| |w|.
+        reach = x.double().abs() @ weight.double().abs().t() + (0 if bias is None else bias.double().abs())
+        bound = exact.abs() * 2.0**-8 + reach * 1e-6 * in_features ** 0.5 + 1e-30
+        assert bool(((got.double() - exact).abs() <= bound).all()), rows
+
+
+def test_unit_rows_give_back_the_weights_and_rows_do_not_depend_on_their_batch(kernels):
+    weight = _bf16(75, 33, seed=3)
+    packed = kernels.bf16_pack(weight)
+    units = torch.eye(33, dtype=torch.bfloat16)
+    assert torch.equal(kernels.bf16_linear(units, packed, 75), weight.t())
+    # Transposed (column-major) weights pack to the same layout.
+    assert torch.equal(kernels.bf16_pack(weight.t().contiguous().t()), packed)
+    x = _bf16(40, 33, seed=4)
+    batched = kernels.bf16_linear(x, packed, 75)
+    for rows in (slice(0, 1), slice(3, 5), slice(7, 20), slice(39, 40)):
+        assert torch.equal(kernels.bf16_linear(x[rows].contiguous(), packed, 75), batched[rows])
+
+
+def test_bad_arguments_are_errors_not_crashes(kernels):
+    weight = _bf16(32, 64, seed=5)
+    packed = kernels.bf16_pack(weight)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.bf16_linear(torch.randn(2, 64), packed, 32)
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernels.bf16_linear(_bf16(2, 66, seed=6), packed, 32)
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernels.bf16_linear(_bf16(2, 64, seed=6), packed, 48)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernels.bf16_linear(_bf16(2, 64, seed=6), packed, 32, torch.zeros(31))
+    with pytest.raises(RuntimeError, match="bfloat16 CPU weight"):
+        kernels.bf16_pack(torch.randn(32, 64))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biased q/k/v projections, fused with their biases
+def test_a_bfloat16_model_serves_the_same_tokens_through_the_product(kernels, tmp_path, tokenizer_folder,
+                                                                    monkeypatch, caplog, family):
+    """Greedy tokens of batched rows (prompt chunks and decode steps together) through the kernel equal those
+    through the layout's products (the kernel left out), which round the same float32 sums once to bfloat16 in
+    another order. The probe's timing is not what is tested: the kernel is made to win it."""
+    build_model(family, dict(hidden_size=128, intermediate_size=200, head_dim=32, tie_word_embeddings=False),
+                tmp_path, tokenizer_folder)
+    prompts = [[(7 * i + 3 * j) % 900 + 100 for j in range(n)] for i, n in enumerate((3, 17, 40))]
+    calls = []
+    real = kernels.bf16_linear
+    counting = type("Counting", (), {"__getattr__": lambda self, name: getattr(kernels, name),
+                                     "bf16_linear": lambda self, *a: calls.append(1) or real(*a)})()
+    monkeypatch.setattr(native_kernels, "active", lambda: counting)
+    monkeypatch.setattr(bf16_weights, "_GAIN_NEEDED", 0.0)
+    monkeypatch.setattr(bf16_weights, "_LOSS_ALLOWED", 0.0)
+    results = {}
+    for mode in ("kernel", "layout"):
+        if mode == "layout":
+            monkeypatch.setattr(bf16_weights, "apply", lambda *a, **k: 0)
+        engine = AsyncEngine(EngineConfig(model=str(tmp_path), dtype="bfloat16", max_num_batched_tokens=32,
+                                          kv_cache_memory=16 * 2**20, max_model_len=256, max_num_seqs=4))
+        try:
+            caplog.clear()
+            with caplog.at_level("INFO"):
+                calls.clear()
+                results[mode] = greedy_tokens(engine, prompts)
+            if mode == "kernel":
+                assert "multiply through the AVX512_BF16 product at every batch size" in caplog.text
+                assert calls, "the kernel never ran"
+            else:
+                assert not calls
+        finally:
+            engine.close()
+    assert results["kernel"] == results["layout"]
