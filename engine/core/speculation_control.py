@@ -23,6 +23,7 @@ _SMOOTHING = 0.25  # weight of a new step time in its moving average
 _FIRST_TRIALS = 1  # steps of each mode before a batch size has a verdict (later steps refine it)
 _RETRY_FIRST, _RETRY_MAX = 16, 512  # steps between trials of the slower mode: doubles while it keeps losing
 _MAX_BATCH_KEY = 64  # larger batches share one entry
+_CLEAR_WIN = 0.9  # a trial this much faster than the verdict's average is retried at once
 
 
 class _Averages:
@@ -91,12 +92,16 @@ class LoadSwitch:
 
     @staticmethod
     def _retry_due(size: _BatchSize, loser: bool) -> bool:
-        """The winning mode, except for one step of `loser` every `retry_every` steps; the interval doubles each
-        time the trial confirms the verdict."""
+        """The winning mode, except for one step of `loser` every `retry_every` steps; the interval doubles (or,
+        where the loser loses by more than a quarter, quadruples) each time the trial confirms the verdict."""
         size.since_retry += 1
         if size.since_retry >= size.retry_every:
             size.since_retry = 0
-            size.retry_every = min(size.retry_every * 2, _RETRY_MAX)
+            # A trial of a mode that loses by much costs much (a speculating step at 32 streams took 4.7 plain
+            # steps' time for 3 steps' tokens): space those out faster.
+            spec, plain = size.modes[True].time_per_token, size.modes[False].time_per_token
+            ratio = max(spec, plain) / min(spec, plain) if min(spec, plain) > 0 else 1.0
+            size.retry_every = min(size.retry_every * (4 if ratio > 1.25 else 2), _RETRY_MAX)
             return loser
         return not loser
 
@@ -114,9 +119,10 @@ class LoadSwitch:
         size = self._sizes.setdefault(min(batch, _MAX_BATCH_KEY), _BatchSize())
         size.modes[speculated].add(seconds / tokens)
         winner = size.modes[not speculated]
-        if speculated != size.winner and size.winner is not None and seconds / tokens < winner.time_per_token:
-            # The trial beat the verdict: the machine or the text changed. Try again at once, until the averages
-            # agree on a verdict again.
+        if speculated != size.winner and size.winner is not None and \
+                seconds / tokens < _CLEAR_WIN * winner.time_per_token:
+            # The trial beat the verdict clearly (not by a step's noise): the machine or the text changed. Try
+            # again at once, until the averages agree on a verdict again.
             size.since_retry, size.retry_every = _RETRY_FIRST, _RETRY_FIRST
 
 
