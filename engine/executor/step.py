@@ -11,6 +11,7 @@ class DecodeRow:
     position: int
     blocks: list[int]
     state_slot: int | None = None  # its recurrent-state slot (models with recurrent layers)
+    lora_slot: int = 0  # its LoRA adapter's slot (engine/lora/layers.py); 0: none
 
 
 @dataclass
@@ -20,3 +21,4 @@ class PrefillChunk:
     blocks: list[int]  # covering at least start + len(token_ids) slots
     logits: str = "none"  # "none" | "last" | "all": which positions' logits the step returns
     state_slot: int | None = None
+    lora_slot: int = 0
