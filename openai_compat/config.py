@@ -22,3 +22,4 @@ class ServingConfig:
     max_prompts_per_request: int = 256
     max_sequences_per_request: int = 256  # prompts x max(n, best_of)
     max_prompt_tokens_per_request: int = 262144  # all prompts of the request together
+    runtime_lora_updating: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load/unload adapter routes

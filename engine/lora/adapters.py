@@ -173,3 +173,36 @@ def _build(spec: LoraSpec, config: dict, tensors: dict[str, torch.Tensor], base:
         adapter.weights[module_name] = (a.contiguous(), (b * scaling).contiguous())
         adapter.rank = max(adapter.rank, r)
     return adapter
+
+
+def parse_modules(text: str) -> tuple[LoraSpec, ...]:
+    """LORA_MODULES in vLLM's forms: `name=path` pairs (separated by spaces or commas), or JSON: one object or a
+    list of objects with `name`, `path` and optionally `base_model_name`. ValueError says what is wrong."""
+    text = text.strip()
+    if text.startswith(("[", "{")):
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not valid JSON ({exc})") from None
+        items = value if isinstance(value, list) else [value]
+        specs = []
+        for item in items:
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("path"), str)
+                    and item["name"] and item["path"] and set(item) <= {"name", "path", "base_model_name"}
+                    and isinstance(item.get("base_model_name", ""), (str, type(None)))):
+                raise ValueError(f"each adapter must be an object with a name and a path (and optionally "
+                                 f"base_model_name), got {json.dumps(item)[:200]}")
+            specs.append(LoraSpec(item["name"], item["path"], item.get("base_model_name")))
+    else:
+        specs = []
+        for pair in text.replace(",", " ").split():
+            name, sep, path = pair.partition("=")
+            if not (sep and name and path):
+                raise ValueError(f"expected name=path pairs or JSON, got {pair!r}")
+            specs.append(LoraSpec(name, path))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"adapter names must differ, got {names}")
+    if not specs:
+        raise ValueError("names no adapter")
+    return tuple(specs)
