@@ -88,3 +88,198 @@ def test_adapters_alone_and_mixed_match_peft_merged(model_type, tmp_path, tokeni
 def test_fallback_path_matches_peft_merged(tmp_path, tokenizer_folder):
     check_family("gptj", FALLBACK_FAMILIES["gptj"], tmp_path, tokenizer_folder,
                  targets=["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"])
+
+
+def plain_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
+    """Argmax decoding with the model's own forward (its end-of-text token allowed, as ignore_eos lets the engine
+    go on past it; transformers' min_new_tokens would mask it instead)."""
+    out, past, step = [], None, torch.tensor([ids])
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            result = model(input_ids=step, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            out.append(int(result.logits[0, -1].argmax()))
+            step = torch.tensor([[out[-1]]])
+    return out
+
+
+def test_gguf_blocks_with_an_adapter_match_the_dequantized_weights_plus_delta(tmp_path):
+    """The embedded GGUF model served from its Q4_1 / Q8_0 blocks, with a rank-16 adapter on every projection:
+    greedy tokens equal PEFT's merged model built on the float32 weights the blocks dequantize to."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader import model_folder
+    from engine_helpers import assert_same_greedy, chat_ids, generate, greedy
+
+    base = AutoModelForCausalLM.from_pretrained(model_folder(EngineConfig()), dtype=torch.float32).eval()
+    merged = make_adapter(base, tmp_path / "gguf-lora", seed=3, rank=16)
+    engine = AsyncEngine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=512, max_num_seqs=4, lora=LoraConfig(
+        modules=(LoraSpec("g", str(tmp_path / "gguf-lora")),), max_loras=1)))
+    try:
+        asyncio.run(engine.start())
+        assert any(hasattr(m, "weight_blocks") for m in engine.loaded_model.model.modules()), "not served from blocks"
+        ids = chat_ids(engine, "Name three rivers of Europe.")
+        import dataclasses
+        got = asyncio.run(generate(engine, "g", ids, dataclasses.replace(greedy(12), lora_name="g")))
+        want = plain_greedy(merged, ids, 12)
+        assert want != plain_greedy(base, ids, 12), "the adapter changes nothing"
+        assert_same_greedy(got["choices"][0], want)
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------- the API, over HTTP
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tokenizer_folder):
+    """A tiny Llama with adapter `one` from LORA_MODULES (MAX_LORAS=1) and runtime loading on; `two`, a
+    rank-32 adapter, another base's adapter and a corrupt one wait in folders."""
+    from conftest import start_gateway, stop_gateway
+
+    root = tmp_path_factory.mktemp("lora-api")
+    model = build_model("llama", FAST_FAMILIES["llama"], root / "base", tokenizer_folder)
+    merged = {"one": make_adapter(model, root / "one", 1), "two": make_adapter(model, root / "two", 2)}
+    make_adapter(model, root / "big", 4, rank=32)
+    other = build_model("llama", {**FAST_FAMILIES["llama"], "hidden_size": 32, "head_dim": 8}, root / "other-base",
+                        tokenizer_folder)
+    make_adapter(other, root / "other", 5)
+    make_adapter(model, root / "corrupt", 6)
+    (root / "corrupt" / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    env = {"MODEL_NAME": str(root / "base"), "DTYPE": "float32", "KV_CACHE_MEMORY": str(16 * 2**20),
+           "ENABLE_LORA": "true", "LORA_MODULES": f"one={root / 'one'}", "MAX_LORAS": "1", "MAX_CPU_LORAS": "2",
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true", "MAX_NUM_SEQS": "8"}
+    process, url = start_gateway(env)
+    from openai import AsyncOpenAI, OpenAI
+    try:
+        yield {"root": root, "model": model, "merged": merged, "url": url, "base": str(root / "base"),
+               "client": OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120),
+               "async_client": AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)}
+    finally:
+        stop_gateway(process)
+
+
+def _complete(client, model: str, ids: list[int]) -> list[int]:
+    out = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    return out.choices[0].token_ids
+
+
+def _post(client, path: str, body: dict):
+    import httpx
+    return client.post(path, body=body, cast_to=httpx.Response)
+
+
+def test_models_list_the_adapters_with_their_parent(served):
+    cards = {m.id: m for m in served["client"].models.list().data}
+    assert set(cards) >= {served["base"], "one"}
+    assert cards["one"].parent == served["base"] and getattr(cards[served["base"]], "parent", None) is None
+
+
+def test_model_chooses_the_adapter_in_every_generating_api(served):
+    client, ids = served["client"], prompts(11)[1]
+    assert _complete(client, "one", ids) == reference(served["merged"]["one"], ids)
+    assert _complete(client, served["base"], ids) == reference(served["model"], ids)
+    messages = [{"role": "user", "content": "Say something."}]
+    chat = client.chat.completions.create(model="one", messages=messages, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(served["base"])
+    chat_prompt = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False).input_ids
+    assert chat.choices[0].token_ids == reference(served["merged"]["one"], chat_prompt, 8)
+    text = chat.choices[0].message.content
+    response = client.responses.create(model="one", input=messages, max_output_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert response.output_text == text
+    import anthropic
+    claude = anthropic.Anthropic(base_url=served["url"].removesuffix("/v1"), api_key="unused", max_retries=0)
+    message = claude.messages.create(model="one", messages=messages, max_tokens=8, extra_body={"temperature": 0})
+    plain = client.chat.completions.create(model="one", messages=messages, max_tokens=8, temperature=0)
+    assert message.content[0].text == plain.choices[0].message.content
+    from conftest import run_job  # noqa: F401  (the legacy form runs through the same serving; see below)
+    status = served["client"].embeddings.with_raw_response
+    import openai
+    with pytest.raises(openai.BadRequestError, match="LoRA adapter"):
+        status.create(model="one", input="hello")
+    with pytest.raises(openai.NotFoundError):
+        _complete(client, "nobody", ids)
+
+
+def test_runtime_load_swap_and_unload(served):
+    import openai
+
+    client, root, ids = served["client"], served["root"], prompts(12)[0]
+    loaded = _post(client, "/load_lora_adapter", {"lora_name": "two", "lora_path": str(root / "two")})
+    assert loaded.status_code == 200 and "two" in loaded.text
+    assert "two" in {m.id for m in client.models.list().data}
+    # MAX_LORAS=1: both adapters asked for at once; one waits for the other's slot, both come out right
+    rows = prompts(13)
+
+    async def both():
+        aclient = served["async_client"]
+        return await asyncio.gather(*(aclient.completions.create(
+            model=name, prompt=ids, max_tokens=10, temperature=0, extra_body={"ignore_eos": True,
+                                                                              "return_token_ids": True})
+            for name in ("one", "two", "one", "two") for ids in rows[:2]))
+    outs = asyncio.run(both())
+    jobs = [(name, ids) for name in ("one", "two", "one", "two") for ids in rows[:2]]
+    for (name, ids), out in zip(jobs, outs):
+        assert out.choices[0].token_ids == reference(served["merged"][name], ids), name
+    with pytest.raises(openai.BadRequestError, match="already loaded"):
+        _post(client, "/load_lora_adapter", {"lora_name": "two", "lora_path": str(root / "two")})
+    assert _post(client, "/unload_lora_adapter", {"lora_name": "two"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        _complete(client, "two", ids)
+    with pytest.raises(openai.NotFoundError, match="cannot be found"):
+        _post(client, "/unload_lora_adapter", {"lora_name": "two"})
+    assert _complete(client, "one", ids) == reference(served["merged"]["one"], ids)  # still serving
+
+
+@pytest.mark.parametrize("name, why", [("big", "rank 32 is above MAX_LORA_RANK=16"),
+                                       ("other", "do not fit the base model"),
+                                       ("corrupt", "weights file cannot be read"),
+                                       ("missing", "does not exist")])
+def test_bad_adapters_are_a_400_and_the_worker_keeps_serving(served, name, why):
+    import openai
+
+    client = served["client"]
+    with pytest.raises(openai.BadRequestError, match=why) as info:
+        _post(client, "/load_lora_adapter", {"lora_name": name, "lora_path": str(served["root"] / name)})
+    assert info.value.body["param"] == "lora_path"
+    assert name not in {m.id for m in client.models.list().data}
+    ids = prompts(14)[0]
+    assert _complete(client, "one", ids) == reference(served["merged"]["one"], ids)
+
+
+def test_bad_adapter_at_start_up_is_one_line_naming_it(tmp_path, tokenizer_folder):
+    model = build_model("llama", FAST_FAMILIES["llama"], tmp_path / "base", tokenizer_folder)
+    make_adapter(model, tmp_path / "big", 4, rank=32)
+    engine = lora_engine(tmp_path / "base", [LoraSpec("big", str(tmp_path / "big"))])
+    with pytest.raises(RuntimeError, match=r"^LORA_MODULES: LoRA adapter 'big' .*rank 32 is above MAX_LORA_RANK=16$"):
+        asyncio.run(engine.start())
+    engine = lora_engine(tmp_path / "base", [LoraSpec("x", str(tmp_path / "big"), base_model_name="org/other")],
+                         max_lora_rank=32)
+    with pytest.raises(RuntimeError, match="base_model_name 'org/other' is not the served model"):
+        asyncio.run(engine.start())
+
+
+def test_lora_settings_are_checked(monkeypatch):
+    from worker.settings import SettingsError, load_settings
+
+    monkeypatch.setenv("LORA_MODULES", "a=/x")
+    with pytest.raises(SettingsError, match="LORA_MODULES needs ENABLE_LORA=true"):
+        load_settings()
+    monkeypatch.setenv("ENABLE_LORA", "true")
+    for bad, why in (("a", "name=path"), ('[{"name": "a"}]', "name and a path"), ("a=/x a=/y", "must differ")):
+        monkeypatch.setenv("LORA_MODULES", bad)
+        with pytest.raises(SettingsError, match=why):
+            load_settings()
+    monkeypatch.setenv("LORA_MODULES", json.dumps([{"name": "a", "path": "/x", "base_model_name": "b"}]))
+    monkeypatch.setenv("MAX_LORAS", "2")
+    monkeypatch.setenv("MAX_CPU_LORAS", "1")
+    with pytest.raises(SettingsError, match="MAX_CPU_LORAS"):
+        load_settings()
+    monkeypatch.setenv("MAX_CPU_LORAS", "3")
+    config = load_settings().engine_config().lora
+    assert config.modules == (LoraSpec("a", "/x", "b"),) and (config.max_loras, config.max_cpu_loras) == (2, 3)
