@@ -3,9 +3,9 @@ adapter slot s (slot 0: none).
 
 The base layers keep their own forwards (dense, packed, GGUF block products, the fused q/k/v and gate/up
 products): a `LoraLinear` wraps the forward the layer has after every CPU rewrite and adds the term to its
-output. The adapters resident in slots 1..MAX_LORAS are stacked per layer, A's as the columns of one
-[in, slots x width] matrix and B's (scaled) as the rows of one [slots x width, out] matrix, where `width` is the
-layer's parts (3 for fused q/k/v, 2 for gate/up, else 1) times MAX_LORA_RANK; a smaller rank is padded with
+output. The adapters resident in slots 1..MAX_LORAS are stacked per layer, A's as the rows of one
+[slots x width, in] matrix and B's (scaled, transposed) as the rows of one [slots x width, out] matrix (so any
+run of slots is a contiguous block of both), where `width` is the layer's parts (3 for fused q/k/v, 2 for gate/up, else 1) times MAX_LORA_RANK; a smaller rank is padded with
 zeros. A step whose rows all use one adapter takes that adapter's columns; a mixed step computes every row
 against every slot up to the highest in use and zeroes the other slots' columns of each row before the second
 product, so a step costs two matrix products per layer whatever its mix (the zeros add exactly nothing).
@@ -80,7 +80,7 @@ class LoraLinear:
         self.max_rank = max_rank
         self.dtype = module.weight.dtype if module.weight.is_floating_point() else torch.float32
         self.device = module.weight.device
-        self.a: torch.Tensor | None = None  # [in, slots x width]; allocated when an adapter first targets it
+        self.a: torch.Tensor | None = None  # [slots x width, in]; allocated when an adapter first targets it
         self.b: torch.Tensor | None = None  # [slots x width, out]
         module.forward = self
 
@@ -101,11 +101,16 @@ class LoraLinear:
             x2 = x2.to(self.dtype)
         if rows.single is not None:
             s = (rows.single - 1) * w
-            delta = (x2 @ self.a[:, s:s + w]) @ self.b[s:s + w]
+            h = torch.mm(x2, self.a[s:s + w].t())
+            b = self.b[s:s + w]
         else:
             cols = rows.top * w
-            delta = ((x2 @ self.a[:, :cols]) * rows.mask(w, self.dtype)) @ self.b[:cols]
-        return y + delta.view(y.shape).to(y.dtype)
+            h = torch.mm(x2, self.a[:cols].t()).mul_(rows.mask(w, self.dtype))
+            b = self.b[:cols]
+        if y.dtype == self.dtype and y.is_contiguous():
+            y.view(-1, self.out_features).addmm_(h, b)  # the product added in place, in one operation
+            return y
+        return y + torch.mm(h, b).view(y.shape).to(y.dtype)
 
     def write(self, slot: int, parts: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor] | None]]) -> None:
         """Put an adapter's matrices for this layer in `slot` (1-based): per part (its index, its output offset,
@@ -113,11 +118,11 @@ class LoraLinear:
         if self.a is None:
             if all(p[2] is None for p in parts):
                 return
-            self.a = torch.zeros(self.in_features, self.max_loras * self.width, dtype=self.dtype, device=self.device)
+            self.a = torch.zeros(self.max_loras * self.width, self.in_features, dtype=self.dtype, device=self.device)
             self.b = torch.zeros(self.max_loras * self.width, self.out_features, dtype=self.dtype,
                                  device=self.device)
         start = (slot - 1) * self.width
-        self.a[:, start:start + self.width] = 0
+        self.a[start:start + self.width] = 0
         self.b[start:start + self.width] = 0
         for index, offset, pair in parts:
             if pair is None:
@@ -125,7 +130,7 @@ class LoraLinear:
             a, b = pair
             r = a.shape[0]
             at = start + index * self.max_rank
-            self.a[:, at:at + r] = a.t().to(self.dtype)
+            self.a[at:at + r] = a.to(self.dtype)
             self.b[at:at + r, offset:offset + b.shape[0]] = b.t().to(self.dtype)
 
 
