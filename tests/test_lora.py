@@ -75,6 +75,15 @@ def check_family(model_type: str, overrides: dict, tmp_path, tokenizer_folder, t
         got = run_mixed(engine, jobs)
         for (name, ids), tokens in zip(jobs, got):
             assert tokens == expected[name][rows.index(ids)], f"adapter {name}, prompt of {len(ids)} tokens"
+        if model_type in FAST_FAMILIES:  # the prefix cache is keyed by adapter: the base's blocks are not `one`'s
+            stats = engine.engine.stats
+            longest = prompts(8)[-1]
+            assert run_mixed(engine, [(None, longest)]) == [reference(model, longest)]
+            hits = stats()["prefix_cache_hit_tokens"]
+            assert run_mixed(engine, [("one", longest)]) == [reference(merged["one"], longest)]
+            assert stats()["prefix_cache_hit_tokens"] == hits, "an adapter reused the base's KV blocks"
+            assert run_mixed(engine, [("one", longest)]) == [reference(merged["one"], longest)]
+            assert stats()["prefix_cache_hit_tokens"] > hits, "the adapter's own prompt missed the prefix cache"
     finally:
         engine.close()
     return engine
@@ -83,6 +92,36 @@ def check_family(model_type: str, overrides: dict, tmp_path, tokenizer_folder, t
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_adapters_alone_and_mixed_match_peft_merged(model_type, tmp_path, tokenizer_folder):
     check_family(model_type, FAST_FAMILIES[model_type], tmp_path, tokenizer_folder)
+
+
+def test_speculation_and_beam_search_combine_with_adapters(tmp_path, tokenizer_folder):
+    """n-gram speculation verifies with the adapter (greedy tokens unchanged), and beam search with an adapter
+    equals transformers' beam search on the merged model (structured outputs: the API test below)."""
+    import dataclasses
+
+    from engine.core.speculative import SpeculativeConfig
+
+    model = build_model("llama", FAST_FAMILIES["llama"], tmp_path / "base", tokenizer_folder)
+    merged = make_adapter(model, tmp_path / "one", 1)
+    ids = prompts(9)[1]
+    ids = ids + ids[:12]  # a repeat for the n-gram proposer to find
+    config = EngineConfig(model=str(tmp_path / "base"), dtype="float32", kv_cache_memory=8 * 2**20, max_num_seqs=8,
+                          speculative=SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}'),
+                          lora=LoraConfig(modules=(LoraSpec("one", str(tmp_path / "one")),)))
+    engine = AsyncEngine(config)
+    try:
+        assert run_mixed(engine, [("one", ids), (None, ids)]) == [reference(merged, ids), reference(model, ids)]
+        assert engine.engine.stats()["speculative_proposed_tokens"] > 0, "nothing was speculated"
+        beams = dataclasses.replace(family_greedy(), n=2, beam_search=True, lora_name="one")
+        got = asyncio.run(choice_ids(engine, "beam", ids, beams))
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = merged.generate(torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10, num_beams=2,
+                                   num_return_sequences=2, do_sample=False, early_stopping=False,
+                                   length_penalty=1.0, pad_token_id=0)[:, len(ids):].tolist()
+        assert got[0] == want[0], (got, want)
+    finally:
+        engine.close()
 
 
 def test_fallback_path_matches_peft_merged(tmp_path, tokenizer_folder):
@@ -197,7 +236,9 @@ def test_model_chooses_the_adapter_in_every_generating_api(served):
     message = claude.messages.create(model="one", messages=messages, max_tokens=8, extra_body={"temperature": 0})
     plain = client.chat.completions.create(model="one", messages=messages, max_tokens=8, temperature=0)
     assert message.content[0].text == plain.choices[0].message.content
-    from conftest import run_job  # noqa: F401  (the legacy form runs through the same serving; see below)
+    choice = client.chat.completions.create(model="one", messages=messages, max_tokens=8, temperature=0,
+                                            extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].message.content in ("yes", "no")  # structured outputs with an adapter
     status = served["client"].embeddings.with_raw_response
     import openai
     with pytest.raises(openai.BadRequestError, match="LoRA adapter"):
@@ -283,3 +324,32 @@ def test_lora_settings_are_checked(monkeypatch):
     monkeypatch.setenv("MAX_CPU_LORAS", "3")
     config = load_settings().engine_config().lora
     assert config.modules == (LoraSpec("a", "/x", "b"),) and (config.max_loras, config.max_cpu_loras) == (2, 3)
+
+
+def test_legacy_jobs_and_job_routes_name_adapters(served, monkeypatch, tmp_path):
+    """worker-vllm's job form takes the adapter in a `lora` field, and the load/unload routes work as job routes
+    (openai_route), through the handler's job router."""
+    from transformers import AutoTokenizer
+
+    from api_helpers import Worker
+
+    root = served["root"]
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=served["base"], DTYPE="float32", ENABLE_LORA="true",
+                    LORA_MODULES=f"one={root / 'one'}", VLLM_ALLOW_RUNTIME_LORA_UPDATING="true",
+                    KV_CACHE_MEMORY=str(16 * 2**20))
+    tok = AutoTokenizer.from_pretrained(served["base"])
+    ids = prompts(15)[0]
+    text = tok.decode(ids)
+    ids = tok(text).input_ids
+    params = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    out = worker.job({"prompt": text, "lora": "one", "sampling_params": params})
+    assert out["choices"][0]["tokens"][0] == tok.decode(reference(served["merged"]["one"], ids))
+    assert worker.job({"prompt": text, "lora": "nobody", "sampling_params": params})["error"]["code"] == 404
+    loaded = worker.job({"openai_route": "/v1/load_lora_adapter",
+                         "openai_input": {"lora_name": "two", "lora_path": str(root / "two")}})
+    assert loaded["id"] == "two", loaded
+    out = worker.job({"prompt": text, "lora": "two", "sampling_params": params})
+    assert out["choices"][0]["tokens"][0] == tok.decode(reference(served["merged"]["two"], ids))
+    assert worker.job({"openai_route": "/v1/unload_lora_adapter", "openai_input": {"lora_name": "two"}})["deleted"]
+    missing = worker.job({"openai_route": "/v1/unload_lora_adapter", "openai_input": {"lora_name": "two"}})
+    assert missing["error"]["code"] == 404
