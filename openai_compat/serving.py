@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from engine import AsyncEngine, GenerationError, RequestOutput, SamplingParams, TokenLogprob
+from engine.lora import AdapterError
 from engine.sampling.structured import AnswerGate, GrammarFailure, GrammarSpec
 from engine.sources.redaction import redact
 
@@ -245,6 +246,8 @@ class OpenAIServing:
                 yield output
         except GenerationError as exc:
             cause = exc.__cause__
+            if isinstance(cause, AdapterError):  # the request's adapter was unloaded while it waited for a slot
+                raise OpenAIError(str(cause), status=404, param="model") from exc
             if isinstance(cause, GrammarFailure) and cause.too_complex:
                 raise OpenAIError(f"the output constraint cannot be followed: {cause}. The grammar engine gave up "
                                   f"on it; a schema that recurses without a way to end does this") from exc

@@ -59,7 +59,9 @@ def run_mixed(engine: AsyncEngine, jobs: list[tuple[str | None, list[int]]]) -> 
 
 def check_family(model_type: str, overrides: dict, tmp_path, tokenizer_folder, targets=None):
     model = build_model(model_type, overrides, tmp_path / "base", tokenizer_folder)
-    merged = {name: make_adapter(model, tmp_path / name, seed, targets=targets)
+    # `two` takes rsLoRA's scaling (alpha / sqrt(r)) and a per-layer alpha
+    options = {"one": {}, "two": {"use_rslora": True, "alpha_pattern": {(targets or TARGETS)[-1]: 5}}}
+    merged = {name: make_adapter(model, tmp_path / name, seed, targets=targets, **options[name])
               for seed, name in enumerate(("one", "two"), start=1)}
     rows = prompts(7)
     expected = {None: [reference(model, ids) for ids in rows]}
@@ -303,6 +305,21 @@ def test_bad_adapter_at_start_up_is_one_line_naming_it(tmp_path, tokenizer_folde
                          max_lora_rank=32)
     with pytest.raises(RuntimeError, match="base_model_name 'org/other' is not the served model"):
         asyncio.run(engine.start())
+
+
+@pytest.mark.parametrize("option, why", [({"use_dora": True}, "use_dora: DoRA adapters are not supported"),
+                                         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+                                         ({"target_modules": ["embed_tokens"]}, "embedding adapter")])
+def test_unsupported_adapter_kinds_are_refused(option, why, tmp_path, tokenizer_folder):
+    from engine.lora import AdapterError, LoraRegistry
+
+    model = build_model("llama", FAST_FAMILIES["llama"], tmp_path / "base", tokenizer_folder)
+    make_adapter(model, tmp_path / "x", 1, **({"targets": option["target_modules"]} if "target_modules" in option
+                                             else option))
+    registry = LoraRegistry(model, LoraConfig(), cache_dir=tmp_path, baked_dir=None, base_names=("base",))
+    with pytest.raises(AdapterError, match=why):
+        registry.add(LoraSpec("x", str(tmp_path / "x")))
+    assert registry.names() == []
 
 
 def test_lora_settings_are_checked(monkeypatch):

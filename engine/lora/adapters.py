@@ -133,6 +133,11 @@ def _build(spec: LoraSpec, config: dict, tensors: dict[str, torch.Tensor], base:
            max_rank: int) -> LoraAdapter:
     modules = dict(base.named_modules())
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for marker, what in (("lora_magnitude_vector", "a DoRA magnitude vector"),
+                         ("lora_embedding", "an embedding adapter")):
+        key = next((k for k in tensors if marker in k), None)
+        if key is not None:
+            raise AdapterError(f"weight {key!r} is {what}; only LoRA adapters of linear layers are supported")
     for key, tensor in tensors.items():
         name = key.removeprefix(_PREFIX)
         for part in ("lora_A", "lora_B"):
@@ -142,9 +147,8 @@ def _build(spec: LoraSpec, config: dict, tensors: dict[str, torch.Tensor], base:
                 pairs.setdefault(module, {})[part] = tensor
                 break
         else:
-            what = ("a DoRA magnitude vector" if "lora_magnitude_vector" in key else
-                    "an embedding adapter" if "lora_embedding" in key else "not a LoRA A or B matrix")
-            raise AdapterError(f"weight {key!r} is {what}; only LoRA adapters of linear layers are supported")
+            raise AdapterError(f"weight {key!r} is not a LoRA A or B matrix (a whole layer saved with the "
+                               f"adapter?); only LoRA adapters of linear layers are supported")
     if not pairs:
         raise AdapterError("its weights file holds no LoRA matrices")
     use_rslora = bool(config.get("use_rslora"))

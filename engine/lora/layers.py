@@ -38,14 +38,14 @@ class StepRows:
             self.single, self.top = uniform, uniform
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
-    def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+    def mask(self, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """[rows, top x width]: 1 in the columns of each row's own slot (none for slot 0), else 0."""
-        key = (width, dtype)
+        key = (width, dtype, device)
         found = self._masks.get(key)
         if found is None:
             onehot = torch.zeros(self.count, self.top + 1, dtype=dtype)
             onehot[torch.arange(self.count), self._slots] = 1
-            found = self._masks[key] = onehot[:, 1:].repeat_interleave(width, dim=1)
+            found = self._masks[key] = onehot[:, 1:].repeat_interleave(width, dim=1).to(device)
         return found
 
 
@@ -105,7 +105,7 @@ class LoraLinear:
             b = self.b[s:s + w]
         else:
             cols = rows.top * w
-            h = torch.mm(x2, self.a[:cols].t()).mul_(rows.mask(w, self.dtype))
+            h = torch.mm(x2, self.a[:cols].t()).mul_(rows.mask(w, self.dtype, self.device))
             b = self.b[:cols]
         if y.dtype == self.dtype and y.is_contiguous():
             y.view(-1, self.out_features).addmm_(h, b)  # the product added in place, in one operation
