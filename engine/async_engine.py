@@ -220,6 +220,7 @@ class AsyncEngine:
         """Stop generation and drop the model, so its memory can be reclaimed; start() loads it again."""
         with self._lock:
             engine, self._engine, self._model, self._loading = self._engine, None, None, None
+            self._lora = None
         if engine is not None:
             engine.shutdown()
             del engine
