@@ -65,6 +65,10 @@ class LoraRegistry:
     def read(self, spec: LoraSpec) -> LoraAdapter:
         adapter = adapters.read(spec, self.model, max_rank=self.config.max_lora_rank, cache_dir=self.cache_dir,
                                 baked_dir=self.baked_dir, base_names=self.base_names)
+        experts = [name for name in adapter.weights if ".experts." in f".{name}."]
+        if experts:  # an expert sees only the rows routed to it, not the pass's rows the slots are given for
+            raise AdapterError(f"LoRA adapter {spec.name!r} ({spec.path}): targets {experts[0]}; adapters of "
+                               f"mixture-of-experts experts are not supported")
         unknown = self.layers.unknown(adapter)
         if unknown:
             raise AdapterError(f"LoRA adapter {spec.name!r} ({spec.path}): targets {unknown[0]}, which is not a "
