@@ -174,8 +174,9 @@ def test_gguf_blocks_with_an_adapter_match_the_dequantized_weights_plus_delta(tm
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tokenizer_folder):
-    """A tiny Llama with adapter `one` from LORA_MODULES (MAX_LORAS=1) and runtime loading on; `two`, a
-    rank-32 adapter, another base's adapter and a corrupt one wait in folders."""
+    """A tiny Llama with adapter `one` from LORA_MODULES (MAX_LORAS=1, MAX_CPU_LORAS=1: swapping adapters reads
+    them again from their files) and runtime loading on; `two`, a rank-32 adapter, another base's adapter and a
+    corrupt one wait in folders."""
     from conftest import start_gateway, stop_gateway
 
     root = tmp_path_factory.mktemp("lora-api")
@@ -188,7 +189,7 @@ def served(tmp_path_factory, tokenizer_folder):
     make_adapter(model, root / "corrupt", 6)
     (root / "corrupt" / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     env = {"MODEL_NAME": str(root / "base"), "DTYPE": "float32", "KV_CACHE_MEMORY": str(16 * 2**20),
-           "ENABLE_LORA": "true", "LORA_MODULES": f"one={root / 'one'}", "MAX_LORAS": "1", "MAX_CPU_LORAS": "2",
+           "ENABLE_LORA": "true", "LORA_MODULES": f"one={root / 'one'}", "MAX_LORAS": "1", "MAX_CPU_LORAS": "1",
            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true", "MAX_NUM_SEQS": "8"}
     process, url = start_gateway(env)
     from openai import AsyncOpenAI, OpenAI
