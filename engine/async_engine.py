@@ -27,6 +27,7 @@ from engine.cpu import plan as cpu_plan
 from engine.executor.runner import ModelRunner
 from engine.executor.startup_checks import PagedPathUnsupported
 from engine.loader import LoadedModel, load
+from engine.lora import AdapterError, LoraRegistry, LoraSpec
 from engine.sampling.sampler import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.vision.processor import VisionProcessor
@@ -111,6 +112,7 @@ class AsyncEngine:
         self._loading: concurrent.futures.Future | None = None
         self._engine: GenerationLoop | None = None
         self._model: LoadedModel | None = None
+        self._lora: LoraRegistry | None = None
         self.on_fatal: Callable[[BaseException], None] | None = None
 
     # ---- loading ----
@@ -134,6 +136,8 @@ class AsyncEngine:
     def _load(self, future: concurrent.futures.Future) -> None:
         try:
             model = self._loader(self.config)
+            # Adapters wrap the linear layers' final forwards, before the runner builds its compact forward on them.
+            lora = self._adapters(model)
             runner = None
             if model.task == "generate" and model.fallback_reason is None:
                 try:
@@ -151,7 +155,7 @@ class AsyncEngine:
                          model.fallback_reason)
                 engine = FallbackEngine(model.model, model.device, model.tokenizer,
                                         max_num_seqs=self.config.max_num_seqs, max_model_len=model.max_model_len,
-                                        cpu_fast_paths=model.platform.cpu_fast_paths)
+                                        cpu_fast_paths=model.platform.cpu_fast_paths, lora=lora)
             else:
                 if runner is not None:
                     log.info("serving path: paged (batched engine)")
@@ -164,17 +168,39 @@ class AsyncEngine:
                                 max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes,
                                 pooling=pooling,
                                 speculator=self._speculator(model, runner) if runner is not None else None,
-                                platform=model.platform)
+                                platform=model.platform, lora=lora)
             engine.on_fatal = self._fatal
             if model.verdicts is not None and model.verdicts.path is not None:
                 model.verdicts.save()
                 log.info("start-up verdicts: %s", model.verdicts.summary())
-            self._model, self._engine = model, engine
+            self._model, self._engine, self._lora = model, engine, lora
             host_memory.freeze_long_lived()
             future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
             log.error("model load failed: %s", exc)
             future.set_exception(exc)
+
+    def _adapters(self, model: LoadedModel) -> LoraRegistry | None:
+        """ENABLE_LORA: the adapted layers and LORA_MODULES' adapters, each read and checked now (a bad one stops
+        the start with a line naming it)."""
+        config = self.config.lora
+        if config is None:
+            return None
+        if model.task != "generate":
+            raise RuntimeError(f"ENABLE_LORA: LoRA adapters are served for text generation; {model.name} is a "
+                               f"{model.task} model")
+        names = tuple(n for n in (*config.base_aliases, model.name, self.config.model) if n)
+        registry = LoraRegistry(model.model, config, cache_dir=self.config.cache_dir,
+                                baked_dir=self.config.baked_model_dir, base_names=names)
+        for spec in config.modules:
+            try:
+                registry.add(spec)
+            except AdapterError as exc:
+                raise RuntimeError(f"LORA_MODULES: {exc}") from None
+        log.info("LoRA: %d adapters (%s); MAX_LORAS=%d, MAX_LORA_RANK=%d, MAX_CPU_LORAS=%d", len(config.modules),
+                 ", ".join(s.name for s in config.modules) or "none yet", config.max_loras, config.max_lora_rank,
+                 registry.max_cpu)
+        return registry
 
     def _speculator(self, model: LoadedModel, runner: ModelRunner) -> Speculator | None:
         """SPECULATIVE_CONFIG's proposer; a draft model loads like the main one and must share its vocabulary."""
@@ -198,6 +224,7 @@ class AsyncEngine:
         """Stop generation and drop the model, so its memory can be reclaimed; start() loads it again."""
         with self._lock:
             engine, self._engine, self._model, self._loading = self._engine, None, None, None
+            self._lora = None
         if engine is not None:
             engine.shutdown()
             del engine
@@ -240,6 +267,31 @@ class AsyncEngine:
     def check_supported(self, params: SamplingParams) -> str | None:
         """Why the serving path cannot honour these parameters (beam search on the fallback path), or None."""
         return self.engine.check_supported(params)
+
+    # ---- LoRA adapters ----
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.config.lora is not None
+
+    def lora_names(self) -> list[str]:
+        """The adapters requests may name (empty with LoRA off)."""
+        self._require()
+        return self._lora.names() if self._lora is not None else []
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Read, check and register an adapter (its files are read on a worker thread). AdapterError when it
+        cannot be served."""
+        await self.start()
+        if self._lora is None:
+            raise AdapterError("LoRA is off (set ENABLE_LORA=true)")
+        await asyncio.to_thread(self._lora.add, LoraSpec(name, path))
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter (KeyError when none has that name); running requests finish with it."""
+        if self._lora is None or name not in self._lora:
+            raise KeyError(name)
+        self._lora.remove(name)
 
     @property
     def batch_invariant(self) -> bool:

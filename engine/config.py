@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.core.speculative import SpeculativeConfig
+from engine.lora.registry import LoraConfig
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,4 @@ class EngineConfig:
     pooling_type: str | None = None  # last | mean | cls | max
     embedding_normalize: bool | None = None
     speculative: SpeculativeConfig | None = None  # SPECULATIVE_CONFIG
+    lora: LoraConfig | None = None  # ENABLE_LORA and its settings; None: no adapters

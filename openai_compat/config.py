@@ -25,3 +25,4 @@ class ServingConfig:
     max_sequences_per_request: int = 256  # prompts x max(n, best_of)
     max_prompt_tokens_per_request: int = 262144  # all prompts of the request together
     media: MediaLimits = MediaLimits()  # image parts: how many, how large, where they may be fetched from
+    runtime_lora_updating: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load/unload adapter routes

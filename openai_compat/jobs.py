@@ -30,6 +30,7 @@ from .messages.serving import MessagesServing
 from .responses.protocol import ResponsesRequest
 from .responses.serving import ResponsesServing
 from .models import ModelList, list_models
+from .lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, load_adapter, unload_adapter
 from . import routes
 from .routes import CHAT_ROUTE
 from .serving import OpenAIServing
@@ -158,6 +159,12 @@ class JobRouter:
 
     async def count_message_tokens(self, request: CountTokensRequest):
         return await self.messages_serving.count_tokens(request)
+
+    async def load_lora_adapter(self, request: LoadLoraAdapterRequest) -> dict:
+        return await load_adapter(self.serving, request)
+
+    async def unload_lora_adapter(self, request: UnloadLoraAdapterRequest) -> dict:
+        return await unload_adapter(self.serving, request)
 
     async def metrics(self) -> dict:
         # The Prometheus text, wrapped so that a job output stays JSON.

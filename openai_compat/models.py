@@ -1,4 +1,4 @@
-"""`/v1/models`: the one model this worker serves."""
+"""`/v1/models`: the model this worker serves, and its LoRA adapters (each with the base as `parent`)."""
 from __future__ import annotations
 
 import time
@@ -28,5 +28,8 @@ class ModelList(BaseModel):
 async def list_models(serving: OpenAIServing) -> ModelList:
     await serving.ready()
     engine = serving.engine
-    return ModelList(data=[ModelCard(id=serving.served_model_name, root=engine.model_name,
-                                     max_model_len=engine.max_model_len)])
+    base = serving.served_model_name
+    adapters = [ModelCard(id=name, root=name, parent=base, max_model_len=engine.max_model_len)
+                for name in engine.lora_names()]
+    return ModelList(data=[ModelCard(id=base, root=engine.model_name, max_model_len=engine.max_model_len),
+                           *adapters])

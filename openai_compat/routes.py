@@ -29,6 +29,7 @@ from .responses.protocol import ResponsesRequest
 from .pooling.protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
 from .chat.protocol import ChatCompletionRequest
 from .completions.protocol import CompletionRequest
+from .lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from .tokenization.protocol import DetokenizeRequest, TokenizeRequest
 
 
@@ -76,6 +77,8 @@ ROUTES = (
     Route(("/v1/messages",), "POST", "messages", MessagesRequest, limited=True, dialect="anthropic", events=True),
     Route(("/v1/messages/count_tokens",), "POST", "count_message_tokens", CountTokensRequest, limited=True,
           dialect="anthropic"),
+    Route(("/v1/load_lora_adapter",), "POST", "load_lora_adapter", LoadLoraAdapterRequest),
+    Route(("/v1/unload_lora_adapter",), "POST", "unload_lora_adapter", UnloadLoraAdapterRequest),
 )
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from engine import AsyncEngine, GenerationError, RequestOutput, SamplingParams, TokenLogprob
+from engine.lora import AdapterError
 from engine.sampling.structured import AnswerGate, GrammarFailure, GrammarSpec
 from engine.sources.redaction import redact
 from engine.vision import ImageInputs
@@ -77,18 +78,29 @@ class OpenAIServing:
         except Exception as exc:
             raise OpenAIError(redact(f"the model could not be loaded: {exc}"), status=500) from exc
 
-    async def ready_for(self, model: str | None) -> None:
-        """Load the model and check that the request names it (or no model)."""
+    async def ready_for(self, model: str | None, adapters: bool = True) -> None:
+        """Load the model and check that the request names it, one of its LoRA adapters (where `adapters`: the
+        generating routes and the tokenizer's), or no model."""
         await self.ready()
         self.check_model(model)
+        if not adapters and self.adapter_of(model) is not None:
+            raise OpenAIError(f"`{model}` is a LoRA adapter; adapters serve text generation (chat, completions, "
+                              f"Responses, Messages). Embeddings and scores come from the base model "
+                              f"{self.served_model_name}", param="model")
 
     @property
     def served_model_name(self) -> str:
         return self.config.served_model_name or self.engine.model_name
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
+        if name is not None and name != self.served_model_name and self.adapter_of(name) is None:
             raise OpenAIError(f"The model `{name}` does not exist.", status=404, param="model")
+
+    def adapter_of(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (engine/lora/), or None for the base model."""
+        if name is None or name == self.served_model_name or not self.engine.lora_enabled:
+            return None
+        return name if name in self.engine.lora_names() else None
 
     def check_generates(self, endpoint: str) -> None:
         """Embedding and cross-encoder models have no language-model head: generation routes are a 400."""
@@ -127,11 +139,12 @@ class OpenAIServing:
                               param=param)
 
     def sampling_params(self, request: SamplingFields, prompt_lens: list[int], grammar: GrammarSpec | None = None,
-                        with_special_tokens: bool = False) -> list[SamplingParams]:
+                        with_special_tokens: bool = False, model: str | None = None) -> list[SamplingParams]:
         """The SamplingParams of each prompt of a request, checked against the model; the request maps its own
         fields (`to_sampling_params`). What does not depend on the prompt is checked and built once (a logit_bias
         can name every token of the vocabulary), so this is linear in the request's size. The caller has run
-        `check_generation`."""
+        `check_generation`. The LoRA adapter is the one the request's `model` (or `model`, for requests that
+        name it elsewhere) names."""
         max_logprobs = self.engine.config.max_logprobs
         for name, value in ((request.logprobs_param, request.logprobs_asked),
                             ("prompt_logprobs", request.prompt_logprobs_asked)):
@@ -153,6 +166,9 @@ class OpenAIServing:
                               "masked)", param="use_beam_search")
         first = request.to_sampling_params(budgets[0], self.engine.generation_defaults, grammar, with_special_tokens,
                                            self.bad_words_ids(request.bad_words or ()))
+        adapter = self.adapter_of(model if model is not None else getattr(request, "model", None))
+        if adapter is not None:
+            first = dataclasses.replace(first, lora_name=adapter)
         unsupported = self.engine.check_supported(first)
         if unsupported is not None:
             raise OpenAIError(unsupported, param="use_beam_search")
@@ -232,6 +248,8 @@ class OpenAIServing:
                 yield output
         except GenerationError as exc:
             cause = exc.__cause__
+            if isinstance(cause, AdapterError):  # the request's adapter was unloaded while it waited for a slot
+                raise OpenAIError(str(cause), status=404, param="model") from exc
             if isinstance(cause, GrammarFailure) and cause.too_complex:
                 raise OpenAIError(f"the output constraint cannot be followed: {cause}. The grammar engine gave up "
                                   f"on it; a schema that recurses without a way to end does this") from exc

@@ -398,7 +398,7 @@ COMPLETION_WRONG = {**OPENAI_WRONG, "prompt": {"text": "Hi"}, "suffix": 5, "max_
                     "logprobs": "five", "add_special_tokens": "maybe"}
 LEGACY_WRONG = {"prompt": 5, "messages": "Hi", "sampling_params": "hot", "stream": "maybe",
                 "apply_chat_template": "maybe", "max_batch_size": "many", "min_batch_size": "many",
-                "batch_size_growth_factor": "fast"}
+                "batch_size_growth_factor": "fast", "lora": 5}
 LEGACY_SAMPLING_WRONG = {**SAMPLING_WRONG, "max_tokens": "many"}
 
 

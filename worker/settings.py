@@ -16,6 +16,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from engine.config import EngineConfig
 from engine.core.speculative import SpeculativeConfig
 from engine.vision.images import MediaLimits
+from engine.lora import LoraConfig
+from engine.lora.adapters import parse_modules
 from openai_compat.config import ServingConfig
 
 _DTYPE_ALIASES = {
@@ -69,6 +71,14 @@ class WorkerSettings(BaseSettings):
     batch_invariant: Literal["auto"] | bool = "auto"
     startup_cache: Literal["on", "off"] = "on"  # start-up verdicts kept in BASE_PATH (engine/startup_cache.py)
     speculative_config: str | None = None  # JSON, vLLM's --speculative-config terms
+
+    # LoRA adapters (engine/lora/), vLLM's names
+    enable_lora: bool = False
+    lora_modules: str | None = None  # name=path pairs or JSON [{"name", "path", "base_model_name"}]
+    max_loras: int = Field(default=1, ge=1, le=64)  # adapters resident in one step
+    max_lora_rank: int = Field(default=16, ge=1, le=512)
+    max_cpu_loras: int | None = Field(default=None, ge=1)  # adapters kept read in host memory (LRU)
+    vllm_allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     # Embeddings (unset: the model's sentence-transformers config, else the architecture's usual choice)
     pooling_type: Literal["last", "mean", "cls", "max"] | None = None
@@ -197,6 +207,13 @@ class WorkerSettings(BaseSettings):
             SpeculativeConfig.parse(value)
         return value
 
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_modules(value)
+        return value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _log_level(cls, value: str) -> str:
@@ -206,6 +223,13 @@ class WorkerSettings(BaseSettings):
     def _batch_sizes(self) -> "WorkerSettings":
         if self.simulated_device_memory is not None and self.device != "cuda-sim":
             raise ValueError(f"SIMULATED_DEVICE_MEMORY applies only with DEVICE=cuda-sim (DEVICE is {self.device})")
+        if not self.enable_lora:
+            named = [n for n, v in (("LORA_MODULES", self.lora_modules),
+                                    ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", self.vllm_allow_runtime_lora_updating)) if v]
+            if named:
+                raise ValueError(f"{' and '.join(named)} {'need' if len(named) > 1 else 'needs'} ENABLE_LORA=true")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"MAX_CPU_LORAS ({self.max_cpu_loras}) must be at least MAX_LORAS ({self.max_loras})")
         if self.min_batch_size > self.default_batch_size:
             raise ValueError("MIN_BATCH_SIZE must not exceed DEFAULT_BATCH_SIZE")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -243,6 +267,11 @@ class WorkerSettings(BaseSettings):
             pooling_type=self.pooling_type,
             embedding_normalize=self.embedding_normalize,
             speculative=SpeculativeConfig.parse(self.speculative_config) if self.speculative_config else None,
+            lora=LoraConfig(modules=parse_modules(self.lora_modules) if self.lora_modules else (),
+                            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                            max_cpu_loras=self.max_cpu_loras,
+                            base_aliases=tuple(filter(None, [self.openai_served_model_name_override])))
+            if self.enable_lora else None,
         )
 
     def serving_config(self) -> ServingConfig:
@@ -266,6 +295,7 @@ class WorkerSettings(BaseSettings):
                 allow_private=self.media_allow_private,
                 allowed_domains=tuple(d.strip().lower().rstrip(".") for d in self.allowed_media_domains.split(",")
                                       if d.strip()) if self.allowed_media_domains else None),
+            runtime_lora_updating=self.vllm_allow_runtime_lora_updating,
         )
 
 

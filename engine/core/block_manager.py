@@ -23,9 +23,11 @@ def chain_key(previous: int, tokens: tuple[int, ...]) -> int:
     return hash((previous, tokens))
 
 
-def prefix_root(cache_salt: str | None) -> int:
-    """Where a prompt's chain of block keys starts: requests with different salts (tenants) never find each
-    other's blocks."""
+def prefix_root(cache_salt: str | None, adapter: str | None = None) -> int:
+    """Where a prompt's chain of block keys starts: requests with different salts (tenants) or LoRA adapters (their
+    keys and values differ) never find each other's blocks."""
+    if adapter is not None:
+        return hash(("lora", adapter, cache_salt))
     return 0 if cache_salt is None else hash(("cache_salt", cache_salt))
 
 

@@ -20,6 +20,7 @@ from engine.core.interface import EngineDeadError, GenerationLoop, is_fatal
 from engine.core.output_processor import OutputProcessor
 from engine.sampling.sampler import Sampler, SamplingParams
 from engine.core.sequence import Sequence, SequenceGroup, Status, enqueue
+from engine.lora import layers as lora_layers
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
@@ -55,8 +56,9 @@ class FallbackEngine(GenerationLoop):
     """The Engine interface (submit/abort/shutdown/stats...) over transformers' own cache."""
 
     def __init__(self, model, device: torch.device, tokenizer: Tokenizer, *, max_num_seqs: int,
-                 max_model_len: int, cpu_fast_paths: bool = True):
+                 max_model_len: int, cpu_fast_paths: bool = True, lora=None):
         self.model = model
+        self.lora = lora  # engine/lora/registry.py's LoraRegistry, or None (LoRA off)
         self.device = device
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
@@ -136,13 +138,46 @@ class FallbackEngine(GenerationLoop):
 
     def _admit(self) -> None:
         while self._waiting and self.num_running + self._waiting[0].params.num_sequences <= self.max_num_seqs:
-            group = self._waiting.pop(0)
+            group = self._waiting[0]
+            if group.params.lora_name is not None:  # an adapter slot, held to its end (engine/lora/registry.py)
+                try:
+                    held = self.lora.acquire(group.params.lora_name)
+                except Exception as exc:  # noqa: BLE001 - unloaded while it waited
+                    self._fail_group(group, exc)
+                    continue
+                if held is None:
+                    return  # every slot is held by running requests: wait for one to finish
+                group.lora_slot, group.lora_key = held
+            self._waiting.pop(0)
             group.metrics.admitted = time.perf_counter()
             self._running.append(_Running(group))
 
     def _step(self, running: _Running) -> None:
         """One forward for one request: its prompt (every choice a row), or the next token of every choice."""
         self.steps += 1
+        group = running.group
+        with lora_layers.step(uniform=group.lora_slot):  # every row of this pass is this request's
+            out = self._forward(running)
+        # Most models return their cache as past_key_values; Mamba's is cache_params. Some keep their state in
+        # their own modules and return none (RecurrentGemma): one model-wide state cannot serve several requests.
+        if not running.recompute:
+            name = "past_key_values" if getattr(out, "past_key_values", None) is not None else "cache_params"
+            running.cache = {name: getattr(out, name, None)}
+            running.recompute = running.cache[name] is None
+        seqs = group.seqs
+        logits = out.logits[:, -1]
+        live = [i for i, s in enumerate(seqs) if not s.finished]  # finished choices ride along as padding rows
+        tokens, logprobs = self.sampler.sample(logits[live], [seqs[i].sampling for i in live],
+                                               [seqs[i].num_generated for i in live])
+        for i, token, logprob in zip(live, tokens, logprobs):
+            self.generation_tokens_total += 1
+            self.outputs.append(seqs[i], token, logprob)
+        for i, seq in enumerate(seqs):
+            if seq.finished and i not in live:
+                seq.tokens.append(seq.tokens[-1])  # keeps every row's length equal; never sent
+
+    def _forward(self, running: _Running):
+        """The model's pass for one request's step: its prompt, its next tokens, or (no cache) everything."""
         group = running.group
         seqs = group.seqs
         rows = len(seqs)
@@ -168,22 +203,7 @@ class FallbackEngine(GenerationLoop):
             self._restore_state(running)
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **running.cache)
             self._save_state(running)
-        # Most models return their cache as past_key_values; Mamba's is cache_params. Some keep their state in
-        # their own modules and return none (RecurrentGemma): one model-wide state cannot serve several requests.
-        if not running.recompute:
-            name = "past_key_values" if getattr(out, "past_key_values", None) is not None else "cache_params"
-            running.cache = {name: getattr(out, name, None)}
-            running.recompute = running.cache[name] is None
-        logits = out.logits[:, -1]
-        live = [i for i, s in enumerate(seqs) if not s.finished]  # finished choices ride along as padding rows
-        tokens, logprobs = self.sampler.sample(logits[live], [seqs[i].sampling for i in live],
-                                               [seqs[i].num_generated for i in live])
-        for i, token, logprob in zip(live, tokens, logprobs):
-            self.generation_tokens_total += 1
-            self.outputs.append(seqs[i], token, logprob)
-        for i, seq in enumerate(seqs):
-            if seq.finished and i not in live:
-                seq.tokens.append(seq.tokens[-1])  # keeps every row's length equal; never sent
+        return out
 
     def _prefill_with_images(self, running: _Running, rows: int):
         """A prompt with images through the whole model once (vision tower, projector, text decoder, with the
@@ -239,5 +259,8 @@ class FallbackEngine(GenerationLoop):
         if group in self._waiting:
             self._waiting.remove(group)
         self._running = [r for r in self._running if r.group is not group]
+        if group.lora_slot:
+            self.lora.release(group.lora_slot)
+            group.lora_slot = 0
         for seq in group.seqs:
             seq.status = Status.FINISHED

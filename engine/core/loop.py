@@ -33,7 +33,7 @@ class Engine(GenerationLoop):
     def __init__(self, runner: ModelRunner | None, tokenizer: Tokenizer, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, prefix_cache_bytes: int,
                  pooling: PoolingQueue | None = None, speculator: Speculator | None = None,
-                 platform: devices.Platform | None = None):
+                 platform: devices.Platform | None = None, lora=None):
         platform = platform or devices.Platform(torch.device("cpu"))
         self.runner = runner  # None for models that only pool (encoders, classifiers): they never generate
         self.pooling = pooling  # embeddings and scores, run between generation steps (engine/core/pooling.py)
@@ -49,7 +49,7 @@ class Engine(GenerationLoop):
                                    max_cached_blocks=prefix_cache_bytes // self._block_bytes if cacheable else 0)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, states=self.states,
-                                   whole_prompts=runner is not None and not runner.prefill_continues)
+                                   whole_prompts=runner is not None and not runner.prefill_continues, lora=lora)
         self.sampler = Sampler(tokenizer.eos_token_ids, tokenizer.vocab_size, platform.cpu_fast_paths)
         self.outputs = OutputProcessor(tokenizer.eos_token_ids, max_model_len)
         self.beam_search = BeamSearch(self.blocks, runner.kv.copy_block if runner is not None else None,
@@ -182,6 +182,9 @@ class Engine(GenerationLoop):
         speculated = self.speculator is not None and \
             self.speculator.propose(self.scheduler.running, self.max_model_len, bool(self.scheduler.waiting))
         plan = self.scheduler.schedule()
+        refused, self.scheduler.refused = self.scheduler.refused, []
+        for group, exc in refused:
+            self._fail_group(group, exc)
         if plan.empty:
             return
         if self.blocks.high_water > self._zeroed_blocks:
@@ -232,13 +235,15 @@ class Engine(GenerationLoop):
             return results
 
     def _execute(self, plan: StepPlan) -> torch.Tensor | None:
-        decodes = [DecodeRow(s.tokens[-1], len(s.tokens) - 1, s.blocks, s.state_slot) for s in plan.decodes]
+        decodes = [DecodeRow(s.tokens[-1], len(s.tokens) - 1, s.blocks, s.state_slot, s.group.lora_slot)
+                   for s in plan.decodes]
         chunks = [PrefillChunk(w.seq.tokens[w.seq.num_computed:w.seq.num_computed + w.length], w.seq.num_computed,
-                               w.seq.blocks, w.logits, w.seq.state_slot,
-                               w.seq.group.images.rows_between(w.seq.num_computed, w.seq.num_computed + w.length)
+                               w.seq.blocks, w.logits, w.seq.state_slot, lora_slot=w.seq.group.lora_slot,
+                               image_rows=w.seq.group.images.rows_between(w.seq.num_computed,
+                                                                          w.seq.num_computed + w.length)
                                if w.seq.group.images is not None else None) for w in plan.prefills]
-        chunks += [PrefillChunk([s.tokens[-1]] + s.proposal, len(s.tokens) - 1, s.blocks, "all")
-                   for s in plan.verifies]
+        chunks += [PrefillChunk([s.tokens[-1]] + s.proposal, len(s.tokens) - 1, s.blocks, "all",
+                                lora_slot=s.group.lora_slot) for s in plan.verifies]
         return self.runner.execute(decodes, chunks)
 
     def _process(self, plan: StepPlan, logits: torch.Tensor | None) -> None:

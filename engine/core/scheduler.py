@@ -9,6 +9,9 @@
   blocks are freed and it goes back to the front of the queue, to be recomputed later from its tokens (its
   sampling state is kept, so a seeded or greedy run continues exactly as it would have).
 - A request that could not run even alone in the whole pool is refused at arrival (`check_fits`).
+- A request for a LoRA adapter also needs one of the MAX_LORAS adapter slots (engine/lora/registry.py) from
+  admission to its end; while every slot is held by running requests of other adapters it waits, as for blocks.
+  Its prefix-cache keys start from its adapter's, so no two adapters (or an adapter and the base) share blocks.
 - Models with recurrent layers (state_cache.py): each running sequence also holds a state slot (there are
   MAX_NUM_SEQS). Those whose layers cannot carry a state into a multi-token pass (`whole_prompts`) compute each
   prompt in one pass: the first prompt of a step goes whole even past the token budget, further ones only while
@@ -46,8 +49,12 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 states: RecurrentStates | None = None, whole_prompts: bool = False):
+                 states: RecurrentStates | None = None, whole_prompts: bool = False, lora=None):
         self.blocks = blocks
+        self.lora = lora  # engine/lora/registry.py's LoraRegistry, or None (LoRA off)
+        # Requests taken out of the queue because they cannot run (their adapter was unloaded), with why; the
+        # loop fails them.
+        self.refused: list[tuple[SequenceGroup, Exception]] = []
         self.states = states
         self.whole_prompts = whole_prompts
         self.max_num_seqs = max_num_seqs
@@ -80,6 +87,12 @@ class Scheduler:
             self.running.remove(group)
         for seq in group.seqs:
             self.free(seq)
+        self._release_adapter(group)
+
+    def _release_adapter(self, group: SequenceGroup) -> None:
+        if group.lora_slot:
+            self.lora.release(group.lora_slot)
+            group.lora_slot = 0
 
     def free(self, seq: Sequence) -> None:
         self.blocks.release(seq.blocks)
@@ -180,6 +193,7 @@ class Scheduler:
             seq.status = Status.WAITING
         if not group.started:
             group.prompt_logprobs = None  # collected again when the prompt is recomputed
+        self._release_adapter(group)
         group.metrics.preemptions += 1
         self.preemptions += 1
         enqueue(self.waiting, group)
@@ -194,7 +208,19 @@ class Scheduler:
             members = [s for s in group.seqs if not s.finished]
             if self.num_running_seqs + len(members) > self.max_num_seqs:
                 return
+            adapter = group.params.lora_name
+            if adapter is not None and not group.lora_slot:
+                try:
+                    held = self.lora.acquire(adapter)
+                except Exception as exc:  # unloaded while it waited
+                    self.waiting.popleft()
+                    self.refused.append((group, exc))
+                    continue
+                if held is None:
+                    return  # every adapter slot is held by running requests: wait for one to finish
+                group.lora_slot, group.lora_key = held
             if not self._allocate(group, members):
+                self._release_adapter(group)
                 return
             self.waiting.popleft()
             self.running.append(group)
@@ -212,7 +238,7 @@ class Scheduler:
             if group.params.prompt_logprobs is None or not fresh:
                 # leave at least one token to compute: its logits give the next token
                 found = self.blocks.lookup(seq.cache_tokens, seq.prefill_target - (1 if fresh else 0),
-                                           prefix_root(group.params.cache_salt))
+                                           prefix_root(group.params.cache_salt, group.lora_key))
             hits.append(found)
             need += blocks_for(seq.prefill_target) - len(found)
         forks = len(members) - 1 if fresh else 0  # each further choice gets its own copy of the last block
@@ -265,7 +291,8 @@ class Scheduler:
         seq.num_computed += count
         if not self.blocks.enabled:
             return
-        previous = seq.block_keys[-1] if seq.block_keys else prefix_root(seq.group.params.cache_salt)
+        previous = seq.block_keys[-1] if seq.block_keys else prefix_root(seq.group.params.cache_salt,
+                                                                          seq.group.lora_key)
         keyed = seq.cache_tokens
         for index in range(len(seq.block_keys), seq.num_computed // BLOCK_SIZE):
             tokens = tuple(keyed[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE])

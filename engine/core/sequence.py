@@ -125,6 +125,10 @@ class SequenceGroup:
     context: contextvars.Context = field(default_factory=contextvars.copy_context)
     beam: object | None = None  # beam_search.BeamState of a beam-search request
     images: object | None = None  # engine.vision.ImageInputs of a prompt with images (vision-language models)
+    # Its LoRA adapter's slot (engine/lora/registry.py) while it holds one (admitted), and the adapter's
+    # prefix-cache key; 0 and None for the base model.
+    lora_slot: int = 0
+    lora_key: str | None = None
 
     @property
     def holds_output(self) -> bool:

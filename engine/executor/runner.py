@@ -15,6 +15,7 @@ from engine.executor.kv_cache import DecodeBucket, PagedKVCache, PrefillSegment,
 from engine.executor.startup_checks import StartupChecks, cache_argument
 from engine.executor.step import DecodeRow, PrefillChunk
 from engine.executor.state_cache import RecurrentStates, StateStepCache
+from engine.lora import layers as lora_layers
 
 log = logging.getLogger("engine")
 
@@ -40,6 +41,19 @@ def _length_buckets(decodes: list[DecodeRow]) -> list[list[int]]:
             buckets.append([i])
             held = length
     return buckets
+
+
+def _adapter_rows(decodes: list[DecodeRow], chunks: list[PrefillChunk], packed_at: list[int]) -> list[int] | None:
+    """The LoRA slot of each token row of a packed pass (decode rows at `packed_at`, then each chunk's tokens), or
+    None when no row has an adapter (the usual case: nothing more is done)."""
+    if not any(d.lora_slot for d in decodes) and not any(c.lora_slot for c in chunks):
+        return None
+    rows = [0] * len(decodes)
+    for d, at in zip(decodes, packed_at):
+        rows[at] = d.lora_slot
+    for chunk in chunks:
+        rows.extend([chunk.lora_slot] * len(chunk.token_ids))
+    return rows
 
 
 _STATELESS_BLOCKS = 1 << 16  # positions the block manager tracks for a model with no attention layer (no memory)
@@ -132,6 +146,7 @@ class ModelRunner:
         if self.states is not None:
             return self._execute_stateful(decodes, chunks)
         ids, positions, slots, buckets, keep = self._decode_rows(decodes)
+        adapters = _adapter_rows(decodes, chunks, keep)
         segments = []
         image_rows = []  # (offsets among the step's tokens, rows) of vision-language prompts' image positions
         for chunk in chunks:
@@ -150,7 +165,7 @@ class ModelRunner:
         layout = StepLayout(buckets, segments, torch.tensor(slots, device=self.device))
         if not keep:
             keep = [len(ids) - 1]  # the model computes at least one logit row; it is dropped below
-        with StepCache(self.kv, layout) as cache:
+        with StepCache(self.kv, layout) as cache, lora_layers.step(adapters):
             if image_rows:
                 logits = self._forward_with_images(ids, positions, cache, keep, image_rows)
             else:
@@ -226,7 +241,7 @@ class ModelRunner:
             order = sorted(range(len(decodes)), key=packed_at.__getitem__)
             layout = StepLayout(buckets, [], torch.tensor(slots, device=self.device))
             with StateStepCache(self.kv, layout, self.states, [decodes[i].state_slot for i in order],
-                                previous=True) as cache:
+                                previous=True) as cache, lora_layers.step([decodes[i].lora_slot for i in order]):
                 logits = self._forward([[t] for t in ids], [[p] for p in positions], cache, [0])
             passes.append(cache)
             parts.append(logits[:, 0][torch.tensor(packed_at, device=logits.device)])
@@ -238,7 +253,7 @@ class ModelRunner:
             n = len(span)
             keep = list(range(n)) if chunk.logits == "all" else [n - 1]
             with StateStepCache(self.kv, layout, self.states, [chunk.state_slot],
-                                previous=chunk.start > 0) as cache:
+                                previous=chunk.start > 0) as cache, lora_layers.step(uniform=chunk.lora_slot):
                 logits = self._forward([chunk.token_ids], [list(span)], cache, keep)
             passes.append(cache)
             if chunk.logits != "none":

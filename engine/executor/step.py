@@ -11,6 +11,7 @@ class DecodeRow:
     position: int
     blocks: list[int]
     state_slot: int | None = None  # its recurrent-state slot (models with recurrent layers)
+    lora_slot: int = 0  # its LoRA adapter's slot (engine/lora/layers.py); 0: none
 
 
 @dataclass
@@ -23,3 +24,4 @@ class PrefillChunk:
     # A vision-language prompt's image rows among these tokens: (offsets in the chunk, embedding rows), which
     # replace those tokens' embeddings (engine/vision/encoder.py); None for text.
     image_rows: tuple | None = None
+    lora_slot: int = 0

@@ -82,6 +82,8 @@ class SamplingParams:
     priority: int = 0
     # Prefix-cache isolation: cached blocks are shared only between requests with the same salt (tenants).
     cache_salt: str | None = None
+    # The LoRA adapter it runs with (engine/lora/), by name; None: the base model.
+    lora_name: str | None = None
 
     @property
     def greedy(self) -> bool:

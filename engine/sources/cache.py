@@ -61,8 +61,11 @@ def unsafe_path_reason(relative: str) -> str | None:
 
 
 def required_files_problem(names: Iterable[str], role: str) -> str | None:
-    """What is missing for the folder to be loadable as `role` ("model" or "tokenizer"), or None."""
+    """What is missing for the folder to be loadable as `role` ("model", "tokenizer" or "adapter"), or None."""
     names = set(names)
+    if role == "adapter":  # a PEFT adapter folder (engine/lora/adapters.py)
+        return None if "adapter_config.json" in names else \
+            f"no adapter_config.json among its {len(names)} files ({', '.join(sorted(names)[:8])})"
     ggufs = [n for n in names if n.endswith(".gguf") and "/" not in n]
     if "config.json" in names or len(ggufs) == 1:
         return None

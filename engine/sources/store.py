@@ -49,7 +49,7 @@ def _folder_model(folder: Path, name: str) -> LocalModel:
 def resolve(source: str | None, *, revision: str | None, cache_dir: Path, baked_dir: Path | None = None,
             role: str = "model") -> LocalModel:
     """Turn a MODEL_NAME-style source into local files, downloading them into `cache_dir` if needed.
-    `role` is "model" or "tokenizer": it decides which files a remote folder must hold before it is fetched."""
+    `role` is "model", "tokenizer" or "adapter": it decides which files a remote folder must hold before it is fetched."""
     if source is None:
         return embedded_model()
     baked = baked_location(baked_dir, source, revision)

@@ -22,6 +22,7 @@ class LegacyJob(BaseModel):
     sampling_params: LegacySamplingParams = Field(default_factory=lambda: LegacySamplingParams())
     stream: bool = False
     apply_chat_template: bool = False
+    lora: str | None = None  # a LoRA adapter's name (engine/lora/); None: the base model
     max_batch_size: int | None = Field(default=None, ge=1)
     min_batch_size: int | None = Field(default=None, ge=1)
     batch_size_growth_factor: float | None = Field(default=None, ge=1.0)

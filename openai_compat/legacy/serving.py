@@ -16,6 +16,8 @@ from .protocol import LegacyJob
 async def run_legacy(serving: OpenAIServing, job: LegacyJob, batch_size: BatchSize) -> AsyncIterator[dict]:
     """Generate for a legacy job: one output with the whole text, or growing batches of text pieces."""
     await serving.ready()
+    if job.lora not in (None, serving.served_model_name) and serving.adapter_of(job.lora) is None:
+        raise OpenAIError(f"no LoRA adapter named `{job.lora}` is loaded", status=404, param="lora")
     serving.check_generation(job.sampling_params, "completions", 1)
     if job.messages is not None:
         prompt = await render_chat(serving, ChatCompletionRequest(messages=job.messages))
@@ -27,7 +29,7 @@ async def run_legacy(serving: OpenAIServing, job: LegacyJob, batch_size: BatchSi
         if not prompt.token_ids:
             raise OpenAIError("the prompt is empty after tokenization", param="prompt")
     sp = job.sampling_params
-    (params,) = serving.sampling_params(sp, [len(prompt.token_ids)], await serving.grammar(sp))
+    (params,) = serving.sampling_params(sp, [len(prompt.token_ids)], await serving.grammar(sp), model=job.lora)
     usage = {"input": len(prompt.token_ids), "output": 0}
     outputs = serving.run(random_id("legacy"), prompt, params)
     if not job.stream:

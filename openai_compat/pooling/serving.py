@@ -98,7 +98,7 @@ class PoolingServing:
     # ---------------------------------------------------------------- embeddings and pooling
 
     async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
-        await self.serving.ready_for(request.model)
+        await self.serving.ready_for(request.model, adapters=False)
         inputs = await self._inputs(request.inputs, request.add_special_tokens, "input")
         output = await self._pool("embd", inputs, self._embed_params(request.normalize, request.dimensions))
         data = [EmbeddingData(index=i, embedding=_encode(v, request.encoding_format))
@@ -107,7 +107,7 @@ class PoolingServing:
                                  usage=self._usage(output))
 
     async def create_pooling(self, request: PoolingRequest) -> PoolingResponse:
-        await self.serving.ready_for(request.model)
+        await self.serving.ready_for(request.model, adapters=False)
         task = request.task or ("classify" if self.engine.task == "classify" else "embed")
         if task == "classify":
             if self.engine.task != "classify":
@@ -162,7 +162,7 @@ class PoolingServing:
         return output.request_id, scores, output.prompt_tokens
 
     async def create_score(self, request: ScoreRequest) -> ScoreResponse:
-        await self.serving.ready_for(request.model)
+        await self.serving.ready_for(request.model, adapters=False)
         left = [request.text_1] if isinstance(request.text_1, str) else request.text_1
         right = [request.text_2] if isinstance(request.text_2, str) else request.text_2
         if len(left) == 1:
@@ -179,7 +179,7 @@ class PoolingServing:
                              usage=UsageInfo(prompt_tokens=tokens, total_tokens=tokens))
 
     async def create_rerank(self, request: RerankRequest) -> RerankResponse:
-        await self.serving.ready_for(request.model)
+        await self.serving.ready_for(request.model, adapters=False)
         pairs = [(request.query, document) for document in request.documents]
         names = [("query", f"documents[{i}]") for i in range(len(pairs))]
         request_id, scores, tokens = await self._scores("rerank", pairs, names)
