@@ -66,7 +66,7 @@ def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 
 _FORMATS = {1: "Q4_1", 2: "Q8_0", 3: "Q4_1", 4: "Q8_0"}  # 3 and 4: arranged for 16-bit integer activations
-WORD_FORMATS = (3, 4)
+WORD_FORMATS = (3, 4, 5, 6)  # 5, 6: quantized checkpoints' blocks (engine/cpu/packed_linear.py)
 
 
 def _agrees(module: torch.nn.Linear, kernels, blocks: tuple[int, torch.Tensor]) -> bool:
