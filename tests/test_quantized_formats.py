@@ -252,6 +252,43 @@ def test_a_quantized_checkpoint_serves_the_dequantized_models_tokens(fmt, tmp_pa
     assert served.compact is not None, served.compact_reason
 
 
+def round_to_nearest(w: torch.Tensor, method: str) -> torch.Tensor:
+    """QUANTIZATION=int8: one symmetric scale per output, q in -127..127; int4: per 32 inputs a scale
+    (max - min) / 15 and the minimum, q in 0..15. The dequantized weight."""
+    if method == "int8":
+        d = w.abs().amax(1, keepdim=True) / 127
+        return torch.round(w / d).clamp(-127, 127) * d
+    blocks = w.view(w.shape[0], -1, 32)
+    lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    d = (hi - lo) / 15
+    return (torch.round((blocks - lo) / d).clamp(0, 15) * d + lo).view_as(w)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantization_at_load_serves_the_rounded_weights(method, tmp_path, tokenizer_folder):
+    model = dense_llama(tmp_path, tokenizer_folder, seed=1)
+    with torch.no_grad():
+        for index in range(model.config.num_hidden_layers):
+            for linear in LINEARS:
+                weight = model.get_submodule(f"model.layers.{index}.{linear}").weight
+                weight.copy_(round_to_nearest(weight.detach().clone(), method))
+    rows = prompts(8)
+    expected = [reference(model, ids) for ids in rows]
+    engine = _engine(tmp_path, quantization=method)
+    try:
+        asyncio.run(engine.start())
+
+        async def batched():
+            return await asyncio.gather(*(choice_ids(engine, f"r{i}", ids, family_greedy())
+                                          for i, ids in enumerate(rows)))
+        got = asyncio.run(batched())
+        layers = packed_linear.layers(engine.engine.runner.model)
+    finally:
+        engine.close()
+    assert [c[0] for c in got] == expected
+    assert len(layers) == 2 * 4 and {layer.bits for layer in layers} == {8 if method == "int8" else 4}
+
+
 def _gptq_folder(tmp_path, tokenizer_folder, **config) -> object:
     folder = tmp_path / "quantized"
     model = dense_llama(folder, tokenizer_folder)

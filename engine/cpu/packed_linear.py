@@ -123,6 +123,17 @@ def layers(model: torch.nn.Module) -> list[PackedLinear]:
     return [m for m in model.modules() if isinstance(m, PackedLinear) and m.whole is None]
 
 
+def _half_exact(layer: PackedLinear) -> bool:
+    """Whether the layer's scales and minimums are all half-precision values (and, for 8 bits, its minimums
+    zero): then the kernel's half-precision headers hold them exactly (GPTQ's float16 scales with symmetric zero
+    points, bitsandbytes' int8 rows often do), half a bit a weight less than float32 headers."""
+    def exact(t: torch.Tensor) -> bool:
+        return bool((t.half().float() == t).all())
+    if layer.bits == 8:
+        return exact(layer.scale) and not bool(layer.minimum.any())
+    return exact(layer.scale) and exact(layer.minimum)
+
+
 def _agrees(layer: PackedLinear, weight: torch.Tensor) -> bool:
     """The packed product against the dequantized weights on random rows: each output within the 16-bit
     activations' rounding (2^-15 of each block's largest input, relative 1e-4 with float32's sums) of the sum
@@ -150,7 +161,8 @@ def apply(model: torch.nn.Module, kernels) -> int:
     for layer in found:
         weight = layer.weight_float()
         if usable:
-            layer.block_format, layer.packed = kernels.pack_scaled(layer.q, layer.scale, layer.minimum, layer.bits)
+            layer.block_format, layer.packed = kernels.pack_scaled(layer.q, layer.scale, layer.minimum, layer.bits,
+                                                                   _half_exact(layer))
             layer.kernels = kernels
             if not _agrees(layer, weight):
                 raise RuntimeError(f"the packed {layer.bits}-bit product differs from the dequantized weights "
