@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine import AsyncEngine, EngineConfig
-from engine.cpu import fusion, packed_linear
+from engine.cpu import fusion, native_kernels, packed_linear
 from engine.loader import ModelLoadError
 from engine_helpers import choice_ids
 from tiny_models import VOCAB, family_greedy, prompts, reference
@@ -371,3 +371,142 @@ def test_fusion_never_concatenates_a_quantized_subclass_of_linear():
     assert all(p is dict(model.named_parameters())[name] for name, p in packed.items())
     # The same model with plain layers is fused: the rule is the layers' type, not the model.
     assert fusion.apply(LlamaForCausalLM(model.config)) == {"mlp": 1, "qkv": 1, "rms_norm": 3}
+
+
+# --- GGUF ---------------------------------------------------------------------------------------------------------
+
+def _k_quant_blocks(w: np.ndarray, bits: int) -> np.ndarray:
+    """Rows of float32 weights (a multiple of 256 wide) as Q4_K (bits 4) or Q5_K (bits 5) super-blocks, laid
+    out as ggml's block_q4_K / block_q5_K: half d and dmin, 12 bytes of 6-bit sub-block scales and minimums,
+    (Q5_K: 32 bytes of fifth bits, bit j of byte l for sub-block j), then 128 bytes of nibbles, pair of sub-blocks
+    i in bytes 32i..32i+31 (sub-block 2i low nibbles, 2i + 1 high). Round to nearest, no search."""
+    rows = w.shape[0]
+    top = (1 << bits) - 1
+    sub = w.reshape(rows, -1, 8, 32)
+    lo = np.minimum(sub.min(-1), 0)
+    span = (sub.max(-1) - lo) / top
+    d = (span.max(-1) / 63).astype(np.float16)
+    dmin = ((-lo).max(-1) / 63).astype(np.float16)
+    sc = np.clip(np.round(span / np.maximum(d.astype(np.float32)[..., None], 1e-12)), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(-lo / np.maximum(dmin.astype(np.float32)[..., None], 1e-12)), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[..., None] * sc
+    shift = dmin.astype(np.float32)[..., None] * mn
+    q = np.clip(np.round((sub + shift[..., None]) / step[..., None]), 0, top).astype(np.uint8)
+    scales = np.zeros(sub.shape[:2] + (12,), np.uint8)
+    scales[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
+    scales[..., 4:8] = (mn[..., 0:4] & 63) | ((mn[..., 4:8] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:8] & 0xF) | ((mn[..., 4:8] & 0xF) << 4)
+    low = (q & 0xF).reshape(rows, -1, 4, 2, 32)
+    nibbles = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).reshape(rows, -1, 128)
+    parts = [d.reshape(rows, -1, 1).view(np.uint8), dmin.reshape(rows, -1, 1).view(np.uint8), scales]
+    if bits == 5:
+        high = (q >> 4).astype(np.uint8)  # [rows, blocks, 8 sub-blocks, 32]
+        parts.append(sum(high[:, :, j] << j for j in range(8)).astype(np.uint8))
+    parts.append(nibbles)
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def _copy_tokenizer(writer, source) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+
+    def strings(key):
+        field = reader.fields[key]
+        return [bytes(field.parts[i]).decode() for i in field.data]
+
+    def number(key):
+        field = reader.fields[key]
+        return int(field.parts[field.data[0]][0])
+    writer.add_tokenizer_model(strings("tokenizer.ggml.model")[0])
+    writer.add_tokenizer_pre(strings("tokenizer.ggml.pre")[0])
+    writer.add_token_list(strings("tokenizer.ggml.tokens"))
+    field = reader.fields["tokenizer.ggml.token_type"]
+    writer.add_token_types([int(field.parts[i][0]) for i in field.data])
+    writer.add_token_merges(strings("tokenizer.ggml.merges"))
+    writer.add_bos_token_id(number("tokenizer.ggml.bos_token_id"))
+    writer.add_eos_token_id(number("tokenizer.ggml.eos_token_id"))
+    writer.add_pad_token_id(number("tokenizer.ggml.padding_token_id"))
+
+
+G_HIDDEN, G_FF = 256, 512  # K-quants' super-blocks are 256 wide
+
+
+# Each decoder projection in its own block type; attn_v stays float16 (a dense layer beside packed ones).
+GGUF_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "F16", "attn_output": "Q4_0", "ffn_gate": "Q4_K",
+              "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
+
+
+def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatch):
+    import gguf
+    from gguf import quants
+    from transformers import AutoModelForCausalLM
+
+    from engine.sources.store import resolve
+
+    embedded = resolve(None, revision=None, cache_dir=tmp_path / "cache")
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    writer = gguf.GGUFWriter(folder / "tiny.gguf", "llama")
+    layers, heads, kv_heads = 2, 4, 2
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(G_HIDDEN)
+    writer.add_feed_forward_length(G_FF)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(G_HIDDEN // heads)
+    _copy_tokenizer(writer, embedded.path / embedded.gguf_file)
+    rng = np.random.default_rng(0)
+
+    def weight(rows, cols):
+        return (rng.standard_normal((rows, cols)) / cols ** 0.5).astype(np.float32)
+    writer.add_tensor("token_embd.weight", weight(VOCAB, G_HIDDEN))
+    writer.add_tensor("output_norm.weight", np.ones(G_HIDDEN, np.float32))
+    shapes = {"attn_q": (G_HIDDEN, G_HIDDEN), "attn_k": (G_HIDDEN // 2, G_HIDDEN), "attn_v": (G_HIDDEN // 2, G_HIDDEN),
+              "attn_output": (G_HIDDEN, G_HIDDEN), "ffn_gate": (G_FF, G_HIDDEN), "ffn_up": (G_FF, G_HIDDEN),
+              "ffn_down": (G_HIDDEN, G_FF)}
+    for index in range(layers):
+        writer.add_tensor(f"blk.{index}.attn_norm.weight", np.ones(G_HIDDEN, np.float32))
+        writer.add_tensor(f"blk.{index}.ffn_norm.weight", np.ones(G_HIDDEN, np.float32))
+        for name, kind in GGUF_TYPES.items():
+            w = weight(*shapes[name])
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            if kind in ("Q4_K", "Q5_K"):
+                raw = _k_quant_blocks(w, 4 if kind == "Q4_K" else 5)
+            elif kind == "F16":
+                raw = w.astype(np.float16)
+            else:
+                raw = quants.quantize(w, qtype)
+            writer.add_tensor(f"blk.{index}.{name}.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    expected_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    expected_model.generation_config.eos_token_id = None
+    rows = prompts(9)
+    expected = [reference(expected_model, ids) for ids in rows]
+    # The file's converted copy goes to this test's cache; the kernels' build stays where the others find it.
+    monkeypatch.setenv("NATIVE_KERNELS_DIR", str(native_kernels.build_dir()))
+    engine = _engine(folder, cache_dir=tmp_path / "cache")
+    try:
+        asyncio.run(engine.start())
+
+        async def batched():
+            return await asyncio.gather(*(choice_ids(engine, f"r{i}", ids, family_greedy())
+                                          for i, ids in enumerate(rows)))
+        got = asyncio.run(batched())
+        served = engine.engine.runner
+        layers_served = packed_linear.layers(served.model)
+    finally:
+        engine.close()
+    assert [c[0] for c in got] == expected
+    # Q4_K (query, gate), Q5_K (key), Q4_0 (output) a layer from their blocks, the query and key rows in
+    # transformers' order; Q8_0 and Q4_1 in a float32 model take the exact-block product of their float32 weights.
+    sources = sorted(layer.source.split(" ", 1)[1] for layer in layers_served)
+    assert sources == ["(GGUF Q4_0)"] * 2 + ["(GGUF Q4_K)"] * 4 + ["(GGUF Q5_K)"] * 2, sources
+    assert served.compact is not None, served.compact_reason

@@ -64,13 +64,21 @@ def _plain(*layers) -> bool:
     return all(type(m) is torch.nn.Linear and m.weight.is_floating_point() for m in layers)
 
 
+def _packed_among(*layers) -> bool:
+    """Some of the layers are PackedLinear and the others PackedLinear or plain torch.nn.Linear."""
+    return any(isinstance(m, PackedLinear) for m in layers) and all(
+        isinstance(m, PackedLinear) or _plain(m) for m in layers)
+
+
 def _fuse_packed(module: torch.nn.Module, name: str, parts: list, new_forward=None) -> bool:
     """Merge PackedLinear parts into module.<name>; the parts then read their slice of its output."""
     fused = PackedLinear.concatenate(parts)
     if fused is None:
         return False
     setattr(module, name, fused)
-    if new_forward is not None and not _matches(module, new_forward, fused.in_features, torch.float32, "cpu"):
+    # The check's input in the type plain parts multiply (PackedLinear layers take any)
+    dtype = next((p.weight.dtype for p in parts if not isinstance(p, PackedLinear)), torch.float32)
+    if new_forward is not None and not _matches(module, new_forward, fused.in_features, dtype, "cpu"):
         delattr(module, name)
         return False
     if isinstance(fused, PackedLinear):  # one product now: the parts read their slices of its output
@@ -78,6 +86,9 @@ def _fuse_packed(module: torch.nn.Module, name: str, parts: list, new_forward=No
         for part in parts:
             part.become_part_of(fused, start)
             start += part.out_features
+    for part in parts:
+        if not isinstance(part, PackedLinear):  # multiplied by the SideBySide; no layout of its own
+            part.fused_into = True
     return True
 
 
@@ -85,7 +96,7 @@ def _fuse_mlp(module: torch.nn.Module) -> bool:
     gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
     if not (hasattr(module, "down_proj") and hasattr(module, "act_fn") and not hasattr(module, "gate_up_proj")):
         return False
-    if isinstance(gate, PackedLinear) and isinstance(up, PackedLinear) and gate.bias is None and up.bias is None:
+    if _packed_among(gate, up) and gate.bias is None and up.bias is None:
         if not _fuse_packed(module, "gate_up_proj", [gate, up], gated_mlp_forward):
             return False
         module.forward = types.MethodType(gated_mlp_forward, module)
@@ -136,7 +147,7 @@ class _QKVProjection:
 
 def _fuse_qkv(module: torch.nn.Module) -> bool:
     q, k, v = (getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj"))
-    if all(isinstance(p, PackedLinear) for p in (q, k, v)) and not hasattr(module, "qkv_proj"):
+    if _packed_among(q, k, v) and not hasattr(module, "qkv_proj"):
         if not _fuse_packed(module, "qkv_proj", [q, k, v]):
             return False
         projection = _QKVProjection(q, k, v, module.qkv_proj)

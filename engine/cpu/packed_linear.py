@@ -84,16 +84,20 @@ class PackedLinear(torch.nn.Module):
         return out.to(x.dtype).view(*shape[:-1], self.out_features)
 
     @classmethod
-    def concatenate(cls, parts: list["PackedLinear"]) -> "PackedLinear | SideBySide | None":
-        """One layer computing the parts' outputs side by side (fused q/k/v, gate/up), or None where they
-        differ in bits or bias presence, or are packed already. Parts whose inputs are gathered in different
-        orders (GPTQ act order: each layer has its own) stay separate products under one SideBySide."""
+    def concatenate(cls, parts: list) -> "PackedLinear | SideBySide | None":
+        """One layer computing the parts' outputs side by side (fused q/k/v, gate/up), or None where their
+        inputs differ or one is packed already. Parts that cannot share one product (inputs gathered in
+        different orders, as GPTQ's act order gives each layer its own; other bits; a plain torch.nn.Linear
+        beside them, as a GGUF file's Q6_K layer among Q4_K ones) stay separate products under one SideBySide."""
         first = parts[0]
-        if any(p.packed is not None or p.dense is not None or p.whole is not None or p.bits != first.bits
-               or (p.bias is None) != (first.bias is None) or p.in_features != first.in_features for p in parts):
+        if any(p.in_features != first.in_features for p in parts) or any(
+                isinstance(p, cls) and (p.packed is not None or p.dense is not None or p.whole is not None)
+                for p in parts):
             return None
-        if any((p.order is None) != (first.order is None)
-               or (p.order is not None and not torch.equal(p.order, first.order)) for p in parts):
+        if not all(isinstance(p, cls) for p in parts) or any(
+                p.bits != first.bits or (p.bias is None) != (first.bias is None)
+                or (p.order is None) != (first.order is None)
+                or (p.order is not None and not torch.equal(p.order, first.order)) for p in parts):
             return SideBySide(parts)
         bias = None if first.bias is None else torch.cat([p.bias for p in parts])
         return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
@@ -101,8 +105,8 @@ class PackedLinear(torch.nn.Module):
 
 
 class SideBySide(torch.nn.Module):
-    """The outputs of several PackedLinear layers of one input, concatenated: a fused projection whose parts
-    cannot share one product (their inputs are gathered in different orders)."""
+    """The outputs of several layers of one input (PackedLinear, plain torch.nn.Linear), concatenated: a fused
+    projection whose parts cannot share one product."""
 
     def __init__(self, parts: list[PackedLinear]):
         super().__init__()
@@ -115,7 +119,7 @@ class SideBySide(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The class's own forward: fusion may point a part's instance forward at this module (q/k/v sharing).
-        return torch.cat([PackedLinear.forward(part, x) for part in self.parts], dim=-1)
+        return torch.cat([type(part).forward(part, x) for part in self.parts], dim=-1)
 
 
 def layers(model: torch.nn.Module) -> list[PackedLinear]:
