@@ -11,6 +11,15 @@
    `lm_head: true`), unless --keep-head leaves it bfloat16; the embeddings stay bfloat16.
 3. Runs bench/throughput.py's streaming loads (greedy, ignore_eos, --max-tokens tokens, the gateway with the
    official openai client) at each of --levels on each checkpoint in turn, and prints both with the ratio.
+
+    .venv/bin/python bench/quantized.py --agreement [--max-tokens 64]
+
+instead measures QUANTIZATION=int8 / int4 (quantization at load) against the float32 model they start from, on
+the embedded model's float32 copy, as docs/cpu-kernels.md measures the 16-bit activations: float32's greedy chat
+completions of the 8 benchmark prompts (--max-tokens each) against each quantized model's own (identical or
+not), then teacher-forced over float32's completions: top-1 agreement and the mean KL divergence from float32's
+next-token distribution at every completion position. The quantized models run transformers' forward with the
+worker's packed layers and kernels (the products the engine serves).
 """
 from __future__ import annotations
 
@@ -114,6 +123,61 @@ def throughput(folder: Path, args) -> dict:
     return {r["concurrency"]: r["tok_s"] for r in json.loads(lines[-1])["levels"]}
 
 
+def agreement(max_tokens: int) -> None:
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(ROOT))
+    from engine.config import EngineConfig
+    from engine.cpu import native_kernels, packed_linear
+    from engine.loader import model_folder
+    from engine.quantized_checkpoint import quantize_at_load
+    from throughput import PROMPTS
+
+    folder = model_folder(EngineConfig())
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if not native_kernels.load("auto", torch.float32):
+        raise SystemExit(f"the native kernels are needed: {native_kernels.reason()}")
+
+    def model(method: str | None):
+        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        if method:
+            quantize_at_load(loaded, method)
+            packed_linear.apply(loaded, native_kernels.active())
+        return loaded
+
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"] for p in PROMPTS]
+    results = {}
+    with torch.inference_mode():
+        reference = model(None)
+        sequences = [reference.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                        pad_token_id=0)[0] for ids in prompts]
+        expected = [F.log_softmax(reference(s[None]).logits[0].float(), -1) for s in sequences]
+        del reference
+        for method in ("int8", "int4"):
+            quantized = model(method)
+            same = top1 = positions = 0
+            kl = 0.0
+            for ids, sequence, ref in zip(prompts, sequences, expected):
+                own = quantized.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                         pad_token_id=0)[0]
+                same += int(torch.equal(own, sequence))
+                got = F.log_softmax(quantized(sequence[None]).logits[0].float(), -1)
+                span = slice(ids.shape[1] - 1, sequence.shape[0] - 1)  # predictions of the completion's tokens
+                top1 += int((got[span].argmax(-1) == ref[span].argmax(-1)).sum())
+                kl += float((ref[span].exp() * (ref[span] - got[span])).sum())
+                positions += span.stop - span.start
+            results[method] = {"greedy_identical": f"{same} of {len(prompts)}", "top1": round(top1 / positions, 4),
+                               "mean_kl": float(f"{kl / positions:.2g}"), "positions": positions}
+            print(f"QUANTIZATION={method}: greedy completions identical to float32's {same} of {len(prompts)}, "
+                  f"teacher-forced top-1 {100 * top1 / positions:.2f}% ({positions} positions), mean KL "
+                  f"{kl / positions:.2g}", flush=True)
+            del quantized
+    print(json.dumps({"bench": "quantized_agreement", "max_tokens": max_tokens, "results": results}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default=str(Path.home() / ".cache" / "llm-worker-bench"))
@@ -123,7 +187,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for both gateways")
+    parser.add_argument("--agreement", action="store_true", help="QUANTIZATION=int8/int4 against float32 instead")
     args = parser.parse_args()
+    if args.agreement:
+        sys.path.insert(0, str(ROOT / "bench"))
+        agreement(args.max_tokens)
+        return
     work = Path(args.work)
     dense = build_bfloat16(work / "user-362m-bf16")
     head = not args.keep_head

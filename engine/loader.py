@@ -196,10 +196,9 @@ def load(config: EngineConfig) -> LoadedModel:
                 if quantization in quantized_checkpoint.LOAD_TIME_METHODS:
                     quantized_checkpoint.quantize_at_load(model, quantization)
                 if gguf is not None and device.type == "cpu" and config.native_kernels != "off":
-                    # The file's other block types multiply from their blocks; Q4_1 / Q8_0 ones in a float32 model
-                    # stay with the product that recovers them from the float32 weights (engine/cpu/plan.py).
-                    quantized_checkpoint.gguf_layers(model, gguf, quantized_checkpoint.GGUF_BLOCK_TYPES
-                                                     if dtype != torch.float32 else ("Q4_0", "Q4_K", "Q5_K"))
+                    # Q4_0 and K-quant layers multiply from their file's blocks; Q4_1 / Q8_0 ones keep the product
+                    # that recovers them from float32 weights where a probe finds it faster (engine/cpu/plan.py).
+                    quantized_checkpoint.gguf_layers(model, gguf, quantized_checkpoint.GGUF_BLOCK_TYPES)
                 if not fallback_reason:  # faster decode steps; the rewrites target decoder layers
                     windows.mark_windows(model)
                 fusion.apply(model, verdicts)

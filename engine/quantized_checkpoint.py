@@ -471,10 +471,11 @@ def quantize_at_load(model: torch.nn.Module, method: str) -> int:
 # --- GGUF blocks ------------------------------------------------------------------------------------------------
 
 # GGUF block types whose weights are w = d * q + m per 32 weights of one row (K-quants: sub-blocks of 32 with
-# 6-bit scales and minimums times the super-block's half-precision d and dmin, exact in float32). Q6_K's
-# sub-blocks are 16 wide (two scales a block of 32) and Q5_0 / Q5_1 / Q2_K / Q3_K are not read here: such layers
-# keep the dense weights transformers expanded from the file.
-GGUF_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K")
+# 6-bit scales and minimums times the super-block's half-precision d and dmin, exact in float32), served from
+# their blocks. Q4_1 / Q8_0 (readable too) keep engine/cpu/quantized_weights.py's product, which a probe weighs
+# against bfloat16. Q6_K's sub-blocks are 16 wide (two scales a block of 32) and Q5_0 / Q5_1 / Q2_K / Q3_K are not
+# read here: such layers keep the dense weights transformers expanded from the file.
+GGUF_BLOCK_TYPES = ("Q4_0", "Q4_K", "Q5_K")
 
 
 def _halves(raw, start: int):

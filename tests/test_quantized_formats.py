@@ -432,6 +432,28 @@ def _copy_tokenizer(writer, source) -> None:
 G_HIDDEN, G_FF = 256, 512  # K-quants' super-blocks are 256 wide
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K"])
+def test_gguf_blocks_read_as_ggufs_own_dequantization(kind):
+    """The blocks the worker reads from a GGUF tensor give the weights gguf's own dequantization gives, exactly
+    (K-quants: any bytes are valid blocks once d and dmin are finite)."""
+    import gguf
+    from gguf import quants
+
+    from engine.quantized_checkpoint import gguf_blocks
+
+    rng = np.random.default_rng(1)
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    if kind.endswith("_K"):
+        raw = rng.integers(0, 256, (48, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+        raw[:, 0:4] = rng.random((48, 2)).astype(np.float16).view(np.uint8)
+    else:
+        raw = quants.quantize(rng.standard_normal((48, 256)).astype(np.float32), qtype)
+    q, d, m, bits = gguf_blocks(kind, raw)
+    weight = (q.float().view(48, -1, 32) * d[..., None] + m[..., None]).view(48, -1)
+    assert torch.equal(weight, torch.from_numpy(quants.dequantize(raw, qtype)))
+    assert bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8)
+
+
 # Each decoder projection in its own block type; attn_v stays float16 (a dense layer beside packed ones).
 GGUF_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "F16", "attn_output": "Q4_0", "ffn_gate": "Q4_K",
               "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
