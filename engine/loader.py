@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from engine import devices, startup_cache
+from engine import devices, quantized_checkpoint, startup_cache
 from engine.core import fallback
-from engine.cpu import fusion
+from engine.cpu import fusion, packed_linear
 from engine.cpu import plan as cpu_plan
 from engine.executor import attention, windows
 from engine.sources import store
@@ -180,20 +180,36 @@ def load(config: EngineConfig) -> LoadedModel:
         hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, trust_remote_code=config.trust_remote_code)
         model_config = AutoConfig.from_pretrained(folder, trust_remote_code=config.trust_remote_code)
         task = model_task(model_config)
+        quantization = _quantization(config, model_config, gguf, task, device)
         vision = None
         if task == "generate" and is_vision_config(model_config):
+            if quantization is not None:
+                raise quantized_checkpoint.QuantizationError(
+                    f"{quantization}: quantized vision-language models are not served yet (their packed layers "
+                    f"would need the vision path's loader); serve the unquantized checkpoint")
             model, vision, fallback_reason = _vision_model(folder, model_config, config, dtype, placement, verdicts)
             hf_tokenizer = vision.hf.tokenizer
         elif task == "generate":
             fallback_reason = _fallback_reason(model_config)
 
             def causal_lm(dtype: torch.dtype) -> torch.nn.Module:
-                model = AutoModelForCausalLM.from_pretrained(
-                    folder, dtype=dtype, trust_remote_code=config.trust_remote_code, **placement,
-                    # The fallback path runs the model with transformers' own attention and cache.
-                    **({} if fallback_reason else {"attn_implementation": attention.ATTENTION_IMPLEMENTATION}))
+                # The fallback path runs the model with transformers' own attention and cache.
+                implementation = {} if fallback_reason else {"attn_implementation": attention.ATTENTION_IMPLEMENTATION}
+                if quantization in quantized_checkpoint.READ_ON_CPU and device.type == "cpu":
+                    model = quantized_checkpoint.load(folder, model_config, quantization, dtype,
+                                                      trust_remote_code=config.trust_remote_code, **implementation)
+                else:
+                    model = AutoModelForCausalLM.from_pretrained(
+                        folder, dtype=dtype, trust_remote_code=config.trust_remote_code, **placement,
+                        **implementation)
                 model.eval()
                 model.requires_grad_(False)
+                if quantization in quantized_checkpoint.LOAD_TIME_METHODS:
+                    quantized_checkpoint.quantize_at_load(model, quantization)
+                if gguf is not None and device.type == "cpu" and config.native_kernels != "off":
+                    # Q4_0 and K-quant layers multiply from their file's blocks; Q4_1 / Q8_0 ones keep the product
+                    # that recovers them from float32 weights where a probe finds it faster (engine/cpu/plan.py).
+                    quantized_checkpoint.gguf_layers(model, gguf, quantized_checkpoint.GGUF_BLOCK_TYPES)
                 if not fallback_reason:  # faster decode steps; the rewrites target decoder layers
                     windows.mark_windows(model)
                 fusion.apply(model, verdicts)
@@ -210,6 +226,8 @@ def load(config: EngineConfig) -> LoadedModel:
                                                **placement)
             model.eval()
             model.requires_grad_(False)
+    except quantized_checkpoint.QuantizationError as exc:
+        raise ModelLoadError(f"model {config.model or source.name}: {_one_line(exc)}") from None
     except Exception as exc:
         raise ModelLoadError(f"model {config.model or source.name}: loading failed: "
                              f"{_one_line(exc)}") from exc
@@ -221,6 +239,8 @@ def load(config: EngineConfig) -> LoadedModel:
             model = causal_lm(dtype)
             cpu_plan.load_kernels(config, dtype, verdicts)
         invariant = cpu_plan.apply(model, dtype, config, from_gguf=gguf is not None, verdicts=verdicts)
+    elif packed_linear.layers(model):  # no native kernels on this path: the same weights, expanded
+        packed_linear.apply(model, None)
     attention.set_batch_invariant(invariant)
     log.info("batch invariance: %s (BATCH_INVARIANT=%s)", "on" if invariant else "off",
              str(config.batch_invariant).lower())
@@ -274,6 +294,22 @@ def _vision_model(folder: Path, model_config, config: EngineConfig, dtype: torch
     fusion.apply(view, verdicts)  # fused projections, which the compact forward takes
     encoder = ImageEncoder(model)
     return view, VisionProcessor(processor, dtype, encoder), None
+
+
+def _quantization(config: EngineConfig, model_config, gguf: Path | None, task: Task,
+                  device: torch.device) -> str | None:
+    """The quantization method to serve with (QUANTIZATION checked against the checkpoint), or None."""
+    method = quantized_checkpoint.resolve(config.quantization, model_config, gguf)
+    if method is None:
+        return None
+    if task != "generate" and method != "gguf":
+        raise quantized_checkpoint.QuantizationError(f"{method} checkpoints serve text generation only; this "
+                                                     f"model's task is {task}")
+    if method in quantized_checkpoint.LOAD_TIME_METHODS and device.type != "cpu":
+        raise quantized_checkpoint.QuantizationError(f"QUANTIZATION={method} runs on CPU only (this worker runs on "
+                                                     f"{device.type})")
+    log.info("quantization: %s (%s)", method, "QUANTIZATION" if config.quantization else "detected from the checkpoint")
+    return method
 
 
 def _fallback_reason(model_config) -> str | None:

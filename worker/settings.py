@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine import quantized_checkpoint
 from engine.config import EngineConfig
 from engine.core.speculative import SpeculativeConfig
 from engine.vision.images import MediaLimits
@@ -55,6 +56,7 @@ class WorkerSettings(BaseSettings):
     # Engine
     max_model_len: int | None = Field(default=None, gt=0)
     dtype: str = "auto"
+    quantization: str | None = None  # unset: the checkpoint's own method (engine/quantized_checkpoint.py)
     device: str = "auto"
     simulated_device_memory: int | None = Field(default=None, ge=2**20)  # bytes; DEVICE=cuda-sim only
     max_num_seqs: int = Field(default=32, ge=1, le=4096)
@@ -125,6 +127,14 @@ class WorkerSettings(BaseSettings):
         if canonical is None:
             raise ValueError(f"must be one of auto, float32, bfloat16, float16 (got {value!r})")
         return canonical
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _quantization(cls, value: str | None) -> str | None:
+        try:
+            return quantized_checkpoint.setting(value)
+        except quantized_checkpoint.QuantizationError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("device", mode="before")
     @classmethod
@@ -250,6 +260,7 @@ class WorkerSettings(BaseSettings):
             baked_model_dir=self.baked_model_dir,
             max_model_len=self.max_model_len,
             dtype=self.dtype,
+            quantization=self.quantization,
             device=self.device,
             simulated_device_memory=self.simulated_device_memory,
             max_num_seqs=self.max_num_seqs,

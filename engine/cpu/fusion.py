@@ -8,6 +8,9 @@ and a dozen small element-wise operations per norm. Where a model has the common
 Each rewrite is checked against the module's own forward on random input at load and dropped where it
 differs, so models with another structure (offset norm weights, biased projections...) keep their own code.
 The merged weights are the originals' storage (the originals become views), so no memory is added.
+Only plain torch.nn.Linear layers are merged by concatenating weights: subclasses (bitsandbytes' Linear4bit and
+Linear8bitLt on CUDA hold packed weights and quantization state) keep their own. A quantized checkpoint's
+PackedLinear layers merge through their own concatenation of blocks (engine/cpu/packed_linear.py).
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import types
 
 import torch
 import torch.nn.functional as F
+
+from engine.cpu.packed_linear import PackedLinear
 
 log = logging.getLogger("engine.cpu.fusion")
 
@@ -54,11 +59,49 @@ def gated_mlp_forward(self, x):
     return self.down_proj(self.act_fn(gate) * up)
 
 
+def _plain(*layers) -> bool:
+    """All are plain torch.nn.Linear layers with floating-point weights (not a quantized subclass)."""
+    return all(type(m) is torch.nn.Linear and m.weight.is_floating_point() for m in layers)
+
+
+def _packed_among(*layers) -> bool:
+    """Some of the layers are PackedLinear and the others PackedLinear or plain torch.nn.Linear."""
+    return any(isinstance(m, PackedLinear) for m in layers) and all(
+        isinstance(m, PackedLinear) or _plain(m) for m in layers)
+
+
+def _fuse_packed(module: torch.nn.Module, name: str, parts: list, new_forward=None) -> bool:
+    """Merge PackedLinear parts into module.<name>; the parts then read their slice of its output."""
+    fused = PackedLinear.concatenate(parts)
+    if fused is None:
+        return False
+    setattr(module, name, fused)
+    # The check's input in the type plain parts multiply (PackedLinear layers take any)
+    dtype = next((p.weight.dtype for p in parts if not isinstance(p, PackedLinear)), torch.float32)
+    if new_forward is not None and not _matches(module, new_forward, fused.in_features, dtype, "cpu"):
+        delattr(module, name)
+        return False
+    if isinstance(fused, PackedLinear):  # one product now: the parts read their slices of its output
+        start = 0
+        for part in parts:
+            part.become_part_of(fused, start)
+            start += part.out_features
+    for part in parts:
+        if not isinstance(part, PackedLinear):  # multiplied by the SideBySide; no layout of its own
+            part.fused_into = True
+    return True
+
+
 def _fuse_mlp(module: torch.nn.Module) -> bool:
     gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
-    if not (isinstance(gate, torch.nn.Linear) and isinstance(up, torch.nn.Linear) and hasattr(module, "down_proj")
-            and hasattr(module, "act_fn") and gate.bias is None and up.bias is None
-            and gate.in_features == up.in_features and not hasattr(module, "gate_up_proj")):
+    if not (hasattr(module, "down_proj") and hasattr(module, "act_fn") and not hasattr(module, "gate_up_proj")):
+        return False
+    if _packed_among(gate, up) and gate.bias is None and up.bias is None:
+        if not _fuse_packed(module, "gate_up_proj", [gate, up], gated_mlp_forward):
+            return False
+        module.forward = types.MethodType(gated_mlp_forward, module)
+        return True
+    if not (_plain(gate, up) and gate.bias is None and up.bias is None and gate.in_features == up.in_features):
         return False
     weight = gate.weight
     fused = torch.nn.Linear(gate.in_features, gate.out_features + up.out_features, bias=False,
@@ -104,8 +147,13 @@ class _QKVProjection:
 
 def _fuse_qkv(module: torch.nn.Module) -> bool:
     q, k, v = (getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj"))
-    if not all(isinstance(p, torch.nn.Linear) for p in (q, k, v)) or not (q.in_features == k.in_features ==
-                                                                        v.in_features):
+    if _packed_among(q, k, v) and not hasattr(module, "qkv_proj"):
+        if not _fuse_packed(module, "qkv_proj", [q, k, v]):
+            return False
+        projection = _QKVProjection(q, k, v, module.qkv_proj)
+        q.forward, k.forward, v.forward = projection.q, projection.take_k, projection.take_v
+        return True
+    if not _plain(q, k, v) or not (q.in_features == k.in_features == v.in_features):
         return False
     if (q.bias is None) != (k.bias is None) or (q.bias is None) != (v.bias is None):
         return False

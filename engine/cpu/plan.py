@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.cpu import bf16_weights, layout, native_kernels, quantized_weights
+from engine.cpu import bf16_weights, layout, native_kernels, packed_linear, quantized_weights
 
 log = logging.getLogger("engine.loader")
 
@@ -70,6 +70,8 @@ def apply(model: torch.nn.Module, dtype: torch.dtype, config: EngineConfig, *, f
         config.batch_invariant == "auto" and from_gguf and dtype == torch.float32
         and native_kernels.active() is not None)
     layout.apply(model, batch_invariant=invariant, verdicts=verdicts)
+    # A quantized checkpoint's layers multiply from their packed integers (16-bit integer activations).
+    packed_linear.apply(model, native_kernels.active())
     bf16_weights.apply(model, native_kernels.active(), every_size=invariant, verdicts=verdicts)
     # DTYPE=auto lets GGUF blocks take 16-bit integer activations; an explicit float32 keeps float32 activations.
     quantized_weights.apply(model, native_kernels.active(), integer_activations=config.dtype == "auto",

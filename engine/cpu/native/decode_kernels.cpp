@@ -550,6 +550,8 @@ bool blocks_supported();
 bool word_blocks_supported();
 std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words);
 at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features);
+std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
+                                            int64_t bits, bool half);
 // engine/native/prefill_attention.cpp
 bool prefill_attention_supported();
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -572,7 +574,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("word_blocks_supported", &word_blocks_supported, "whether this build has the product for 16-bit activations");
   m.def("pack_blocks", &pack_blocks, "(format, blocks): a float32 weight's exact Q4_1 or Q8_0 blocks, or (0, empty)",
         py::arg("weight"), py::arg("words") = false);
-  m.def("blocks_linear", &blocks_linear, "x times a weight packed by pack_blocks");
+  m.def("blocks_linear", &blocks_linear, "x times a weight packed by pack_blocks or pack_scaled");
+  m.def("pack_scaled", &pack_scaled, "(format, blocks): a quantized checkpoint's w = scale * q + minimum per 32 inputs",
+        py::arg("q"), py::arg("scale"), py::arg("minimum"), py::arg("bits"), py::arg("half") = false);
   m.def("bf16_linear_supported", &bf16_linear_supported, "whether this build and CPU have the AVX512_BF16 product");
   m.def("bf16_pack", &bf16_pack, "a bfloat16 weight laid out for bf16_linear");
   m.def("bf16_linear", &bf16_linear, "bfloat16 rows times a weight packed by bf16_pack (+ bias)",

@@ -42,13 +42,22 @@ constexpr int64_t kBlock = 32;  // weights per block, along the input dimension
 //    as 32 bytes, byte 2i + t = q of output i at input 2g + t, which widen to the 16-bit pairs a VPDPWSSD lane
 //    multiplies. Q4_1 holds groups 4h and 4h + 1 in the low nibbles of 64 bytes, 4h + 2 and 4h + 3 in the high
 //    ones; Q8_0 holds each group's 32 signed bytes in turn.
-enum Format : int64_t { kNone = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_1Words = 3, kQ8_0Words = 4 };
+//  - Formats 5 and 6 are the blocks of quantized checkpoints (GPTQ, AWQ, compressed-tensors, bitsandbytes int8,
+//    GGUF k-quants; engine/cpu/quantized_checkpoint.py), w = d * q + m with q in 0..15 (5) or -128..127 (6), in
+//    the arrangement of formats 3 and 4 but d and m in float32: a checkpoint's zero point makes m = -d * z, which
+//    half precision does not hold exactly, and float32 does (d half precision or bfloat16, z at most 8 bits).
+enum Format : int64_t { kNone = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_1Words = 3, kQ8_0Words = 4, kQ4Scaled = 5, kQ8Scaled = 6 };
 
+constexpr bool four_bit(Format f) { return f == kQ4_1 || f == kQ4Scaled; }
+constexpr bool float_header(Format f) { return f == kQ4Scaled || f == kQ8Scaled; }
+constexpr bool has_minimum(Format f) { return f != kQ8_0; }
 constexpr int64_t header_bytes(Format f) { return (f == kQ4_1 ? 2 : 1) * kPanel * 4; }
-constexpr int64_t input_bytes(Format f) { return f == kQ4_1 ? kPanel / 2 : kPanel; }
+constexpr int64_t input_bytes(Format f) { return four_bit(f) ? kPanel / 2 : kPanel; }
 constexpr int64_t block_bytes(Format f) { return header_bytes(f) + kBlock * input_bytes(f); }
 // Formats 3 and 4 keep d (and m) in half precision, as the GGUF file does: 5 bits a Q4_1 weight, not 6.
-constexpr int64_t word_header_bytes(Format f) { return (f == kQ4_1 ? 2 : 1) * kPanel * 2; }
+constexpr int64_t word_header_bytes(Format f) {
+  return float_header(f) ? 2 * kPanel * 4 : (f == kQ4_1 ? 2 : 1) * kPanel * 2;
+}
 constexpr int64_t word_block_bytes(Format f) { return word_header_bytes(f) + kBlock * input_bytes(f); }
 constexpr int64_t layout_block_bytes(Format f, bool words) { return words ? word_block_bytes(f) : block_bytes(f); }
 
@@ -92,6 +101,20 @@ bool recover_block(const float* w, float& scale, float& minimum, int8_t* q) {
 // The byte of input group g's 32 (see Format) at position t: output t / 2, input 2g + t % 2.
 inline int8_t word_q(const int8_t (*q)[kBlock], int g, int t) { return q[t / 2][2 * g + t % 2]; }
 
+// A panel's block of q (16 outputs x 32 inputs) in the arrangement for 16-bit activations (see Format).
+template <bool Four>
+void arrange_words(const int8_t (*q)[kBlock], uint8_t* qs) {
+  if constexpr (Four) {
+    for (int t = 0; t < 64; ++t)
+      for (int h = 0; h < 4; ++h)
+        qs[64 * h + t] = static_cast<uint8_t>(word_q(q, 4 * h + t / 32, t % 32) |
+                                              (word_q(q, 4 * h + 2 + t / 32, t % 32) << 4));
+  } else {
+    for (int g = 0; g < 16; ++g)
+      for (int t = 0; t < 32; ++t) qs[32 * g + t] = static_cast<uint8_t>(word_q(q, g, t));
+  }
+}
+
 template <Format F>
 bool pack_panel(const float* w, int64_t k, uint8_t* out, bool words) {
   int8_t q[kPanel][kBlock];
@@ -110,12 +133,7 @@ bool pack_panel(const float* w, int64_t k, uint8_t* out, bool words) {
     }
     uint8_t* qs = dst + (words ? word_header_bytes(F) : header_bytes(F));
     if (words) {
-      for (int t = 0; t < 64 && F == kQ4_1; ++t)
-        for (int h = 0; h < 4; ++h)
-          qs[64 * h + t] = static_cast<uint8_t>(word_q(q, 4 * h + t / 32, t % 32) |
-                                                (word_q(q, 4 * h + 2 + t / 32, t % 32) << 4));
-      for (int g = 0; g < 16 && F == kQ8_0; ++g)
-        for (int t = 0; t < 32; ++t) qs[32 * g + t] = static_cast<uint8_t>(word_q(q, g, t));
+      arrange_words<F == kQ4_1>(q, qs);
       continue;
     }
     for (int64_t j = 0; j < kBlock; ++j) {
@@ -331,7 +349,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
 // block's q (`qs`, past its header).
 template <Format F>
 inline __m512i block_group(const uint8_t* qs, int g) {
-  if constexpr (F == kQ4_1) {
+  if constexpr (four_bit(F)) {
     const __m512i packed = _mm512_loadu_si512(qs + 64 * (g / 4));
     const __m512i nibbles = _mm512_and_si512(g % 4 < 2 ? packed : _mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));
     return _mm512_cvtepu8_epi16(g % 2 == 0 ? _mm512_castsi512_si256(nibbles) : _mm512_extracti64x4_epi64(nibbles, 1));
@@ -394,15 +412,20 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
     }
     for (int p = 0; p < P; ++p) {
       const uint8_t* header = headers + p * panel_bytes + b * word_block_bytes(F);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
-      __m512 m = _mm512_setzero_ps();
-      if constexpr (F == kQ4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
+      __m512 d, m = _mm512_setzero_ps();
+      if constexpr (float_header(F)) {
+        d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
+        m = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
+      } else {
+        d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
+        if constexpr (F == kQ4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
+      }
       for (int r = 0; r < R; ++r) {
         __m512i total = acc[0][r][p];
         if constexpr (A == 2) total = _mm512_add_epi32(total, acc[1][r][p]);
         sums[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(x_scale[b * R + r])),
                                      sums[r][p]);
-        if constexpr (F == kQ4_1) sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
+        if constexpr (has_minimum(F)) sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
       }
     }
   }
@@ -498,8 +521,17 @@ at::Tensor pack_as(const float* w, int64_t n, int64_t k, bool words) {
   return exact ? packed : at::Tensor();
 }
 
-// Formats 3 and 4 hold the same blocks as 1 and 2 in another arrangement.
-Format blocks_of(int64_t format) { return format == kQ4_1 || format == kQ4_1Words ? kQ4_1 : kQ8_0; }
+// The bytes of one panel's block of 32 inputs in `format`.
+int64_t packed_block_bytes(int64_t format) {
+  switch (format) {
+    case kQ4_1: return block_bytes(kQ4_1);
+    case kQ8_0: return block_bytes(kQ8_0);
+    case kQ4_1Words: return word_block_bytes(kQ4_1);
+    case kQ8_0Words: return word_block_bytes(kQ8_0);
+    case kQ4Scaled: return word_block_bytes(kQ4Scaled);
+    default: return word_block_bytes(kQ8Scaled);
+  }
+}
 
 }  // namespace
 
@@ -528,16 +560,69 @@ std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words
   return {kNone, at::empty({0}, at::kByte)};
 }
 
+// A quantized checkpoint's weight [out, in] as w = scale * q + minimum per block of 32 inputs of one output:
+// q int8 [out, in] (0..15 for bits 4, -128..127 for 8), scale and minimum float32 [out, in / 32] -> (format,
+// blocks): 5 or 6 and the blocks in the product's layout for 16-bit integer activations. The product multiplies
+// by exactly these weights (d * q + m in real numbers; float32 rounds only the sums). With `half` (the caller
+// found every scale and minimum exact in half precision, and for 8 bits every minimum zero) the blocks are
+// formats 3 and 4 instead: the same product with half-precision headers, a bit less per weight.
+std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
+                                            int64_t bits, bool half) {
+  TORCH_CHECK(word_blocks_supported(), "pack_scaled: this build has no product for 16-bit activations (it needs "
+              "AVX512_VNNI)");
+  TORCH_CHECK(bits == 4 || bits == 8, "pack_scaled: bits must be 4 or 8");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar, "pack_scaled: q must be an int8 "
+              "CPU matrix");
+  const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock;
+  TORCH_CHECK(n % kPanel == 0 && k % kBlock == 0 && n > 0 && k > 0, "pack_scaled: the weight's shape must divide "
+              "into 16 outputs by 32 inputs");
+  for (const at::Tensor* t : {&scale, &minimum})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == n &&
+                    t->size(1) == blocks, "pack_scaled: scale and minimum must be float32 [out, in / 32]");
+  const at::Tensor qc = q.contiguous(), sc = scale.contiguous(), mc = minimum.contiguous();
+  if (bits == 4)
+    TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() <= 15, "pack_scaled: 4-bit q must be in 0..15");
+  const Format f = half ? (bits == 4 ? kQ4_1Words : kQ8_0Words) : (bits == 4 ? kQ4Scaled : kQ8Scaled);
+  const int64_t block = packed_block_bytes(f), panels = n / kPanel, panel_bytes = blocks * block;
+  const int64_t header_size = half ? word_header_bytes(bits == 4 ? kQ4_1 : kQ8_0) : 2 * kPanel * 4;
+  auto packed = at::empty({panels, panel_bytes}, at::kByte);
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  const int8_t* qs = qc.data_ptr<int8_t>();
+  const float* ss = sc.data_ptr<float>();
+  const float* ms = mc.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    int8_t tile[kPanel][kBlock];
+    float header[2 * kPanel];
+    uint16_t halves[2 * kPanel];
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* dst = out + p * panel_bytes + b * block;
+        for (int64_t i = 0; i < kPanel; ++i) {
+          const int64_t row = p * kPanel + i;
+          header[i] = ss[row * blocks + b], header[kPanel + i] = ms[row * blocks + b];
+          halves[i] = at::Half(header[i]).x, halves[kPanel + i] = at::Half(header[kPanel + i]).x;
+          std::memcpy(tile[i], qs + row * k + b * kBlock, kBlock);
+        }
+        std::memcpy(dst, half ? static_cast<const void*>(halves) : static_cast<const void*>(header), header_size);
+        if (bits == 4)
+          arrange_words<true>(tile, dst + header_size);
+        else
+          arrange_words<false>(tile, dst + header_size);
+      }
+  });
+  return {f, packed};
+}
+
 // x float32 [rows, in] (contiguous) times the weight `pack_blocks` packed as `format`, [out, in] -> [rows, out].
 at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features) {
   TORCH_CHECK(blocks_supported(), "blocks_linear: this build has no block product (it needs AVX-512)");
-  TORCH_CHECK(format >= kQ4_1 && format <= kQ8_0Words, "blocks_linear: unknown format");
-  TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 and 4 "
+  TORCH_CHECK(format >= kQ4_1 && format <= kQ8Scaled, "blocks_linear: unknown format");
+  TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 to 6 "
               "(it needs AVX512_VNNI)");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "blocks_linear: x must be a contiguous float32 CPU matrix [rows, in]");
   const int64_t rows = x.size(0), k = x.size(1), n = out_features;
-  const int64_t bytes = layout_block_bytes(blocks_of(format), format >= kQ4_1Words);
+  const int64_t bytes = packed_block_bytes(format);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 && k % kBlock == 0 &&
                   n % kPanel == 0 && packed.size(0) == n / kPanel && packed.size(1) == (k / kBlock) * bytes,
               "blocks_linear: packed weight does not match x, format and out_features");
@@ -552,6 +637,8 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 #if defined(LLM_WORD_PRODUCT)
     if (format == kQ4_1Words) word_product<kQ4_1>(xs, rows, k, blocks, o, n);
     if (format == kQ8_0Words) word_product<kQ8_0>(xs, rows, k, blocks, o, n);
+    if (format == kQ4Scaled) word_product<kQ4Scaled>(xs, rows, k, blocks, o, n);
+    if (format == kQ8Scaled) word_product<kQ8Scaled>(xs, rows, k, blocks, o, n);
 #endif
   }
 #endif

@@ -1,0 +1,188 @@
+"""Linear layers of a quantized checkpoint, multiplied on CPU from their packed integer weights.
+
+Every integer format a checkpoint brings (GPTQ, AWQ, compressed-tensors' int formats, bitsandbytes int8, GGUF
+blocks, the load-time int8 / int4 of QUANTIZATION) is, per block of 32 inputs of one output, w = d * q + m: q a
+4-bit (0..15) or 8-bit (-128..127) integer, d a scale and m a minimum (a zero point z gives m = -d * z). The
+readers (engine/quantized_checkpoint.py) bring each layer to that form, with its input channels in an order
+where every block of 32 has one scale (GPTQ's act-order groups are gathered once at load; the activations'
+columns are gathered to match at each product). `apply` packs the blocks into the native kernel's layout
+(engine/cpu/native/quantized_linear.cpp, formats 5 and 6: d and m in float32, so m = -d * z is exact), checks
+the product against the dequantized weights, and from then on the layer reads 4.5 (4-bit) or 8.5 (8-bit) bits a
+weight. The product takes 16-bit integer activations (each row's block of 32 inputs in steps of 2^-15 of its
+largest magnitude), as the GGUF blocks do under DTYPE=auto (docs/cpu-kernels.md).
+
+Without the kernel (a CPU without AVX512_VNNI, NATIVE_KERNELS=off) the layers expand their weights once to
+float32 and multiply those: the same weights, logged as the slower path it is.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("engine.cpu.packed_linear")
+
+BLOCK = 32  # inputs per scale: the kernel's block
+PANEL = 16  # outputs per panel of the kernel's layout
+_FORMATS = {4: 5, 8: 6}  # bits -> the kernel's format number (quantized_linear.cpp)
+
+
+class PackedLinear(torch.nn.Module):
+    """y = x W^T (+ bias) with W [out, in] held as w = scale * q + minimum per block of 32 inputs: q int8
+    [out, in] (0..15 for 4 bits), scale and minimum float32 [out, in / 32], over the inputs gathered by `order`
+    (None: their own order). Not a torch.nn.Linear, so that no rewrite made for dense weights (fusion's
+    concatenation, layouts, GGUF block recovery) touches it."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
+                 bias: torch.Tensor | None = None, order: torch.Tensor | None = None, source: str = ""):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        if bits not in _FORMATS:
+            raise ValueError(f"{bits}-bit weights have no packed product")
+        if self.in_features % BLOCK or self.out_features % PANEL:
+            raise ValueError(f"a {self.out_features}x{self.in_features} weight does not divide into the kernel's "
+                             f"blocks of {PANEL} outputs by {BLOCK} inputs")
+        self.bits, self.source = bits, source
+        self.q, self.scale, self.minimum = q, scale.float().contiguous(), minimum.float().contiguous()
+        self.order = order
+        self.bias = bias
+        self.packed = None  # the kernel's blocks, once `apply` packed them
+        self.block_format = 0
+        self.kernels = None
+        self.dense = None  # float32 weights, where no kernel serves
+        self.whole, self.start = None, 0  # a part of a fused layer (engine/cpu/fusion.py): its slice of `whole`
+
+    def become_part_of(self, whole: "PackedLinear", start: int) -> None:
+        """Give up this layer's blocks: its outputs are columns start.. of `whole`'s (fused q/k/v, gate/up)."""
+        self.whole, self.start = whole, start
+        self.q = self.scale = self.minimum = self.bias = None
+
+    def weight_float(self) -> torch.Tensor:
+        """The dequantized weights [out, in] in float32, columns in the layer's order (`order`)."""
+        q = self.q.float().view(self.out_features, -1, BLOCK)
+        return (q * self.scale.unsqueeze(-1) + self.minimum.unsqueeze(-1)).view(self.out_features, self.in_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"bias={self.bias is not None}, source={self.source}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.whole is not None:
+            return self.whole(x).narrow(-1, self.start, self.out_features)
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features)
+        if self.order is not None:
+            rows = rows.index_select(1, self.order)
+        rows = rows.float().contiguous()
+        if self.packed is not None:
+            out = self.kernels.blocks_linear(rows, self.packed, self.block_format, self.out_features)
+        else:
+            out = F.linear(rows, self.dense if self.dense is not None else self.weight_float())
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    @classmethod
+    def concatenate(cls, parts: list) -> "PackedLinear | SideBySide | None":
+        """One layer computing the parts' outputs side by side (fused q/k/v, gate/up), or None where their
+        inputs differ or one is packed already. Parts that cannot share one product (inputs gathered in
+        different orders, as GPTQ's act order gives each layer its own; other bits; a plain torch.nn.Linear
+        beside them, as a GGUF file's Q6_K layer among Q4_K ones) stay separate products under one SideBySide."""
+        first = parts[0]
+        if any(p.in_features != first.in_features for p in parts) or any(
+                isinstance(p, cls) and (p.packed is not None or p.dense is not None or p.whole is not None)
+                for p in parts):
+            return None
+        if not all(isinstance(p, cls) for p in parts) or any(
+                p.bits != first.bits or (p.bias is None) != (first.bias is None)
+                or (p.order is None) != (first.order is None)
+                or (p.order is not None and not torch.equal(p.order, first.order)) for p in parts):
+            return SideBySide(parts)
+        bias = None if first.bias is None else torch.cat([p.bias for p in parts])
+        return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                   torch.cat([p.minimum for p in parts]), first.bits, bias, first.order, first.source)
+
+
+class SideBySide(torch.nn.Module):
+    """The outputs of several layers of one input (PackedLinear, plain torch.nn.Linear), concatenated: a fused
+    projection whose parts cannot share one product."""
+
+    def __init__(self, parts: list[PackedLinear]):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def become_part_of(self, *_):
+        raise AssertionError("a SideBySide is never a part")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The class's own forward: fusion may point a part's instance forward at this module (q/k/v sharing).
+        return torch.cat([type(part).forward(part, x) for part in self.parts], dim=-1)
+
+
+def layers(model: torch.nn.Module) -> list[PackedLinear]:
+    """The model's PackedLinear layers holding blocks (parts of fused layers left out)."""
+    return [m for m in model.modules() if isinstance(m, PackedLinear) and m.whole is None]
+
+
+def _half_exact(layer: PackedLinear) -> bool:
+    """Whether the layer's scales and minimums are all half-precision values (and, for 8 bits, its minimums
+    zero): then the kernel's half-precision headers hold them exactly (GPTQ's float16 scales with symmetric zero
+    points, bitsandbytes' int8 rows often do), half a bit a weight less than float32 headers."""
+    def exact(t: torch.Tensor) -> bool:
+        return bool((t.half().float() == t).all())
+    if layer.bits == 8:
+        return exact(layer.scale) and not bool(layer.minimum.any())
+    return exact(layer.scale) and exact(layer.minimum)
+
+
+def _agrees(layer: PackedLinear, weight: torch.Tensor) -> bool:
+    """The packed product against the dequantized weights on random rows: each output within the 16-bit
+    activations' rounding (2^-15 of each block's largest input, relative 1e-4 with float32's sums) of the sum
+    of |x| |w| it adds."""
+    for rows in (1, 17):
+        x = torch.randn(rows, layer.in_features)
+        expected = F.linear(x, weight)
+        got = layer.kernels.blocks_linear(x, layer.packed, layer.block_format, layer.out_features)
+        bound = 1e-4 * F.linear(x.abs(), weight.abs()) + 1e-6
+        if not bool(((got - expected).abs() <= bound).all()):
+            return False
+    return True
+
+
+@torch.inference_mode()
+def apply(model: torch.nn.Module, kernels) -> int:
+    """Pack every PackedLinear of `model` for the kernel (`kernels`: native_kernels.active(), or None), each
+    checked against its dequantized weights; without a kernel that packs them, expand them to float32 once.
+    Returns how many layers the kernel serves; raises where its product disagrees (never served wrong)."""
+    found = layers(model)
+    if not found:
+        return 0
+    usable = kernels is not None and kernels.word_blocks_supported() and hasattr(kernels, "pack_scaled")
+    packed_bytes = dense_bytes = 0
+    for layer in found:
+        weight = layer.weight_float()
+        if usable:
+            layer.block_format, layer.packed = kernels.pack_scaled(layer.q, layer.scale, layer.minimum, layer.bits,
+                                                                   _half_exact(layer))
+            layer.kernels = kernels
+            if not _agrees(layer, weight):
+                raise RuntimeError(f"the packed {layer.bits}-bit product differs from the dequantized weights "
+                                   f"({layer.source}) on this machine")
+            packed_bytes += layer.packed.numel()
+        else:
+            layer.dense = weight
+            dense_bytes += weight.numel() * 4
+        layer.q = layer.scale = layer.minimum = None  # the packed blocks (or the float32 copy) replace them
+    if usable:
+        weights = sum(layer.in_features * layer.out_features for layer in found)
+        log.info("quantized checkpoint: %d linear layers multiply from packed %s-bit blocks (%.0f MB, %.2f bits a "
+                 "weight; engine/cpu/native/quantized_linear.cpp) with 16-bit integer activations", len(found),
+                 "/".join(str(b) for b in sorted({layer.bits for layer in found})), packed_bytes / 2**20,
+                 packed_bytes * 8 / weights)
+        return len(found)
+    log.warning("quantized checkpoint: no packed product on this CPU (it needs the native kernels with "
+                "AVX512_VNNI); %d linear layers expanded to float32 (%.0f MB)", len(found), dense_bytes / 2**20)
+    return 0

@@ -1,0 +1,589 @@
+"""Quantized checkpoints: which method a model folder holds (QUANTIZATION, or its config.json's
+`quantization_config`, or a GGUF file), and, on CPU, its linear layers read from the file's packed tensors.
+
+transformers' own quantizer integrations mostly need CUDA libraries (gptqmodel, autoawq's kernels, bitsandbytes'
+GPU builds), so on CPU this module builds the model without them: every layer a method quantized becomes an
+engine/cpu/packed_linear.PackedLinear (w = d * q + m per block of 32 inputs) straight from the file's integers,
+and the rest (embeddings, norms, unquantized heads) loads as usual. On CUDA transformers' integrations load the
+checkpoint. A method, bit width, group size or layout this cannot serve exactly is refused at start-up in one
+line naming it: never served wrong.
+
+The readers follow each format's specification (docs/quantized-checkpoints.md has the layouts):
+- GPTQ (`gptq`): qweight int32 [in * bits / 32, out] packed along the inputs, qzeros int32 [groups, out * bits /
+  32] packed along the outputs and holding z - 1 (checkpoint_format `gptq`; `gptq_v2` holds z), scales
+  [groups, out], g_idx [in] (act order: groups out of input order, gathered once here);
+- AWQ (`awq`, GEMM): qweight int32 [in, out / 8] and qzeros [groups, out / 8] packed along the outputs in the
+  nibble order 0 2 4 6 1 3 5 7, scales [groups, out];
+- compressed-tensors (`compressed-tensors`): pack-quantized weight_packed int32 [out, in * bits / 32] of q +
+  2^(bits-1), weight_scale [out, groups], weight_zero_point packed along the outputs, weight_shape; int-quantized
+  int8 weights; float-quantized FP8 weights;
+- fine-grained FP8 (`fp8`): float8_e4m3fn weights and float32 weight_scale_inv per 128 x 128 block;
+- bitsandbytes int8 (`bitsandbytes`, load_in_8bit): int8 weight and SCB, w = q * SCB / 127 per output.
+FP8 weights have no integer form (e4m3 is not uniform): they load as dense weights of the model's type
+(float32 holds e4m3 times a bfloat16 or float16 scale exactly). bitsandbytes nf4 / fp4 are refused on CPU.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.cpu.packed_linear import BLOCK, PackedLinear
+
+log = logging.getLogger("engine.quantized_checkpoint")
+
+# QUANTIZATION's values (worker-vllm's setting, vLLM's names) and the load-time ones for dense checkpoints.
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "bitsandbytes", "gguf")
+LOAD_TIME_METHODS = ("int8", "int4")
+METHODS = CHECKPOINT_METHODS + LOAD_TIME_METHODS
+# quant_method spellings in config.json (and vLLM's kernel-specific names) -> the method
+_ALIASES = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq",
+            "compressed-tensors": "compressed-tensors", "compressed_tensors": "compressed-tensors",
+            "fp8": "fp8", "fbgemm_fp8": "fp8", "bitsandbytes": "bitsandbytes", "gguf": "gguf"}
+
+
+class QuantizationError(ValueError):
+    """A quantized checkpoint (or QUANTIZATION) this worker cannot serve exactly; the message is one line."""
+
+
+def setting(value: str | None) -> str | None:
+    """QUANTIZATION as given -> the method, None (unset: detect from the checkpoint); raises on an unknown one."""
+    if value is None or not str(value).strip() or str(value).strip().lower() in ("auto", "none"):
+        return None
+    text = str(value).strip().lower()
+    if text in LOAD_TIME_METHODS:
+        return text
+    if text not in _ALIASES:
+        raise QuantizationError(f"QUANTIZATION={value!r} is not a method this worker knows (one of "
+                                f"{', '.join(METHODS)})")
+    return _ALIASES[text]
+
+
+def quantization_config(config) -> dict | None:
+    """The model config's quantization_config as a dict, or None."""
+    value = getattr(config, "quantization_config", None)
+    if value is None:
+        return None
+    return dict(value) if isinstance(value, dict) else value.to_dict()
+
+
+def checkpoint_method(config, gguf_file: Path | None) -> str | None:
+    """The method the checkpoint is in: 'gguf' for a GGUF file, else its quantization_config's quant_method (as
+    named in METHODS), None for a dense checkpoint; raises on a method this worker does not know."""
+    if gguf_file is not None:
+        return "gguf"
+    qc = quantization_config(config)
+    if qc is None:
+        return None
+    name = str(qc.get("quant_method", "")).lower()
+    if name not in _ALIASES:
+        raise QuantizationError(f"the checkpoint's quantization_config.quant_method {name!r} is not supported "
+                                f"(supported: {', '.join(CHECKPOINT_METHODS)})")
+    return _ALIASES[name]
+
+
+def resolve(wanted: str | None, config, gguf_file: Path | None) -> str | None:
+    """The method to serve with: QUANTIZATION (`wanted`, from `setting`) checked against the checkpoint."""
+    found = checkpoint_method(config, gguf_file)
+    if wanted is None or wanted == found:
+        return found
+    if wanted in LOAD_TIME_METHODS:
+        if found is not None:
+            raise QuantizationError(f"QUANTIZATION={wanted} quantizes a 16- or 32-bit checkpoint at load, but this "
+                                    f"checkpoint is already quantized ({found})")
+        return wanted
+    raise QuantizationError(f"QUANTIZATION={wanted} but the checkpoint is "
+                            + (f"{found}" if found else "not quantized (no quantization_config in config.json)"))
+
+
+# --- reading the checkpoint's tensors ---------------------------------------------------------------------------
+
+class _Tensors:
+    """The folder's safetensors tensors by name, read when asked; `unused` is what no reader has taken."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise QuantizationError(f"no .safetensors files in {folder} (quantized checkpoints load from "
+                                    f"safetensors)")
+        self._handles = {f: safe_open(str(f), framework="pt") for f in files}
+        self._where = {name: f for f, h in self._handles.items() for name in h.keys()}
+        self.unused = set(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        self.unused.discard(name)
+        return self._handles[self._where[name]].get_tensor(name)
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if name in self else None
+
+
+def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words holding 32 / bits unsigned values each, lowest bits first, along `dim` -> int32 values."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    words = packed.to(torch.int32)
+    if dim == 0:
+        values = (words.unsqueeze(1) >> shifts.view(1, per, 1)) & ((1 << bits) - 1)
+        return values.reshape(-1, packed.shape[1])
+    values = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return values.reshape(packed.shape[0], -1)
+
+
+def _input_order(groups: torch.Tensor, name: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(order, group of each block of 32 inputs in that order) for the group index of every input column: None
+    where blocks of 32 in file order already lie in one group each; else the columns sorted by group (GPTQ's
+    act order), refused where a group does not fill whole blocks of 32."""
+    k = groups.numel()
+    if k % BLOCK:
+        raise QuantizationError(f"{name}: {k} inputs do not divide into blocks of {BLOCK}")
+    blocks = groups.view(-1, BLOCK)
+    if bool((blocks == blocks[:, :1]).all()):
+        return None, blocks[:, 0].long()
+    order = torch.sort(groups.long(), stable=True).indices
+    blocks = groups[order].view(-1, BLOCK)
+    if not bool((blocks == blocks[:, :1]).all()):
+        raise QuantizationError(f"{name}: its quantization groups do not split into blocks of {BLOCK} inputs")
+    return order, blocks[:, 0].long()
+
+
+def _blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, groups: torch.Tensor, bits: int,
+            name: str, bias: torch.Tensor | None, offset: int) -> PackedLinear:
+    """A layer w[o, i] = scale[o, g(i)] * (q[o, i] - zero[o, g(i)]) (q unsigned, 0..2^bits - 1; groups: g(i) per
+    input) as a PackedLinear: 4-bit q kept, 8-bit q shifted by -128 into int8 (its minimum takes the shift).
+    `offset` is added to the zero points (GPTQ's z - 1 convention)."""
+    order, block_groups = _input_order(groups, name)
+    if order is not None:
+        q = q.index_select(1, order)
+    d = scale.float().index_select(1, block_groups)
+    z = (zero.float() + offset).index_select(1, block_groups)
+    shift = 128 if bits == 8 else 0
+    minimum = d * (shift - z)  # exact in float32: d has at most 11 significant bits, shift - z at most 9
+    q = (q - shift).to(torch.int8)
+    try:
+        return PackedLinear(q.contiguous(), d, minimum, bits, bias, order, name)
+    except ValueError as exc:
+        raise QuantizationError(f"{name}: {exc}") from None
+
+
+def _group_index(k: int, groups: int, name: str, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    if g_idx is not None:
+        return g_idx.to(torch.int64)
+    if groups < 1 or k % groups:
+        raise QuantizationError(f"{name}: {k} inputs do not split into {groups} groups")
+    return torch.arange(k) // (k // groups)
+
+
+def _check_bits(method: str, bits, allowed=(4, 8)) -> int:
+    if bits not in allowed:
+        raise QuantizationError(f"{method} with {bits}-bit weights is not supported (only "
+                                f"{' and '.join(map(str, allowed))}-bit)")
+    return bits
+
+
+class _Gptq:
+    def __init__(self, qc: dict):
+        self.bits = _check_bits("GPTQ", qc.get("bits"))
+        group = qc.get("group_size", 128)
+        if group not in (-1, None) and (not isinstance(group, int) or group % BLOCK):
+            raise QuantizationError(f"GPTQ group_size {group} is not supported (a multiple of {BLOCK}, or -1)")
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise QuantizationError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+        self.zero_offset = 1 if fmt == "gptq" else 0  # gptq (v1) files hold z - 1
+
+    def read(self, t: _Tensors, name: str):
+        if f"{name}.qweight" not in t:
+            return None
+        q = _unpack(t.get(f"{name}.qweight"), self.bits, 0).t()  # [out, in]
+        scales = t.get(f"{name}.scales").t()  # [out, groups]
+        zeros = _unpack(t.get(f"{name}.qzeros"), self.bits, 1).t()  # [out, groups]
+        g_idx = t.optional(f"{name}.g_idx")
+        groups = _group_index(q.shape[1], scales.shape[1], name, g_idx)
+        return _blocks(q, scales, zeros, groups, self.bits, name, t.optional(f"{name}.bias"), self.zero_offset)
+
+
+_AWQ_ORDER = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])  # output column (within 8) held by nibble 0, 1, ... of a word
+
+
+class _Awq:
+    def __init__(self, qc: dict):
+        _check_bits("AWQ", qc.get("bits", qc.get("w_bit")), (4,))
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise QuantizationError(f"AWQ version {version!r} is not supported (gemm)")
+        if not qc.get("zero_point", True):
+            raise QuantizationError("AWQ without zero points is not supported")
+
+    @staticmethod
+    def _unpack(packed: torch.Tensor) -> torch.Tensor:
+        nibbles = _unpack(packed, 4, 1).view(packed.shape[0], -1, 8)
+        values = torch.empty_like(nibbles)
+        values[:, :, _AWQ_ORDER] = nibbles
+        return values.view(packed.shape[0], -1)
+
+    def read(self, t: _Tensors, name: str):
+        if f"{name}.qweight" not in t:
+            return None
+        q = self._unpack(t.get(f"{name}.qweight")).t()  # [out, in]
+        zeros = self._unpack(t.get(f"{name}.qzeros")).t()  # [out, groups]
+        scales = t.get(f"{name}.scales").t()
+        groups = _group_index(q.shape[1], scales.shape[1], name)
+        return _blocks(q, scales, zeros, groups, 4, name, t.optional(f"{name}.bias"), 0)
+
+
+def _fp8_dense(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8 weights [out, in] times scales that divide them into equal blocks (per tensor, per output, per
+    group or per 2-D block; partial blocks at the ends), in float32."""
+    out, k = weight.shape
+    scale = scale.float().reshape(-1, 1) if scale.dim() < 2 else scale.float()
+    rows, cols = -(-out // scale.shape[0]), -(-k // scale.shape[1])
+    expanded = scale.repeat_interleave(rows, 0)[:out].repeat_interleave(cols, 1)[:, :k]
+    return weight.float() * expanded
+
+
+class _CompressedTensors:
+    def __init__(self, qc: dict):
+        self.format = qc.get("format")
+        self.schemes = []
+        for group_name, group in (qc.get("config_groups") or {}).items():
+            if group.get("input_activations"):
+                raise QuantizationError(f"compressed-tensors group {group_name} quantizes activations too; only "
+                                        f"weight-only schemes (W4A16, W8A16, FP8 weights) are supported")
+            weights = group.get("weights") or {}
+            kind, bits = weights.get("type", "int"), weights.get("num_bits")
+            if kind == "float":
+                if bits != 8:
+                    raise QuantizationError(f"compressed-tensors {bits}-bit float weights are not supported (FP8)")
+            elif kind == "int":
+                _check_bits("compressed-tensors", bits)
+            else:
+                raise QuantizationError(f"compressed-tensors weight type {kind!r} is not supported")
+            self.schemes.append((kind, bits))
+        if not self.schemes:
+            raise QuantizationError("compressed-tensors quantization_config has no config_groups")
+        fmt = self.format or (group.get("format") if len(self.schemes) == 1 else None)
+        if fmt not in (None, "pack-quantized", "int-quantized", "naive-quantized", "float-quantized", "mixed-precision"):
+            raise QuantizationError(f"compressed-tensors format {fmt!r} is not supported (pack-quantized, "
+                                    f"int-quantized, float-quantized)")
+
+    def read(self, t: _Tensors, name: str):
+        bias = t.optional(f"{name}.bias") if f"{name}.weight_scale" in t else None
+        if f"{name}.weight_packed" in t:
+            shape = [int(v) for v in t.get(f"{name}.weight_shape").tolist()]
+            scale = t.get(f"{name}.weight_scale")
+            packed = t.get(f"{name}.weight_packed")
+            bits = _check_bits("compressed-tensors", 32 * packed.shape[1] // shape[1])
+            q = _unpack(packed, bits, 1)[:, :shape[1]]  # unsigned: q + 2^(bits-1)
+            zero = t.optional(f"{name}.weight_zero_point")
+            zero = (_unpack(zero, bits, 0)[:shape[0]] if zero is not None
+                    else torch.full_like(scale, 1 << (bits - 1), dtype=torch.int32))
+            return self._layer(q, scale, zero, bits, name, bias, t.optional(f"{name}.weight_g_idx"))
+        if f"{name}.weight_scale" not in t:
+            return None
+        weight = t.get(f"{name}.weight")
+        scale = t.get(f"{name}.weight_scale")
+        if weight.dtype == torch.float8_e4m3fn:
+            return _fp8_dense(weight, scale), bias
+        if weight.dtype != torch.int8:
+            raise QuantizationError(f"{name}: compressed-tensors weight of type {weight.dtype} is not supported")
+        zero = t.optional(f"{name}.weight_zero_point")
+        # int8 values are signed: unsigned q = value + 128, the zero point moves with it
+        zero = (zero.to(torch.int32) if zero is not None else torch.zeros_like(scale, dtype=torch.int32)) + 128
+        return self._layer(weight.to(torch.int32) + 128, scale, zero, 8, name, bias,
+                           t.optional(f"{name}.weight_g_idx"))
+
+    @staticmethod
+    def _layer(q, scale, zero, bits, name, bias, g_idx):
+        scale = scale.reshape(q.shape[0], -1)
+        zero = zero.reshape(q.shape[0], -1)
+        groups = _group_index(q.shape[1], scale.shape[1], name, g_idx)
+        return _blocks(q, scale, zero, groups, bits, name, bias, 0)
+
+
+class _Fp8:
+    def __init__(self, qc: dict):
+        if qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise QuantizationError(f"FP8 activation_scheme {qc.get('activation_scheme')!r} is not supported "
+                                    f"(dynamic)")
+
+    def read(self, t: _Tensors, name: str):
+        if f"{name}.weight_scale_inv" in t:
+            scale = t.get(f"{name}.weight_scale_inv")
+        elif f"{name}.weight_scale" in t:
+            scale = t.get(f"{name}.weight_scale")
+        else:
+            return None
+        return _fp8_dense(t.get(f"{name}.weight"), scale), t.optional(f"{name}.bias")
+
+
+class _Bitsandbytes:
+    def __init__(self, qc: dict):
+        if qc.get("load_in_4bit") or str(qc.get("_load_in_4bit", "")).lower() == "true":
+            raise QuantizationError(f"bitsandbytes 4-bit ({qc.get('bnb_4bit_quant_type', 'nf4')}) checkpoints are "
+                                    f"not supported on CPU (bitsandbytes int8 and the int4 formats GPTQ, AWQ, "
+                                    f"compressed-tensors and GGUF are)")
+
+    def read(self, t: _Tensors, name: str):
+        if f"{name}.SCB" not in t:
+            return None
+        t.optional(f"{name}.weight_format")  # "row": the only layout transformers saves
+        weight = t.get(f"{name}.weight")
+        scb = t.get(f"{name}.SCB").float()
+        d = (scb / 127).unsqueeze(1).expand(-1, weight.shape[1] // BLOCK)
+        try:
+            return PackedLinear(weight.contiguous(), d, torch.zeros_like(d), 8, t.optional(f"{name}.bias"), None,
+                                name)
+        except ValueError as exc:
+            raise QuantizationError(f"{name}: {exc}") from None
+
+
+_READERS = {"gptq": _Gptq, "awq": _Awq, "compressed-tensors": _CompressedTensors, "fp8": _Fp8,
+            "bitsandbytes": _Bitsandbytes}
+READ_ON_CPU = tuple(_READERS)  # the methods `load` reads on CPU (GGUF: engine/sources/gguf.py and the blocks)
+
+
+def _parent(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    parent, _, child = name.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), child
+
+
+def load(folder: Path, config, method: str, dtype: torch.dtype, **model_kwargs) -> torch.nn.Module:
+    """The causal LM of a quantized checkpoint in `folder` on CPU: quantized linear layers as PackedLinear
+    (FP8: dense weights of `dtype`), everything else in `dtype`. Raises QuantizationError naming what cannot
+    be served."""
+    from transformers import AutoModelForCausalLM
+
+    qc = quantization_config(config)
+    reader = _READERS[method](qc)
+    tensors = _Tensors(folder)
+    config = type(config).from_dict(config.to_dict())
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    head_name = "lm_head"
+    if any(n.startswith(f"{head_name}.") for n in tensors.unused) and f"{head_name}.weight" not in tensors:
+        config.tie_word_embeddings = False  # a quantized head of its own
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
+    dense: dict[str, torch.Tensor] = {}
+    packed = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is not torch.nn.Linear:
+            continue
+        read = reader.read(tensors, name)
+        if isinstance(read, PackedLinear):
+            parent, child = _parent(model, name)
+            setattr(parent, child, read)
+            packed += 1
+        elif read is not None:
+            weight, bias = read
+            dense[f"{name}.weight"] = weight
+            if bias is not None:
+                dense[f"{name}.bias"] = bias
+    if not packed and not dense:
+        raise QuantizationError(f"no {method} layers found in {folder} (the tensors' names match none of the "
+                                f"model's linear layers)")
+    expected = set(model.state_dict())
+    for name in sorted(tensors.unused):
+        if name in expected:
+            dense[name] = tensors.get(name)
+    leftover = sorted(n for n in tensors.unused if not n.endswith("rotary_emb.inv_freq"))
+    if leftover:
+        raise QuantizationError(f"{method} checkpoint tensors this worker does not know how to read: "
+                                f"{', '.join(leftover[:3])}{' ...' if len(leftover) > 3 else ''}")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in dense.items()}
+        missing, _ = model.load_state_dict(state, strict=False)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [k for k in missing if model.get_parameter(k).data_ptr()
+                   != model.get_input_embeddings().weight.data_ptr()] if missing else missing
+    persistent_missing = [k for k in missing if not k.endswith("inv_freq")]
+    if persistent_missing:
+        raise QuantizationError(f"the checkpoint lacks {', '.join(persistent_missing[:3])}"
+                                f"{' ...' if len(persistent_missing) > 3 else ''}")
+    for name, module in model.named_modules():  # buffers computed at construction (rotary frequencies)
+        if getattr(module, "_non_persistent_buffers_set", None):
+            if "RotaryEmbedding" not in type(module).__name__:
+                raise QuantizationError(f"{name} ({type(module).__name__}) computes buffers at construction that "
+                                        f"a quantized checkpoint's loading does not rebuild")
+            model._init_weights(module)
+    model.eval()
+    model.requires_grad_(False)
+    log.info("%s checkpoint: %d linear layers from packed integers, %d dense tensors (%s)", method, packed,
+             len(dense), describe(qc))
+    return model
+
+
+def describe(qc: dict | None) -> str:
+    """The quantization_config in a few words, for the log."""
+    if not qc:
+        return "no quantization_config"
+    keys = ("quant_method", "bits", "group_size", "desc_act", "sym", "version", "format", "weight_block_size",
+            "load_in_8bit", "load_in_4bit")
+    return json.dumps({k: qc[k] for k in keys if k in qc})
+
+
+# --- QUANTIZATION=int8 / int4 at load ---------------------------------------------------------------------------
+
+def quantize_at_load(model: torch.nn.Module, method: str) -> int:
+    """Replace the decoder layers' linear layers of a dense model by round-to-nearest quantized ones: int8 one
+    symmetric scale per output (w = d * q, q in -127..127), int4 a scale and minimum per block of 32 inputs
+    (w = d * q + m, q in 0..15). The embeddings and the output head keep their weights. Returns how many."""
+    head = model.get_output_embeddings()
+    count = 0
+    with torch.no_grad():
+        for name, module in list(model.named_modules()):
+            if type(module) is not torch.nn.Linear or module is head:
+                continue
+            w = module.weight.detach().float()
+            out, k = w.shape
+            if k % BLOCK or out % 16:
+                continue  # no kernel blocks for this shape: it keeps its dense weights
+            if method == "int8":
+                d = (w.abs().amax(1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+                q = torch.round(w / d).clamp(-127, 127).to(torch.int8)
+                scale, minimum, bits = d.expand(-1, k // BLOCK), torch.zeros(out, k // BLOCK), 8
+            else:
+                blocks = w.view(out, -1, BLOCK)
+                lo, hi = blocks.amin(-1), blocks.amax(-1)
+                scale = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+                q = torch.round((blocks - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15)
+                q, minimum, bits = q.view(out, k).to(torch.int8), lo, 4
+            bias = module.bias.detach().float() if module.bias is not None else None
+            parent, child = _parent(model, name)
+            setattr(parent, child, PackedLinear(q, scale.contiguous(), minimum.contiguous(), bits, bias, None,
+                                                f"{name} ({method} at load)"))
+            count += 1
+    log.info("QUANTIZATION=%s: %d linear layers quantized at load (round to nearest; %s)", method, count,
+             "one scale per output" if method == "int8" else "a scale and minimum per 32 inputs")
+    return count
+
+
+# --- GGUF blocks ------------------------------------------------------------------------------------------------
+
+# GGUF block types whose weights are w = d * q + m per 32 weights of one row (K-quants: sub-blocks of 32 with
+# 6-bit scales and minimums times the super-block's half-precision d and dmin, exact in float32), served from
+# their blocks. Q4_1 / Q8_0 (readable too) keep engine/cpu/quantized_weights.py's product, which a probe weighs
+# against bfloat16. Q6_K's sub-blocks are 16 wide (two scales a block of 32) and Q5_0 / Q5_1 / Q2_K / Q3_K are not
+# read here: such layers keep the dense weights transformers expanded from the file.
+GGUF_BLOCK_TYPES = ("Q4_0", "Q4_K", "Q5_K")
+
+
+def _halves(raw, start: int):
+    import numpy as np
+
+    return raw[..., start:start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scales(s):
+    """A K-quant super-block's 12 scale bytes -> (scales, minimums) of its 8 sub-blocks, 6 bits each."""
+    import numpy as np
+
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def gguf_blocks(kind: str, raw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A GGUF tensor's raw rows (uint8 [rows, bytes]) of a type in GGUF_BLOCK_TYPES -> (q int8 [rows, in],
+    d [rows, in / 32], m [rows, in / 32], bits): w = d * q + m, as ggml's dequantization computes it."""
+    import numpy as np
+
+    rows = raw.shape[0]
+    if kind in ("Q4_0", "Q4_1"):
+        size = 18 if kind == "Q4_0" else 20
+        b = raw.reshape(rows, -1, size)
+        d = _halves(b, 0)
+        m = -8 * d if kind == "Q4_0" else _halves(b, 2)
+        qs = b[..., size - 16:]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # weights 0..15 low nibbles, 16..31 high
+        bits = 4
+    elif kind == "Q8_0":
+        b = raw.reshape(rows, -1, 34)
+        d = _halves(b, 0)
+        m = np.zeros_like(d)
+        q = b[..., 2:].copy().view(np.int8)
+        bits = 8
+    elif kind in ("Q4_K", "Q5_K"):
+        size = 144 if kind == "Q4_K" else 176
+        b = raw.reshape(rows, -1, size)
+        sc, mn = _k_scales(b[..., 4:16])
+        d = (_halves(b, 0)[..., None] * sc).reshape(rows, -1)
+        m = -(_halves(b, 2)[..., None] * mn).reshape(rows, -1)
+        qs = b[..., size - 128:].reshape(rows, -1, 4, 32)  # pair i: sub-block 2i low nibbles, 2i + 1 high
+        q = np.stack([qs & 0xF, qs >> 4], axis=3).reshape(rows, -1, 8, 32)
+        if kind == "Q5_K":  # bit j of qh[l] is the fifth bit of sub-block j's weight l
+            qh = b[..., 16:48]
+            q = q + 16 * ((qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1)
+        bits = 4 if kind == "Q4_K" else 8
+    else:
+        raise QuantizationError(f"GGUF type {kind} has no packed form here")
+    q = torch.from_numpy(np.ascontiguousarray(q.reshape(rows, -1).astype(np.int8)))
+    return q, torch.from_numpy(d.reshape(rows, -1).copy()), torch.from_numpy(m.reshape(rows, -1).copy()), bits
+
+
+def _head_order(rows: int, heads: int) -> torch.Tensor:
+    """The row order transformers gives a llama GGUF file's query or key weight (it undoes llama.cpp's
+    interleaving of each head's rotary halves): row r of the model's weight is row order[r] of the file's."""
+    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+
+
+def gguf_layers(model: torch.nn.Module, path: Path, types: tuple[str, ...]) -> int:
+    """Replace the decoder's linear layers whose GGUF tensor is one of `types` by PackedLinear layers read from
+    the file's blocks, each kept only where its dequantized weights equal the weights transformers loaded (within
+    the loaded type's rounding; the query and key rows in llama's order tried too). Returns how many."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch_name = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name), None)
+    if arch is None:
+        return 0
+    config = model.config
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    tensors = {t.name: t for t in reader.tensors}
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    replaced, kept = 0, {}
+    for name, module in list(model.named_modules()):
+        if type(module) is not torch.nn.Linear or (module is head and tied):
+            continue
+        file_name = names.get_name(f"{name}.weight", try_suffixes=(".weight",))
+        tensor = tensors.get(file_name or "")
+        if tensor is None or tensor.tensor_type.name not in types:
+            if tensor is not None:
+                kept[tensor.tensor_type.name] = kept.get(tensor.tensor_type.name, 0) + 1
+            continue
+        q, d, m, bits = gguf_blocks(tensor.tensor_type.name, tensor.data)
+        dense = module.weight.detach().float()
+        if q.shape != dense.shape:
+            continue
+        layer = PackedLinear(q, d, m, bits, None if module.bias is None else module.bias.detach().float(), None,
+                             f"{name} (GGUF {tensor.tensor_type.name})")
+        tolerance = 1e-6 if module.weight.dtype == torch.float32 else 2**-8
+        weight = layer.weight_float()
+        if not torch.allclose(weight, dense, rtol=tolerance, atol=1e-30):
+            heads = {"q_proj": config.num_attention_heads,
+                     "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
+            order = _head_order(dense.shape[0], heads[name.rpartition(".")[2]]) if name.endswith(
+                tuple(heads)) else None
+            if order is None or not torch.allclose(weight[order], dense, rtol=tolerance, atol=1e-30):
+                log.warning("GGUF: %s's blocks do not give the weights transformers loaded; it keeps them", name)
+                continue
+            layer = PackedLinear(q[order].contiguous(), d[order].contiguous(), m[order].contiguous(), bits,
+                                 layer.bias, None, layer.source)
+        parent, child = _parent(model, name)
+        setattr(parent, child, layer)
+        replaced += 1
+    log.info("GGUF: %d linear layers from their file's blocks (%s); %s", replaced, ", ".join(types),
+             ", ".join(f"{n} {t} layers keep dense weights" for t, n in kept.items()) or "no others")
+    return replaced

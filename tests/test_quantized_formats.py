@@ -1,0 +1,534 @@
+"""Quantized checkpoints served from their packed integers, token for token.
+
+For each format a tiny random Llama is written in that format here, its tensors packed as the format's
+specification lays them out (GPTQ's int32 words along the inputs and its zero points stored minus one, AWQ's
+nibble order 0 2 4 6 1 3 5 7, compressed-tensors' weight_packed / weight_scale / weight_zero_point /
+weight_shape, fine-grained FP8's weight_scale_inv per 128 x 128 block, bitsandbytes' int8 weight and SCB). The
+same integers, dequantized by the plain formula in this file (w = scale * (q - zero)), are saved as a float32
+checkpoint that transformers loads itself: the reference. The worker's greedy tokens on the quantized folder,
+for rows of different lengths decoding together, must equal transformers' on the dequantized one. Checkpoints
+the worker cannot serve are refused at start-up with one line naming what.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine import AsyncEngine, EngineConfig
+from engine.cpu import fusion, native_kernels, packed_linear
+from engine.loader import ModelLoadError
+from engine_helpers import choice_ids
+from tiny_models import VOCAB, family_greedy, prompts, reference
+
+HIDDEN, INTERMEDIATE = 128, 256
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+def dense_llama(folder, tokenizer_folder, seed: int = 0):
+    """A tiny random Llama saved as float32; its weights wide enough that greedy choices are decisive."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                         pad_token_id=0, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.0 / p.shape[-1] ** 0.5)
+    model.generation_config.eos_token_id = None
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    for f in tokenizer_folder.iterdir():
+        shutil.copy(f, folder / f.name)
+    return model
+
+
+def int32(values: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words (held in int64) as the int32 tensors the formats store."""
+    return torch.from_numpy((values & 0xFFFFFFFF).numpy().astype(np.uint32).view(np.int32))
+
+
+def pack_rows(values: torch.Tensor, bits: int, order=None) -> torch.Tensor:
+    """Pack along dim 1: word c holds values c*per .. c*per + per - 1, value i of a word at bits i*bits (AWQ:
+    nibble i holds value order[i])."""
+    per = 32 // bits
+    v = values.to(torch.int64).view(values.shape[0], -1, per)
+    if order is not None:
+        v = v[:, :, order]
+    words = torch.zeros(v.shape[:2], dtype=torch.int64)
+    for i in range(per):
+        words |= v[:, :, i] << (bits * i)
+    return int32(words)
+
+
+def quantize_groups(w: torch.Tensor, groups: torch.Tensor, bits: int, sym: bool, scale_dtype=torch.float16):
+    """Round to nearest per (output, group): unsigned q, zero points z [out, groups], scales [out, groups]
+    (rounded to `scale_dtype`). The dequantized weight is scale * (q - z)."""
+    out, n_groups = w.shape[0], int(groups.max()) + 1
+    top = (1 << bits) - 1
+    scale = torch.empty(out, n_groups)
+    zero = torch.empty(out, n_groups, dtype=torch.int64)
+    for g in range(n_groups):
+        cols = w[:, groups == g]
+        if sym:
+            scale[:, g] = cols.abs().amax(1) / (top // 2)
+            zero[:, g] = (top + 1) // 2
+        else:
+            lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+            scale[:, g] = (hi - lo) / top
+            zero[:, g] = torch.round(-lo / scale[:, g]).clamp(1, top)  # GPTQ v1 cannot store z = 0
+    scale = scale.to(scale_dtype).float()
+    q = torch.round(w / scale[:, groups] + zero[:, groups]).clamp(0, top).to(torch.int64)
+    return q, zero, scale
+
+
+def dequantize(q, zero, scale, groups):
+    return scale[:, groups] * (q - zero[:, groups]).float()
+
+
+def write_quantized(folder, reference_folder, model, quantization_config: dict, layer_tensors):
+    """Save `model` with each decoder linear layer replaced by layer_tensors(name, weight) -> (tensors, dequantized
+    weight); the dequantized weights go into the reference model, saved to `reference_folder`."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    with torch.no_grad():
+        for index in range(model.config.num_hidden_layers):
+            for linear in LINEARS:
+                name = f"model.layers.{index}.{linear}"
+                tensors, weight = layer_tensors(name, state.pop(f"{name}.weight"))
+                state.update({f"{name}.{k}": v.contiguous() for k, v in tensors.items()})
+                model.get_submodule(name).weight.copy_(weight)
+    model.save_pretrained(reference_folder)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (folder / "config.json").write_text(json.dumps(config))
+    for f in folder.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json" and not (reference_folder / f.name).exists():
+            shutil.copy(f, reference_folder / f.name)
+
+
+def gptq_layer(bits: int, group: int, sym: bool, desc_act: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+
+    def layer(name, w):
+        out, k = w.shape
+        size = k if group == -1 else group
+        groups = torch.arange(k) // size
+        if desc_act:  # act order: a group's inputs are scattered over the columns
+            groups = groups[torch.randperm(k, generator=gen)]
+        q, zero, scale = quantize_groups(w, groups, bits, sym)
+        tensors = {"qweight": pack_rows(q, bits).t(),  # packed along the inputs: [in * bits / 32, out]
+                   "qzeros": pack_rows(zero.t().contiguous() - 1, bits),  # v1 stores z - 1
+                   "scales": scale.t().half(), "g_idx": groups.to(torch.int32)}
+        return tensors, dequantize(q, zero, scale, groups)
+    return layer
+
+
+def awq_layer(group: int):
+    order = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of a word holds output column order[i] of its 8
+
+    def layer(name, w):
+        groups = torch.arange(w.shape[1]) // group
+        q, zero, scale = quantize_groups(w, groups, 4, sym=False)
+        tensors = {"qweight": pack_rows(q.t().contiguous(), 4, order), "qzeros": pack_rows(zero.t().contiguous(), 4, order),
+                   "scales": scale.t().half()}
+        return tensors, dequantize(q, zero, scale, groups)
+    return layer
+
+
+def compressed_layer(bits: int, group: int, sym: bool):
+    def layer(name, w):
+        out, k = w.shape
+        groups = torch.arange(k) // group
+        q, zero, scale = quantize_groups(w, groups, bits, sym, scale_dtype=torch.bfloat16)
+        offset = 1 << (bits - 1)  # compressed-tensors holds signed values, packed as value + offset
+        tensors = {"weight_packed": pack_rows(q, bits), "weight_scale": scale.bfloat16(),
+                   "weight_shape": torch.tensor([out, k])}
+        if not sym:
+            tensors["weight_zero_point"] = pack_rows(zero.t().contiguous(), bits).t()  # packed along the outputs
+        assert bool(((q - offset) >= -offset).all())
+        return tensors, dequantize(q, zero, scale, groups)
+    return layer
+
+
+def fp8_layer(block: int = 128):
+    def layer(name, w):
+        out, k = w.shape
+        rows, cols = -(-out // block), -(-k // block)
+        scale = torch.empty(rows, cols)
+        for r in range(rows):
+            for c in range(cols):
+                scale[r, c] = w[r * block:(r + 1) * block, c * block:(c + 1) * block].abs().max() / 448
+        expanded = scale.repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :k]
+        fp8 = (w / expanded).to(torch.float8_e4m3fn)
+        return {"weight": fp8, "weight_scale_inv": scale}, fp8.float() * expanded
+    return layer
+
+
+def bnb_int8_layer(name, w):
+    scb = w.abs().amax(1)
+    q = torch.round(w * 127 / scb[:, None]).clamp(-127, 127).to(torch.int8)
+    return {"weight": q, "SCB": scb, "weight_format": torch.tensor([0], dtype=torch.uint8)}, q.float() * scb[:, None] / 127
+
+
+_GPTQ = {"quant_method": "gptq", "checkpoint_format": "gptq", "lm_head": False}
+
+
+def _ct(bits, group, sym, fmt="pack-quantized"):
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "ignore": ["lm_head"], "config_groups": {"group_0": {
+                "targets": ["Linear"], "input_activations": None, "output_activations": None,
+                "weights": {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group",
+                            "group_size": group}}}}
+
+
+FORMATS = {
+    "gptq-4bit-g32-sym": (dict(_GPTQ, bits=4, group_size=32, desc_act=False, sym=True), gptq_layer(4, 32, True, False, 1)),
+    "gptq-4bit-g64-zero-points": (dict(_GPTQ, bits=4, group_size=64, desc_act=False, sym=False),
+                                  gptq_layer(4, 64, False, False, 2)),
+    "gptq-4bit-g128-desc-act": (dict(_GPTQ, bits=4, group_size=128, desc_act=True, sym=False),
+                                gptq_layer(4, 128, False, True, 3)),
+    "gptq-4bit-g32-desc-act": (dict(_GPTQ, bits=4, group_size=32, desc_act=True, sym=True),
+                               gptq_layer(4, 32, True, True, 6)),
+    "gptq-4bit-per-channel": (dict(_GPTQ, bits=4, group_size=-1, desc_act=False, sym=True),
+                              gptq_layer(4, -1, True, False, 4)),
+    "gptq-8bit-g32": (dict(_GPTQ, bits=8, group_size=32, desc_act=False, sym=False), gptq_layer(8, 32, False, False, 5)),
+    "awq-gemm-g64": ({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
+                     awq_layer(64)),
+    "compressed-w4a16-g32-asym": (_ct(4, 32, False), compressed_layer(4, 32, False)),
+    "compressed-w8a16-g64": (_ct(8, 64, True), compressed_layer(8, 64, True)),
+    "fp8-block-128": ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                       "weight_block_size": [128, 128]}, fp8_layer()),
+    "bitsandbytes-int8": ({"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False},
+                          bnb_int8_layer),
+}
+
+
+def _engine(folder, **kw) -> AsyncEngine:
+    return AsyncEngine(EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=32,
+                                    kv_cache_memory=8 * 2**20, max_num_seqs=8, **kw))
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_quantized_checkpoint_serves_the_dequantized_models_tokens(fmt, tmp_path, tokenizer_folder):
+    from transformers import AutoModelForCausalLM
+
+    quantization_config, layer = FORMATS[fmt]
+    folder, reference_folder = tmp_path / "quantized", tmp_path / "reference"
+    model = dense_llama(folder, tokenizer_folder)
+    write_quantized(folder, reference_folder, model, quantization_config, layer)
+    expected_model = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
+    rows = prompts(7)
+    expected = [reference(expected_model, ids) for ids in rows]
+    engine = _engine(folder)
+    try:
+        asyncio.run(engine.start())
+
+        async def batched():
+            return await asyncio.gather(*(choice_ids(engine, f"r{i}", ids, family_greedy())
+                                          for i, ids in enumerate(rows)))
+        got = asyncio.run(batched())
+        served = engine.engine.runner
+        layers = packed_linear.layers(served.model)
+    finally:
+        engine.close()
+    for i, (choices, want) in enumerate(zip(got, expected)):
+        assert choices[0] == want, f"{fmt}, row {i} ({len(rows[i])} prompt tokens): {choices[0]} != {want}"
+    if fmt.startswith("fp8"):  # no integer form: dense weights of the model's type
+        assert not layers
+    elif "desc-act" in fmt and "g32" in fmt:  # each layer its own input order: q/k/v and gate/up stay apart
+        assert len(layers) == 2 * 7 and all(layer.packed is not None and layer.order is not None for layer in layers)
+    else:  # every decoder projection from packed blocks, fused (qkv, o, gate_up, down a layer) for the compact forward
+        assert len(layers) == 2 * 4 and all(layer.packed is not None for layer in layers)
+    assert served.compact is not None, served.compact_reason
+
+
+def round_to_nearest(w: torch.Tensor, method: str) -> torch.Tensor:
+    """QUANTIZATION=int8: one symmetric scale per output, q in -127..127; int4: per 32 inputs a scale
+    (max - min) / 15 and the minimum, q in 0..15. The dequantized weight."""
+    if method == "int8":
+        d = w.abs().amax(1, keepdim=True) / 127
+        return torch.round(w / d).clamp(-127, 127) * d
+    blocks = w.view(w.shape[0], -1, 32)
+    lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    d = (hi - lo) / 15
+    return (torch.round((blocks - lo) / d).clamp(0, 15) * d + lo).view_as(w)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantization_at_load_serves_the_rounded_weights(method, tmp_path, tokenizer_folder):
+    model = dense_llama(tmp_path, tokenizer_folder, seed=1)
+    with torch.no_grad():
+        for index in range(model.config.num_hidden_layers):
+            for linear in LINEARS:
+                weight = model.get_submodule(f"model.layers.{index}.{linear}").weight
+                weight.copy_(round_to_nearest(weight.detach().clone(), method))
+    rows = prompts(8)
+    expected = [reference(model, ids) for ids in rows]
+    engine = _engine(tmp_path, quantization=method)
+    try:
+        asyncio.run(engine.start())
+
+        async def batched():
+            return await asyncio.gather(*(choice_ids(engine, f"r{i}", ids, family_greedy())
+                                          for i, ids in enumerate(rows)))
+        got = asyncio.run(batched())
+        layers = packed_linear.layers(engine.engine.runner.model)
+    finally:
+        engine.close()
+    assert [c[0] for c in got] == expected
+    assert len(layers) == 2 * 4 and {layer.bits for layer in layers} == {8 if method == "int8" else 4}
+
+
+def _gptq_folder(tmp_path, tokenizer_folder, **config) -> object:
+    folder = tmp_path / "quantized"
+    model = dense_llama(folder, tokenizer_folder)
+    write_quantized(folder, tmp_path / "reference", model, dict(_GPTQ, bits=4, group_size=32, desc_act=False,
+                                                                 sym=True), gptq_layer(4, 32, True, False, 1))
+    if config:
+        path = folder / "config.json"
+        data = json.loads(path.read_text())
+        data["quantization_config"] = {**data["quantization_config"], **config}
+        path.write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
+    return folder
+
+
+def _refused(folder, match: str, **kw) -> str:
+    from engine.loader import load
+
+    with pytest.raises(ModelLoadError, match=match) as failure:
+        load(EngineConfig(model=str(folder), dtype="float32", **kw))
+    message = str(failure.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"bits": 3}, "GPTQ with 3-bit weights is not supported"),
+    ({"group_size": 16}, "GPTQ group_size 16 is not supported"),
+    ({"checkpoint_format": "marlin"}, "GPTQ checkpoint_format 'marlin' is not supported"),
+    ({"quant_method": "hqq"}, "quant_method 'hqq' is not supported"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+     r"bitsandbytes 4-bit \(nf4\) checkpoints are not supported on CPU"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "int"}, "input_activations": {"num_bits": 8, "type": "int"}}}},
+     "quantizes activations too"),
+])
+def test_checkpoints_that_cannot_run_are_refused_at_start_up(config, match, tmp_path, tokenizer_folder):
+    _refused(_gptq_folder(tmp_path, tokenizer_folder, **config), match)
+
+
+def test_quantization_must_match_the_checkpoint(tmp_path, tokenizer_folder):
+    folder = _gptq_folder(tmp_path, tokenizer_folder)
+    _refused(folder, "QUANTIZATION=awq but the checkpoint is gptq", quantization="awq")
+    _refused(folder, "QUANTIZATION=int8 quantizes a 16- or 32-bit checkpoint at load, but this checkpoint is already "
+                     "quantized", quantization="int8")
+    _refused(tmp_path / "reference", r"QUANTIZATION=gptq but the checkpoint is not quantized", quantization="gptq")
+
+
+def test_an_unknown_quantization_setting_is_a_start_up_error(monkeypatch):
+    from worker.settings import SettingsError, load_settings
+
+    monkeypatch.setenv("QUANTIZATION", "squeezellm")
+    with pytest.raises(SettingsError, match="QUANTIZATION: QUANTIZATION='squeezellm' is not a method"):
+        load_settings()
+    monkeypatch.setenv("QUANTIZATION", "GPTQ_Marlin")  # vLLM's kernel-specific name for the same checkpoints
+    assert load_settings().quantization == "gptq"
+
+
+class Linear4bit(torch.nn.Linear):
+    """bitsandbytes' shape of a 4-bit layer on CUDA: a torch.nn.Linear subclass whose weight is packed uint8."""
+
+    def __init__(self, in_features, out_features):
+        super().__init__(in_features, out_features, bias=False)
+        self.weight = torch.nn.Parameter(torch.randint(0, 255, (in_features * out_features // 2, 1),
+                                                       dtype=torch.uint8), requires_grad=False)
+
+
+def test_fusion_never_concatenates_a_quantized_subclass_of_linear():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    layer = model.model.layers[0]
+    for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+        for name in names:
+            old = getattr(parent, name)
+            setattr(parent, name, Linear4bit(old.in_features, old.out_features))
+    packed = {name: p for name, p in model.named_parameters() if p.dtype == torch.uint8}
+    counts = fusion.apply(model)
+    assert counts["qkv"] == 0 and counts["mlp"] == 0
+    assert not hasattr(layer.self_attn, "qkv_proj") and not hasattr(layer.mlp, "gate_up_proj")
+    assert all(p is dict(model.named_parameters())[name] for name, p in packed.items())
+    # The same model with plain layers is fused: the rule is the layers' type, not the model.
+    assert fusion.apply(LlamaForCausalLM(model.config)) == {"mlp": 1, "qkv": 1, "rms_norm": 3}
+
+
+# --- GGUF ---------------------------------------------------------------------------------------------------------
+
+def _k_quant_blocks(w: np.ndarray, bits: int) -> np.ndarray:
+    """Rows of float32 weights (a multiple of 256 wide) as Q4_K (bits 4) or Q5_K (bits 5) super-blocks, laid
+    out as ggml's block_q4_K / block_q5_K: half d and dmin, 12 bytes of 6-bit sub-block scales and minimums,
+    (Q5_K: 32 bytes of fifth bits, bit j of byte l for sub-block j), then 128 bytes of nibbles, pair of sub-blocks
+    i in bytes 32i..32i+31 (sub-block 2i low nibbles, 2i + 1 high). Round to nearest, no search."""
+    rows = w.shape[0]
+    top = (1 << bits) - 1
+    sub = w.reshape(rows, -1, 8, 32)
+    lo = np.minimum(sub.min(-1), 0)
+    span = (sub.max(-1) - lo) / top
+    d = (span.max(-1) / 63).astype(np.float16)
+    dmin = ((-lo).max(-1) / 63).astype(np.float16)
+    sc = np.clip(np.round(span / np.maximum(d.astype(np.float32)[..., None], 1e-12)), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(-lo / np.maximum(dmin.astype(np.float32)[..., None], 1e-12)), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[..., None] * sc
+    shift = dmin.astype(np.float32)[..., None] * mn
+    q = np.clip(np.round((sub + shift[..., None]) / step[..., None]), 0, top).astype(np.uint8)
+    scales = np.zeros(sub.shape[:2] + (12,), np.uint8)
+    scales[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
+    scales[..., 4:8] = (mn[..., 0:4] & 63) | ((mn[..., 4:8] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:8] & 0xF) | ((mn[..., 4:8] & 0xF) << 4)
+    low = (q & 0xF).reshape(rows, -1, 4, 2, 32)
+    nibbles = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).reshape(rows, -1, 128)
+    parts = [d.reshape(rows, -1, 1).view(np.uint8), dmin.reshape(rows, -1, 1).view(np.uint8), scales]
+    if bits == 5:
+        high = (q >> 4).astype(np.uint8)  # [rows, blocks, 8 sub-blocks, 32]
+        parts.append(sum(high[:, :, j] << j for j in range(8)).astype(np.uint8))
+    parts.append(nibbles)
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def _copy_tokenizer(writer, source) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+
+    def strings(key):
+        field = reader.fields[key]
+        return [bytes(field.parts[i]).decode() for i in field.data]
+
+    def number(key):
+        field = reader.fields[key]
+        return int(field.parts[field.data[0]][0])
+    writer.add_tokenizer_model(strings("tokenizer.ggml.model")[0])
+    writer.add_tokenizer_pre(strings("tokenizer.ggml.pre")[0])
+    writer.add_token_list(strings("tokenizer.ggml.tokens"))
+    field = reader.fields["tokenizer.ggml.token_type"]
+    writer.add_token_types([int(field.parts[i][0]) for i in field.data])
+    writer.add_token_merges(strings("tokenizer.ggml.merges"))
+    writer.add_bos_token_id(number("tokenizer.ggml.bos_token_id"))
+    writer.add_eos_token_id(number("tokenizer.ggml.eos_token_id"))
+    writer.add_pad_token_id(number("tokenizer.ggml.padding_token_id"))
+
+
+G_HIDDEN, G_FF = 256, 512  # K-quants' super-blocks are 256 wide
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K"])
+def test_gguf_blocks_read_as_ggufs_own_dequantization(kind):
+    """The blocks the worker reads from a GGUF tensor give the weights gguf's own dequantization gives, exactly
+    (K-quants: any bytes are valid blocks once d and dmin are finite)."""
+    import gguf
+    from gguf import quants
+
+    from engine.quantized_checkpoint import gguf_blocks
+
+    rng = np.random.default_rng(1)
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    if kind.endswith("_K"):
+        raw = rng.integers(0, 256, (48, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+        raw[:, 0:4] = rng.random((48, 2)).astype(np.float16).view(np.uint8)
+    else:
+        raw = quants.quantize(rng.standard_normal((48, 256)).astype(np.float32), qtype)
+    q, d, m, bits = gguf_blocks(kind, raw)
+    weight = (q.float().view(48, -1, 32) * d[..., None] + m[..., None]).view(48, -1)
+    assert torch.equal(weight, torch.from_numpy(quants.dequantize(raw, qtype)))
+    assert bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8)
+
+
+# Each decoder projection in its own block type; attn_v stays float16 (a dense layer beside packed ones).
+GGUF_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "F16", "attn_output": "Q4_0", "ffn_gate": "Q4_K",
+              "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
+
+
+def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatch):
+    import gguf
+    from gguf import quants
+    from transformers import AutoModelForCausalLM
+
+    from engine.sources.store import resolve
+
+    embedded = resolve(None, revision=None, cache_dir=tmp_path / "cache")
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    writer = gguf.GGUFWriter(folder / "tiny.gguf", "llama")
+    layers, heads, kv_heads = 2, 4, 2
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(G_HIDDEN)
+    writer.add_feed_forward_length(G_FF)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(G_HIDDEN // heads)
+    _copy_tokenizer(writer, embedded.path / embedded.gguf_file)
+    rng = np.random.default_rng(0)
+
+    def weight(rows, cols):
+        return (rng.standard_normal((rows, cols)) / cols ** 0.5).astype(np.float32)
+    writer.add_tensor("token_embd.weight", weight(VOCAB, G_HIDDEN))
+    writer.add_tensor("output_norm.weight", np.ones(G_HIDDEN, np.float32))
+    shapes = {"attn_q": (G_HIDDEN, G_HIDDEN), "attn_k": (G_HIDDEN // 2, G_HIDDEN), "attn_v": (G_HIDDEN // 2, G_HIDDEN),
+              "attn_output": (G_HIDDEN, G_HIDDEN), "ffn_gate": (G_FF, G_HIDDEN), "ffn_up": (G_FF, G_HIDDEN),
+              "ffn_down": (G_HIDDEN, G_FF)}
+    for index in range(layers):
+        writer.add_tensor(f"blk.{index}.attn_norm.weight", np.ones(G_HIDDEN, np.float32))
+        writer.add_tensor(f"blk.{index}.ffn_norm.weight", np.ones(G_HIDDEN, np.float32))
+        for name, kind in GGUF_TYPES.items():
+            w = weight(*shapes[name])
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            if kind in ("Q4_K", "Q5_K"):
+                raw = _k_quant_blocks(w, 4 if kind == "Q4_K" else 5)
+            elif kind == "F16":
+                raw = w.astype(np.float16)
+            else:
+                raw = quants.quantize(w, qtype)
+            writer.add_tensor(f"blk.{index}.{name}.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    expected_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    expected_model.generation_config.eos_token_id = None
+    rows = prompts(9)
+    expected = [reference(expected_model, ids) for ids in rows]
+    # The file's converted copy goes to this test's cache; the kernels' build stays where the others find it.
+    monkeypatch.setenv("NATIVE_KERNELS_DIR", str(native_kernels.build_dir()))
+    engine = _engine(folder, cache_dir=tmp_path / "cache")
+    try:
+        asyncio.run(engine.start())
+
+        async def batched():
+            return await asyncio.gather(*(choice_ids(engine, f"r{i}", ids, family_greedy())
+                                          for i, ids in enumerate(rows)))
+        got = asyncio.run(batched())
+        served = engine.engine.runner
+        layers_served = packed_linear.layers(served.model)
+    finally:
+        engine.close()
+    assert [c[0] for c in got] == expected
+    # Q4_K (query, gate), Q5_K (key), Q4_0 (output) a layer from their blocks, the query and key rows in
+    # transformers' order; Q8_0 and Q4_1 in a float32 model take the exact-block product of their float32 weights.
+    sources = sorted(layer.source.split(" ", 1)[1] for layer in layers_served)
+    assert sources == ["(GGUF Q4_0)"] * 2 + ["(GGUF Q4_K)"] * 4 + ["(GGUF Q5_K)"] * 2, sources
+    assert served.compact is not None, served.compact_reason
