@@ -132,7 +132,7 @@ def agreement(max_tokens: int) -> None:
     from engine.config import EngineConfig
     from engine.cpu import native_kernels, packed_linear
     from engine.loader import model_folder
-    from engine.quantized_checkpoint import quantize_at_load
+    from engine.quantization import quantize_at_load
     from throughput import PROMPTS
 
     folder = model_folder(EngineConfig())

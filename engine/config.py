@@ -22,7 +22,7 @@ class EngineConfig:
 
     max_model_len: int | None = None  # None: the model's own limit
     # QUANTIZATION: None detects the checkpoint's method (config.json's quantization_config, GGUF); a method
-    # (engine/quantized_checkpoint.py METHODS) must match it, or be int8 / int4 to quantize a dense one at load.
+    # (engine/quantization/methods.py METHODS) must match it, or be int8 / int4 to quantize a dense one at load.
     quantization: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA; CPU: README (bfloat16 where native, GGUF blocks 16-bit activations)
     device: str = "auto"  # auto: cuda when available; cuda-sim: the CUDA path on the CPU (engine/devices.py)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine import devices, quantized_checkpoint, startup_cache
+from engine import devices, quantization as quantized_checkpoint, startup_cache
 from engine.core import fallback
 from engine.cpu import fusion, packed_linear
 from engine.cpu import plan as cpu_plan

@@ -439,7 +439,7 @@ def test_gguf_blocks_read_as_ggufs_own_dequantization(kind):
     import gguf
     from gguf import quants
 
-    from engine.quantized_checkpoint import gguf_blocks
+    from engine.quantization import gguf_blocks
 
     rng = np.random.default_rng(1)
     qtype = getattr(gguf.GGMLQuantizationType, kind)

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine import quantized_checkpoint
+from engine import quantization
 from engine.config import EngineConfig
 from engine.core.speculative import SpeculativeConfig
 from engine.vision.images import MediaLimits
@@ -56,7 +56,7 @@ class WorkerSettings(BaseSettings):
     # Engine
     max_model_len: int | None = Field(default=None, gt=0)
     dtype: str = "auto"
-    quantization: str | None = None  # unset: the checkpoint's own method (engine/quantized_checkpoint.py)
+    quantization: str | None = None  # unset: the checkpoint's own method (engine/quantization/)
     device: str = "auto"
     simulated_device_memory: int | None = Field(default=None, ge=2**20)  # bytes; DEVICE=cuda-sim only
     max_num_seqs: int = Field(default=32, ge=1, le=4096)
@@ -132,8 +132,8 @@ class WorkerSettings(BaseSettings):
     @classmethod
     def _quantization(cls, value: str | None) -> str | None:
         try:
-            return quantized_checkpoint.setting(value)
-        except quantized_checkpoint.QuantizationError as exc:
+            return quantization.setting(value)
+        except quantization.QuantizationError as exc:
             raise ValueError(str(exc)) from None
 
     @field_validator("device", mode="before")

@@ -3,7 +3,7 @@
 Every integer format a checkpoint brings (GPTQ, AWQ, compressed-tensors' int formats, bitsandbytes int8, GGUF
 blocks, the load-time int8 / int4 of QUANTIZATION) is, per block of 32 inputs of one output, w = d * q + m: q a
 4-bit (0..15) or 8-bit (-128..127) integer, d a scale and m a minimum (a zero point z gives m = -d * z). The
-readers (engine/quantized_checkpoint.py) bring each layer to that form, with its input channels in an order
+readers (engine/quantization/checkpoint.py) bring each layer to that form, with its input channels in an order
 where every block of 32 has one scale (GPTQ's act-order groups are gathered once at load; the activations'
 columns are gathered to match at each product). `apply` packs the blocks into the native kernel's layout
 (engine/cpu/native/quantized_linear.cpp, formats 5 and 6: d and m in float32, so m = -d * z is exact), checks
@@ -186,3 +186,9 @@ def apply(model: torch.nn.Module, kernels) -> int:
     log.warning("quantized checkpoint: no packed product on this CPU (it needs the native kernels with "
                 "AVX512_VNNI); %d linear layers expanded to float32 (%.0f MB)", len(found), dense_bytes / 2**20)
     return 0
+
+
+def parent_module(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """The module holding submodule `name` and its attribute name there (to put a PackedLinear in its place)."""
+    parent, _, child = name.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), child
