@@ -106,10 +106,13 @@ class LoadSwitch:
         return not loser
 
     def _borrowed(self, batch: int) -> bool | None:
+        """The nearest smaller measured batch size's verdict, taken as a loss unless speculation won there clearly
+        (the gain only shrinks as the batch grows, so a narrow win does not carry over)."""
         for smaller in range(batch - 1, 0, -1):
             size = self._sizes.get(smaller)
             if size is not None and size.verdict() is not None:
-                return size.verdict()
+                spec, plain = size.modes[True].time_per_token, size.modes[False].time_per_token
+                return spec < _CLEAR_WIN * plain
         return None
 
     def record(self, batch: int, speculated: bool, seconds: float, tokens: int) -> None:

@@ -197,7 +197,7 @@ class Speculator:
 
     def propose(self, groups, max_model_len: int, prompts_waiting: bool = False) -> bool:
         """Set `proposal` on every decoding sequence that speculates this step (others get none); returns whether
-        the step speculates at all (the load switch's choice)."""
+        any does (the load switch chose to speculate and a proposer had guesses)."""
         decoding, prefilling = [], False
         for group in groups:
             for seq in group.seqs:
@@ -238,7 +238,8 @@ class Speculator:
             proposals = self.proposer.propose(seqs, ks)
         for seq, proposal in zip(seqs, proposals):
             seq.proposal, seq.proposal_at = proposal, len(seq.tokens)
-        return True
+        # A step where no sequence found anything to guess runs as a plain one, and is measured as one.
+        return any(proposals)
 
     def verify(self, seq, proposal: list[int], logits: torch.Tensor, sampler):
         """Yield (token, logprob) for the tokens the target model keeps: each agreeing guess, then one token of
