@@ -218,6 +218,21 @@ def _engine(folder, **kw) -> AsyncEngine:
                                     kv_cache_memory=8 * 2**20, max_num_seqs=8, **kw))
 
 
+def _serve_batched(engine, rows: list[list[int]]):
+    """Greedy tokens of every row, all decoding together; the runner that served them and its packed layers."""
+    try:
+        asyncio.run(engine.start())
+
+        async def batched():
+            return await asyncio.gather(*(choice_ids(engine, f"r{i}", ids, family_greedy())
+                                          for i, ids in enumerate(rows)))
+        got = asyncio.run(batched())
+        served = engine.engine.runner
+        return got, served, packed_linear.layers(served.model)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_a_quantized_checkpoint_serves_the_dequantized_models_tokens(fmt, tmp_path, tokenizer_folder):
     from transformers import AutoModelForCausalLM
@@ -229,18 +244,7 @@ def test_a_quantized_checkpoint_serves_the_dequantized_models_tokens(fmt, tmp_pa
     expected_model = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
     rows = prompts(7)
     expected = [reference(expected_model, ids) for ids in rows]
-    engine = _engine(folder)
-    try:
-        asyncio.run(engine.start())
-
-        async def batched():
-            return await asyncio.gather(*(choice_ids(engine, f"r{i}", ids, family_greedy())
-                                          for i, ids in enumerate(rows)))
-        got = asyncio.run(batched())
-        served = engine.engine.runner
-        layers = packed_linear.layers(served.model)
-    finally:
-        engine.close()
+    got, served, layers = _serve_batched(_engine(folder), rows)
     for i, (choices, want) in enumerate(zip(got, expected)):
         assert choices[0] == want, f"{fmt}, row {i} ({len(rows[i])} prompt tokens): {choices[0]} != {want}"
     if fmt.startswith("fp8"):  # no integer form: dense weights of the model's type
@@ -274,17 +278,7 @@ def test_quantization_at_load_serves_the_rounded_weights(method, tmp_path, token
                 weight.copy_(round_to_nearest(weight.detach().clone(), method))
     rows = prompts(8)
     expected = [reference(model, ids) for ids in rows]
-    engine = _engine(tmp_path, quantization=method)
-    try:
-        asyncio.run(engine.start())
-
-        async def batched():
-            return await asyncio.gather(*(choice_ids(engine, f"r{i}", ids, family_greedy())
-                                          for i, ids in enumerate(rows)))
-        got = asyncio.run(batched())
-        layers = packed_linear.layers(engine.engine.runner.model)
-    finally:
-        engine.close()
+    got, _served, layers = _serve_batched(_engine(tmp_path, quantization=method), rows)
     assert [c[0] for c in got] == expected
     assert len(layers) == 2 * 4 and {layer.bits for layer in layers} == {8 if method == "int8" else 4}
 
@@ -514,18 +508,7 @@ def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatc
     expected = [reference(expected_model, ids) for ids in rows]
     # The file's converted copy goes to this test's cache; the kernels' build stays where the others find it.
     monkeypatch.setenv("NATIVE_KERNELS_DIR", str(native_kernels.build_dir()))
-    engine = _engine(folder, cache_dir=tmp_path / "cache")
-    try:
-        asyncio.run(engine.start())
-
-        async def batched():
-            return await asyncio.gather(*(choice_ids(engine, f"r{i}", ids, family_greedy())
-                                          for i, ids in enumerate(rows)))
-        got = asyncio.run(batched())
-        served = engine.engine.runner
-        layers_served = packed_linear.layers(served.model)
-    finally:
-        engine.close()
+    got, served, layers_served = _serve_batched(_engine(folder, cache_dir=tmp_path / "cache"), rows)
     assert [c[0] for c in got] == expected
     # Q4_K (query, gate), Q5_K (key), Q4_0 (output) a layer from their blocks, the query and key rows in
     # transformers' order; Q8_0 and Q4_1 in a float32 model take the exact-block product of their float32 weights.

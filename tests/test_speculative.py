@@ -116,13 +116,17 @@ def test_speculative_config_is_validated_at_start_up(monkeypatch):
     from worker.settings import SettingsError, load_settings
     for bad in ('{"method": "ngram"}', '{"method": "eagle", "num_speculative_tokens": 2}', "[1]", "{",
                 '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 5}',
-                '{"num_speculative_tokens": 4, "draft_tensor_parallel_size": 1}'):
+                '{"num_speculative_tokens": 4, "draft_tensor_parallel_size": 1}',
+                '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}',
+                '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": true}',
+                '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": "yes"}'):
         monkeypatch.setenv("SPECULATIVE_CONFIG", bad)
         with pytest.raises(SettingsError, match="SPECULATIVE_CONFIG"):
             load_settings()
     monkeypatch.setenv("SPECULATIVE_CONFIG", '{"model": "org/draft", "num_speculative_tokens": 5}')
     spec = load_settings().engine_config().speculative
     assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", "org/draft", 5)
+    assert (spec.adaptive, spec.disable_by_batch_size) == (True, None)  # adaptive unless told otherwise
 
 
 def test_assistant_controls_need_speculation(client):
@@ -132,19 +136,6 @@ def test_assistant_controls_need_speculation(client):
                                                      "assistant_confidence_threshold": 0.5}),
                 "assistant_confidence_threshold")
     bad_request(lambda: complete(client, extra_body={"num_assistant_tokens": 0}), "num_assistant_tokens")
-
-
-def test_speculation_switches_are_validated_and_default_to_adaptive(monkeypatch):
-    from worker.settings import SettingsError, load_settings
-    for bad in ('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}',
-                '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": true}',
-                '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": "yes"}'):
-        monkeypatch.setenv("SPECULATIVE_CONFIG", bad)
-        with pytest.raises(SettingsError, match="disable_by_batch_size|adaptive"):
-            load_settings()
-    monkeypatch.setenv("SPECULATIVE_CONFIG", '{"method": "ngram", "num_speculative_tokens": 4}')
-    spec = load_settings().engine_config().speculative
-    assert (spec.adaptive, spec.disable_by_batch_size) == (True, None)
 
 
 def _drive(switch, batch: int, steps: int, spec_cost: float, plain_cost: float) -> int:
