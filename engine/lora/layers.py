@@ -154,7 +154,7 @@ class AdaptedLayers:
     index in it)."""
 
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int):
-        self.targets: dict[str, tuple[LoraLinear, int, int]] = {}
+        self.targets: dict[str, tuple[LoraLinear, int]] = {}
         self.wrappers: list[LoraLinear] = []
         modules = dict(model.named_modules())
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
