@@ -57,6 +57,8 @@ SOURCE = Path(__file__).with_name("native") / "decode_kernels.cpp"
 QUANTIZED_SOURCE = SOURCE.with_name("quantized_linear.cpp")  # built into the same module
 PREFILL_SOURCE = SOURCE.with_name("prefill_attention.cpp")  # this one too
 BF16_SOURCE = SOURCE.with_name("bf16_linear.cpp")  # and the AVX512_BF16 product
+LORA_SOURCE = SOURCE.with_name("lora_linear.cpp")  # and LoRA adapters' per-row term
+SOURCES = (SOURCE, QUANTIZED_SOURCE, PREFILL_SOURCE, BF16_SOURCE, LORA_SOURCE)
 PREBUILT = SOURCE.with_name("prebuilt")  # the image's builds (--prebuild), beside the sources they came from
 
 BUILD_WAIT_S = 300.0  # the longest a start waits for another process's build (one takes about a minute)
@@ -134,7 +136,7 @@ def build_name(variant: Variant) -> str:
              platform.machine()]
     for part in parts:
         digest.update(part.encode() + b"\0")
-    for source in (SOURCE, QUANTIZED_SOURCE, PREFILL_SOURCE, BF16_SOURCE):
+    for source in SOURCES:
         digest.update(source.read_bytes() + b"\0")
     return f"llm_worker_kernels_{variant.name}_{digest.hexdigest()[:16]}"
 
@@ -258,7 +260,7 @@ def _compile(variant: Variant, root: Path, wait_s: float):
             # -fopenmp links libgomp.so.1 by name: the loader reuses the copy torch already loaded, so the
             # kernels share torch's OpenMP threads instead of starting a second team (which halves decode
             # speed; README).
-            module = cpp_extension.load(name, [str(SOURCE), str(QUANTIZED_SOURCE), str(PREFILL_SOURCE), str(BF16_SOURCE)],
+            module = cpp_extension.load(name, [str(source) for source in SOURCES],
                                extra_cflags=[*_COMMON_FLAGS, *variant.flags], extra_ldflags=["-fopenmp"],
                                build_directory=str(work), verbose=False)
             os.replace(work / f"{name}.so", target)  # whole or absent: a reader never sees a partial file
@@ -378,6 +380,23 @@ def self_check(kernels, dtype: torch.dtype = torch.float32) -> str:
                                                           scale=0.3, enable_gqa=True)[0].transpose(0, 1)
                 if not _close(expected, out):
                     return "paged_prefill_attention"
+        # LoRA's per-row term (engine/lora/layers.py): three resident slots of a fused layer of two projections
+        # (rank 4), five rows of slots 2, 0, 1, 3, 2, against each row's own products.
+        rank, sizes, slots = 4, (24, 40), [2, 0, 1, 3, 2]
+        if dtype not in (torch.float32, torch.bfloat16):
+            return ""  # float16 layers keep PyTorch's operations for it
+        x, y = rand(5, 40), rand(5, sum(sizes))
+        a = rand(3 * 2 * rank, 40)
+        bs = [rand(3 * rank, size) for size in sizes]
+        expected = y.float().clone()
+        for row, slot in enumerate(slots):
+            if slot:
+                h = a[(slot - 1) * 2 * rank:slot * 2 * rank].float() @ x[row].float()
+                expected[row] += torch.cat([h[j * rank:(j + 1) * rank] @ bs[j][(slot - 1) * rank:slot * rank].float()
+                                            for j in range(len(sizes))])
+        kernels.lora_add_(y, x, a, bs, torch.tensor(slots), rank)
+        if not _close(expected.to(dtype), y):
+            return "lora_add_"
     return ""
 
 

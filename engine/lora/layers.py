@@ -6,10 +6,12 @@ products): a `LoraLinear` wraps the forward the layer has after every CPU rewrit
 output. The adapters resident in slots 1..MAX_LORAS are stacked per layer, A's as the rows of one
 [slots x width, in] matrix (`width`: MAX_LORA_RANK per projection the layer computes, 3 for fused q/k/v, 2 for
 gate/up, else 1) and each projection's B (scaled, transposed) as the rows of one [slots x rank, outputs] matrix,
-so any run of slots is a contiguous block of each; a smaller rank is padded with zeros. A step whose rows all
-use one adapter takes that adapter's block; a mixed step computes every row against every slot up to the highest
-in use and zeroes the other slots' columns of each row before the second product, so a step costs one A product
-and one B product per projection whatever its mix (the zeros add exactly nothing).
+so any run of slots is a contiguous block of each; a smaller rank is padded with zeros. On CPU (float32 and
+bfloat16 layers) one native call adds each row's term from its own slot (engine/cpu/native/lora_linear.cpp).
+Elsewhere PyTorch's operations do: a step whose rows all use one adapter takes that adapter's block; a mixed
+step computes every row against every slot up to the highest in use and zeroes the other slots' columns of each
+row before the second product, so a step costs one A product and one B product per projection whatever its mix
+(the zeros add exactly nothing).
 
 The rows of the current forward come from the runner (`step`), once per pass; with no adapter in the pass the
 wrappers only call the base forward.
@@ -21,7 +23,10 @@ from typing import Iterator
 
 import torch
 
+from engine.cpu import native_kernels
 from engine.lora.adapters import LoraAdapter
+
+_KERNEL_TYPES = (torch.float32, torch.bfloat16)  # the layer types the native kernel computes the term for
 
 
 class StepRows:
@@ -38,6 +43,16 @@ class StepRows:
         else:
             self.single, self.top = uniform, uniform
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._uniform: dict[int, torch.Tensor] = {}
+
+    def slots(self, tokens: int) -> torch.Tensor:
+        """Each of the pass's `tokens` rows' slot, as int64 (what the native kernel takes)."""
+        if self.count is not None:
+            return self._slots
+        found = self._uniform.get(tokens)
+        if found is None:
+            found = self._uniform[tokens] = torch.full((tokens,), self.single, dtype=torch.int64)
+        return found
 
     def mask(self, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """[rows, top x width]: 1 in the columns of each row's own slot (none for slot 0), else 0."""
@@ -105,6 +120,13 @@ class LoraLinear:
             raise RuntimeError(f"a LoRA-adapted layer saw {tokens} rows in a pass of {rows.count}")
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
+        kernels = native_kernels.active()
+        if kernels is not None and self.dtype in _KERNEL_TYPES and self.device.type == "cpu":
+            # One call: each row against its own slot only (engine/cpu/native/lora_linear.cpp).
+            out = y if y.dtype == self.dtype and y.is_contiguous() else y.to(self.dtype).contiguous()
+            kernels.lora_add_(out.view(tokens, self.out_features), x2.contiguous(), self.a, self.b,
+                              rows.slots(tokens), self.max_rank)
+            return out if out is y else out.to(y.dtype)
         w, r = self.width, self.max_rank
         first, last = (rows.single - 1, rows.single) if rows.single is not None else (0, rows.top)
         h = torch.mm(x2, self.a[first * w:last * w].t())

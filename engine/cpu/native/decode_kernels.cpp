@@ -562,6 +562,10 @@ at::Tensor bf16_pack(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        const c10::optional<at::Tensor>& bias);
 
+// engine/native/lora_linear.cpp
+void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const std::vector<at::Tensor>& bs,
+               const at::Tensor& slots, int64_t rank);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMS norm of the last dimension");
   m.def("add_rms_norm_", &add_rms_norm_, "delta += residual in place; the RMS norm of the sum");
@@ -581,4 +585,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack", &bf16_pack, "a bfloat16 weight laid out for bf16_linear");
   m.def("bf16_linear", &bf16_linear, "bfloat16 rows times a weight packed by bf16_pack (+ bias)",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.def("lora_add_", &lora_add_, "y += each row's LoRA term from its adapter slot (slot 0: none)");
 }
