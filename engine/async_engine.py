@@ -162,7 +162,7 @@ class AsyncEngine:
                 # A model without attention layers (Mamba) takes the plain padding mask in its mixers.
                 pooling = PoolingQueue(PoolingModel(model.model, model.device, model.task,
                                                     engine_attention=runner is not None and bool(runner.layer_shapes)),
-                                       max_batch_tokens=self.config.max_num_batched_tokens)
+                                       max_batch_tokens=self.config.max_num_batched_tokens, lora=lora)
                 engine = Engine(runner, model.tokenizer, max_num_seqs=self.config.max_num_seqs,
                                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                                 max_model_len=model.max_model_len, prefix_cache_bytes=self.config.prefix_cache_bytes,

@@ -78,15 +78,10 @@ class OpenAIServing:
         except Exception as exc:
             raise OpenAIError(redact(f"the model could not be loaded: {exc}"), status=500) from exc
 
-    async def ready_for(self, model: str | None, adapters: bool = True) -> None:
-        """Load the model and check that the request names it, one of its LoRA adapters (where `adapters`: the
-        generating routes and the tokenizer's), or no model."""
+    async def ready_for(self, model: str | None) -> None:
+        """Load the model and check that the request names it, one of its LoRA adapters, or no model."""
         await self.ready()
         self.check_model(model)
-        if not adapters and self.adapter_of(model) is not None:
-            raise OpenAIError(f"`{model}` is a LoRA adapter; adapters serve text generation (chat, completions, "
-                              f"Responses, Messages). Embeddings and scores come from the base model "
-                              f"{self.served_model_name}", param="model")
 
     @property
     def served_model_name(self) -> str:

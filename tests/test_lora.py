@@ -242,12 +242,36 @@ def test_model_chooses_the_adapter_in_every_generating_api(served):
     choice = client.chat.completions.create(model="one", messages=messages, max_tokens=8, temperature=0,
                                             extra_body={"guided_choice": ["yes", "no"]})
     assert choice.choices[0].message.content in ("yes", "no")  # structured outputs with an adapter
-    status = served["client"].embeddings.with_raw_response
     import openai
-    with pytest.raises(openai.BadRequestError, match="LoRA adapter"):
-        status.create(model="one", input="hello")
     with pytest.raises(openai.NotFoundError):
         _complete(client, "nobody", ids)
+
+
+def _embedding(model, ids: list[int]) -> torch.Tensor:
+    """transformers' last-token embedding (the decoder's default pooling), normalized."""
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(hidden.float(), dim=0)
+
+
+def test_embeddings_with_an_adapter_equal_the_merged_model(served):
+    """`model` names the adapter on /v1/embeddings too: the vectors are the merged model's, and the adapter's and
+    the base's inputs batched together each get their own."""
+    client, rows = served["client"], prompts(14)[:2]
+
+    async def both():
+        from openai import AsyncOpenAI  # its own client: the fixture's belongs to another test's event loop
+        async with AsyncOpenAI(base_url=served["url"], api_key="unused", max_retries=0, timeout=120) as aclient:
+            return await asyncio.gather(*(aclient.embeddings.create(model=name, input=rows)
+                                          for name in ("one", served["base"], "one")))
+    for name, out in zip(("one", "base", "one"), asyncio.run(both())):
+        reference_model = served["merged"]["one"] if name == "one" else served["model"]
+        for ids, item in zip(rows, out.data):
+            expected = _embedding(reference_model, ids)
+            assert torch.allclose(torch.tensor(item.embedding), expected, atol=1e-4), name
+    adapted, base = (client.embeddings.create(model=m, input=rows[0]).data[0].embedding
+                     for m in ("one", served["base"]))
+    assert not torch.allclose(torch.tensor(adapted), torch.tensor(base), atol=1e-3), "the adapter changed nothing"
 
 
 def test_runtime_load_swap_and_unload(served):
@@ -260,13 +284,15 @@ def test_runtime_load_swap_and_unload(served):
     # MAX_LORAS=1: both adapters asked for at once; one waits for the other's slot, both come out right
     rows = prompts(13)
 
-    async def both():
+    async def both():  # and an embedding of `two`, which waits for the slot as the completions do
         aclient = served["async_client"]
-        return await asyncio.gather(*(aclient.completions.create(
-            model=name, prompt=ids, max_tokens=10, temperature=0, extra_body={"ignore_eos": True,
-                                                                              "return_token_ids": True})
+        return await asyncio.gather(aclient.embeddings.create(model="two", input=rows[:1]), *(
+            aclient.completions.create(model=name, prompt=ids, max_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
             for name in ("one", "two", "one", "two") for ids in rows[:2]))
-    outs = asyncio.run(both())
+    embedded, *outs = asyncio.run(both())
+    assert torch.allclose(torch.tensor(embedded.data[0].embedding), _embedding(served["merged"]["two"], rows[0]),
+                          atol=1e-4)
     jobs = [(name, ids) for name in ("one", "two", "one", "two") for ids in rows[:2]]
     for (name, ids), out in zip(jobs, outs):
         assert out.choices[0].token_ids == reference(served["merged"][name], ids), name

@@ -25,6 +25,8 @@ from typing import Callable, Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.lora.layers import step as lora_step
+
 log = logging.getLogger("engine.core.pooling")
 
 PoolingType = Literal["last", "mean", "cls", "max"]
@@ -60,6 +62,7 @@ class PoolingParams:
     pooling_type: str = "last"
     normalize: bool = True
     dimensions: int | None = None
+    lora_name: str | None = None  # a LoRA adapter over the base model (embed on a generative model only)
 
 
 @dataclass
@@ -169,8 +172,13 @@ class PoolingModel:
         valid = torch.arange(width).view(1, -1) < lengths.view(-1, 1)  # [batch, width]: real tokens
         return ids, types, lengths, valid
 
-    def _forward(self, module: torch.nn.Module, inputs: list[PoolingInput]):
+    def _forward(self, module: torch.nn.Module, inputs: list[PoolingInput], slots: list[int]):
         ids, types, lengths, valid = self._batch(inputs)
+        # Each token row of the padded batch takes its input's adapter slot (rows are input-major).
+        with lora_step([slot for slot in slots for _ in range(ids.shape[1])]):
+            return self._forward_rows(module, ids, types, lengths, valid)
+
+    def _forward_rows(self, module: torch.nn.Module, ids, types, lengths, valid):
         kwargs = {}
         if types is not None:
             kwargs["token_type_ids"] = types.to(self.device)
@@ -180,15 +188,18 @@ class PoolingModel:
             # Each query sees the real tokens up to itself; a padding query still sees token 0, so no row of
             # the attention is empty.
             mask = (causal.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)
-            positions = torch.arange(width).view(1, -1).expand(len(inputs), -1)
+            positions = torch.arange(width).view(1, -1).expand(ids.shape[0], -1)
             out = module(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                          position_ids=positions.to(self.device), use_cache=False, **kwargs)
         else:
             out = module(input_ids=ids.to(self.device), attention_mask=valid.long().to(self.device), **kwargs)
         return out, lengths, valid
 
-    def run(self, inputs: list[PoolingInput], params: list[PoolingParams]) -> list[torch.Tensor]:
-        """One vector per input: its pooled embedding, or its classification scores."""
+    def run(self, inputs: list[PoolingInput], params: list[PoolingParams], slots: list[int] | None = None
+            ) -> list[torch.Tensor]:
+        """One vector per input: its pooled embedding, or its classification scores. `slots`: each input's LoRA
+        adapter slot (0: the base model alone)."""
+        slots = slots or [0] * len(inputs)
         results: list[torch.Tensor | None] = [None] * len(inputs)
         embed = [i for i, p in enumerate(params) if p.task == "embed"]
         classify = [i for i, p in enumerate(params) if p.task == "classify"]
@@ -197,13 +208,13 @@ class PoolingModel:
         else:
             groups = [classify] if self.pad_id is not None else [[i] for i in classify]
         for group in groups:
-            out, _, _ = self._forward(self.model, [inputs[i] for i in group])
+            out, _, _ = self._forward(self.model, [inputs[i] for i in group], [slots[i] for i in group])
             logits = out.logits.float()
             scores = torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
             for row, i in enumerate(group):
                 results[i] = scores[row].cpu()
         if embed:
-            out, lengths, valid = self._forward(self.base, [inputs[i] for i in embed])
+            out, lengths, valid = self._forward(self.base, [inputs[i] for i in embed], [slots[i] for i in embed])
             hidden = out.last_hidden_state.float()
             valid = valid.to(hidden.device)
             for row, i in enumerate(embed):
@@ -242,15 +253,18 @@ class _Job:
     done_inputs: int = 0
     started: float | None = None
     failed: bool = False
+    lora_slot: int = 0  # the adapter slot held from the job's first batch to its end (0: none)
 
 
 class PoolingQueue:
     """Pooling requests waiting for the engine loop. `add` and `abort` may be called from any thread; the rest
     runs on the engine thread."""
 
-    def __init__(self, model: PoolingModel, max_batch_tokens: int):
+    def __init__(self, model: PoolingModel, max_batch_tokens: int, lora=None):
         self.model = model
         self.max_batch_tokens = max_batch_tokens
+        self.lora = lora  # engine/lora/registry.py's LoraRegistry, or None (LoRA off)
+        self._refused: list[tuple[_Job, Exception]] = []
         self._lock = threading.Lock()
         self._jobs: deque[_Job] = deque()
         self._aborted: set[str] = set()
@@ -280,7 +294,11 @@ class PoolingQueue:
             aborted, self._aborted = self._aborted, set()
             for job in [j for j in self._jobs if j.request_id in aborted]:
                 self._jobs.remove(job)
+                self._release(job)
             batch = self._take_batch()
+            refused, self._refused = self._refused, []
+        for job, exc in refused:
+            self._fail(job, exc)
         if not batch:
             return
         try:
@@ -304,6 +322,8 @@ class PoolingQueue:
         batch: list[tuple[_Job, int]] = []
         width = 0
         for job in self._jobs:
+            if not self._has_slot(job):
+                continue  # its adapter waits for a slot, as a generation request does
             while job.next_input < len(job.inputs):
                 length = len(job.inputs[job.next_input].token_ids)
                 if batch and (len(batch) + 1) * max(width, length) > self.max_batch_tokens:
@@ -315,8 +335,29 @@ class PoolingQueue:
                     job.started = time.perf_counter()
         return batch
 
+    def _has_slot(self, job: _Job) -> bool:
+        """Whether the job can run now: no adapter, or its adapter's slot held (taken here when one is free)."""
+        if job.params.lora_name is None or job.lora_slot or job.failed:
+            return not job.failed
+        try:
+            held = self.lora.acquire(job.params.lora_name)
+        except Exception as exc:  # unloaded since the request arrived
+            job.failed = True
+            self._refused.append((job, exc))
+            return False
+        if held is None:
+            return False
+        job.lora_slot = held[0]
+        return True
+
+    def _release(self, job: _Job) -> None:
+        if job.lora_slot:
+            self.lora.release(job.lora_slot)
+            job.lora_slot = 0
+
     def _run(self, batch: list[tuple[_Job, int]]) -> None:
-        vectors = self.model.run([job.inputs[i] for job, i in batch], [job.params for job, _ in batch])
+        vectors = self.model.run([job.inputs[i] for job, i in batch], [job.params for job, _ in batch],
+                                 [job.lora_slot for job, _ in batch])
         for (job, i), vector in zip(batch, vectors):
             if job.failed:
                 continue
@@ -339,6 +380,7 @@ class PoolingQueue:
                 self._jobs.remove(job)
             except ValueError:
                 pass
+            self._release(job)
         try:
             job.sink.deliver(output)
         except Exception:  # the consumer is gone

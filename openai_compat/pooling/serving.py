@@ -62,7 +62,9 @@ class PoolingServing:
             inputs.append(PoolingInput(ids))
         return inputs
 
-    def _embed_params(self, normalize: bool | None, dimensions: int | None) -> PoolingParams:
+    def _embed_params(self, normalize: bool | None, dimensions: int | None, model: str | None) -> PoolingParams:
+        """An embedding request's pooling, from the model's defaults and the request; `model` may name a LoRA
+        adapter, whose embeddings come from the base with the adapter applied."""
         config = self.engine.pooling_config
         if config.unsupported:
             raise OpenAIError(f"embeddings of {self.serving.served_model_name} cannot be computed as its "
@@ -77,7 +79,7 @@ class PoolingServing:
                 raise OpenAIError(f"dimensions must be one of {choices} for this model, got {dimensions}",
                                   param="dimensions")
         return PoolingParams("embed", config.pooling_type, config.normalize if normalize is None else normalize,
-                             dimensions)
+                             dimensions, lora_name=self.serving.adapter_of(model))
 
     async def _pool(self, prefix: str, inputs: list[PoolingInput], params: PoolingParams) -> PoolingOutput:
         request_id = random_id(prefix)
@@ -98,16 +100,17 @@ class PoolingServing:
     # ---------------------------------------------------------------- embeddings and pooling
 
     async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
-        await self.serving.ready_for(request.model, adapters=False)
+        await self.serving.ready_for(request.model)
         inputs = await self._inputs(request.inputs, request.add_special_tokens, "input")
-        output = await self._pool("embd", inputs, self._embed_params(request.normalize, request.dimensions))
+        params = self._embed_params(request.normalize, request.dimensions, request.model)
+        output = await self._pool("embd", inputs, params)
         data = [EmbeddingData(index=i, embedding=_encode(v, request.encoding_format))
                 for i, v in enumerate(output.data)]
         return EmbeddingResponse(id=output.request_id, model=self.serving.served_model_name, data=data,
                                  usage=self._usage(output))
 
     async def create_pooling(self, request: PoolingRequest) -> PoolingResponse:
-        await self.serving.ready_for(request.model, adapters=False)
+        await self.serving.ready_for(request.model)
         task = request.task or ("classify" if self.engine.task == "classify" else "embed")
         if task == "classify":
             if self.engine.task != "classify":
@@ -118,7 +121,7 @@ class PoolingServing:
                     raise OpenAIError(f"{name} applies to task embed, not classify", param=name)
             params = PoolingParams("classify")
         else:
-            params = self._embed_params(request.normalize, request.dimensions)
+            params = self._embed_params(request.normalize, request.dimensions, request.model)
         inputs = await self._inputs(request.inputs, request.add_special_tokens, "input")
         output = await self._pool("pool", inputs, params)
         data = [PoolingData(index=i, data=_encode(v, request.encoding_format)) for i, v in enumerate(output.data)]
@@ -127,8 +130,8 @@ class PoolingServing:
 
     # ---------------------------------------------------------------- score and rerank
 
-    async def _scores(self, prefix: str, pairs: list[tuple[str, str]], names: list[tuple[str, str]]
-                      ) -> tuple[str, list[float], int]:
+    async def _scores(self, prefix: str, pairs: list[tuple[str, str]], names: list[tuple[str, str]],
+                      model: str | None) -> tuple[str, list[float], int]:
         """(request id, score of each pair, prompt tokens). `names` are the pair's fields, for errors."""
         if self.engine.task == "classify":
             labels = self.engine.pooling_config.num_labels
@@ -156,13 +159,13 @@ class PoolingServing:
                 named.setdefault(text, name)
         texts = list(named)
         inputs = [(await self._inputs([text], True, named[text]))[0] for text in texts]
-        output = await self._pool(prefix, inputs, self._embed_params(None, None))
+        output = await self._pool(prefix, inputs, self._embed_params(None, None, model))
         vectors = dict(zip(texts, output.data))
         scores = [float(torch.nn.functional.cosine_similarity(vectors[a], vectors[b], dim=0)) for a, b in pairs]
         return output.request_id, scores, output.prompt_tokens
 
     async def create_score(self, request: ScoreRequest) -> ScoreResponse:
-        await self.serving.ready_for(request.model, adapters=False)
+        await self.serving.ready_for(request.model)
         left = [request.text_1] if isinstance(request.text_1, str) else request.text_1
         right = [request.text_2] if isinstance(request.text_2, str) else request.text_2
         if len(left) == 1:
@@ -173,16 +176,16 @@ class PoolingServing:
         single = isinstance(request.text_1, str) or len(request.text_1) == 1
         names = [("text_1" if single else f"text_1[{i}]", "text_2" if isinstance(request.text_2, str)
                   else f"text_2[{i}]") for i in range(len(right))]
-        request_id, scores, tokens = await self._scores("score", list(zip(left, right)), names)
+        request_id, scores, tokens = await self._scores("score", list(zip(left, right)), names, request.model)
         return ScoreResponse(id=request_id, model=self.serving.served_model_name,
                              data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
                              usage=UsageInfo(prompt_tokens=tokens, total_tokens=tokens))
 
     async def create_rerank(self, request: RerankRequest) -> RerankResponse:
-        await self.serving.ready_for(request.model, adapters=False)
+        await self.serving.ready_for(request.model)
         pairs = [(request.query, document) for document in request.documents]
         names = [("query", f"documents[{i}]") for i in range(len(pairs))]
-        request_id, scores, tokens = await self._scores("rerank", pairs, names)
+        request_id, scores, tokens = await self._scores("rerank", pairs, names, request.model)
         order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
         if request.top_n:
             order = order[:request.top_n]
