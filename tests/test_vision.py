@@ -24,7 +24,7 @@ from engine.core.fallback import FallbackEngine
 from engine.core.loop import Engine
 from engine.vision.encoder import PAGED_FAMILIES
 from conftest import start_gateway, stop_gateway
-from vision_models import FAMILIES, build
+from vision_models import FAMILIES, build, reference_processor
 
 NEW = 6
 
@@ -50,14 +50,14 @@ def image_part(url: str) -> dict:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, tokenizer_folder):
     root = tmp_path_factory.mktemp("vlm")
-    return {family: build(family, tokenizer_folder, root / family) for family in FAMILIES}
+    return {family: build(family, tokenizer_folder, root / family) for family in FAMILIES if family != "mistral3"}
 
 
 class Reference:
     """transformers' own: the processor renders and encodes the conversation, `generate` continues it."""
 
     def __init__(self, folder):
-        self.processor = transformers.AutoProcessor.from_pretrained(folder, backend="pil")
+        self.processor = reference_processor(folder)
         self.model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
 
     def tokens(self, messages: list[dict], images: list[Image.Image]) -> tuple[list[int], list[int]]:
@@ -105,7 +105,7 @@ def with_images(messages, urls: dict[str, str]) -> list[dict]:
             for m in messages]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"mistral3"}))
 def test_greedy_tokens_equal_generate(family, folders, monkeypatch, tmp_path):
     worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders[family]), DTYPE="float32")
     reference = Reference(folders[family])
@@ -127,10 +127,13 @@ def test_greedy_tokens_equal_generate(family, folders, monkeypatch, tmp_path):
     assert worker.job(chat_job(text_only))["choices"][0]["token_ids"] == reference.tokens(text_only, [])[1]
 
 
-def test_concurrent_image_and_text_requests_batch_and_each_equals_generate(folders, monkeypatch, tmp_path):
-    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders["llava"]), DTYPE="float32", MAX_NUM_SEQS="8")
-    reference = Reference(folders["llava"])
-    pictures = [picture(10 + i) for i in range(3)]
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_concurrent_image_and_text_requests_batch_and_each_equals_generate(family, folders, monkeypatch, tmp_path):
+    """LLaVA's decoder runs batched on the paged engine; Qwen2-VL's requests take turns on the fallback loop, each
+    decoding with its own multimodal rotary offset (pictures of different shapes give different offsets)."""
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders[family]), DTYPE="float32", MAX_NUM_SEQS="8")
+    reference = Reference(folders[family])
+    pictures = [picture(10 + i, size) for i, size in enumerate([(40, 52), (90, 30), (30, 120)])]
     requests = [
         ([{"role": "user", "content": [image_part(data_url(pictures[0])), {"type": "text", "text": "Describe"}]}],
          [pictures[0]]),

@@ -1,8 +1,9 @@
 """Tiny random vision-language models built from transformers' config classes, each saved with a processor
 assembled from the embedded model's tokenizer (its image tokens added as special tokens), the family's image
 processor at a small size (the PIL backend: no torchvision), and a chat template that places the image tokens.
-Qwen2-VL's and Pixtral's (Mistral 3) processors need torchvision in transformers 5.23, which this CPU install
-does not have, so they are not built here.
+Qwen2-VL's and Qwen2.5-VL's processors are saved as transformers saves them (the image processor and the tokenizer;
+a video processor needs torchvision, which this CPU install does not have), so AutoProcessor cannot load these
+folders, as it cannot load a real Qwen2-VL folder here: the worker has to load them without it.
 Random weights say gibberish, but deterministically under greedy."""
 from __future__ import annotations
 
@@ -107,7 +108,76 @@ def _paligemma(tokenizer_folder):
     return transformers.PaliGemmaForConditionalGeneration(config), processor
 
 
-FAMILIES = {"llava": _llava, "llava_next": _llava_next, "idefics3": _idefics3, "gemma3": _gemma3, "paligemma": _paligemma}
+_QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+_QWEN_TEMPLATE = TEMPLATE.replace("IMAGE", "'<|vision_start|><|image_pad|><|vision_end|>'")
+
+
+def qwen_images_only(base):
+    """A Qwen processor class without its video processor (which needs torchvision): the test's own way to build
+    and load the family's processor (image processor, tokenizer, chat template), for the folders and for the
+    reference `generate` runs."""
+    class ImagesOnly(base):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+    ImagesOnly.__name__ = base.__name__
+    return ImagesOnly
+
+
+def _qwen_text(tok):
+    # Multimodal rotary positions: the head's 8 frequency pairs split over time, height and width.
+    return dict(vocab_size=_vocab(tok), **{**_TEXT, "max_position_embeddings": 1024},
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 4]})
+
+
+def _qwen_images():
+    # Up to 640x640 pixels, so a large picture has more image tokens than its 512-pixel `detail: low` view.
+    return transformers.Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=640 * 640, patch_size=14,
+                                                 merge_size=2, temporal_patch_size=2, **_MEAN)
+
+
+def _qwen_ids(tok) -> dict:
+    return dict(image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+                video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+                vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+                vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"))
+
+
+def _qwen2_vl(tokenizer_folder):
+    tok = _tokenizer(tokenizer_folder, _QWEN_TOKENS)
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    config = transformers.Qwen2VLConfig(vision_config=vision, text_config=_qwen_text(tok), **_qwen_ids(tok))
+    processor = qwen_images_only(transformers.Qwen2VLProcessor)(_qwen_images(), tok, chat_template=_QWEN_TEMPLATE)
+    return transformers.Qwen2VLForConditionalGeneration(config), processor
+
+
+def _qwen2_5_vl(tokenizer_folder):
+    tok = _tokenizer(tokenizer_folder, _QWEN_TOKENS)
+    # Window attention in the vision tower: block 0 attends within 56-pixel windows, block 1 over the image.
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    config = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=_qwen_text(tok), **_qwen_ids(tok))
+    processor = qwen_images_only(transformers.Qwen2_5_VLProcessor)(_qwen_images(), tok,
+                                                                    chat_template=_QWEN_TEMPLATE)
+    return transformers.Qwen2_5_VLForConditionalGeneration(config), processor
+
+
+def _mistral3(tokenizer_folder):
+    tok = _tokenizer(tokenizer_folder, ["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, image_size=56, patch_size=7, head_dim=16)
+    text = transformers.MistralConfig(vocab_size=_vocab(tok), **_TEXT)
+    config = transformers.Mistral3Config(vision_config=vision, text_config=text, spatial_merge_size=2,
+                                         image_token_index=tok.convert_tokens_to_ids("[IMG]"))
+    images = transformers.PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=14, **_MEAN)
+    processor = transformers.PixtralProcessor(images, tok, patch_size=7, spatial_merge_size=2,
+                                              chat_template=TEMPLATE.replace("IMAGE", "'[IMG]'"))
+    return transformers.Mistral3ForConditionalGeneration(config), processor
+
+
+FAMILIES = {"llava": _llava, "llava_next": _llava_next, "idefics3": _idefics3, "gemma3": _gemma3, "paligemma": _paligemma,
+            "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "mistral3": _mistral3}
 
 
 def build(family: str, tokenizer_folder: Path, folder: Path) -> Path:
@@ -118,3 +188,14 @@ def build(family: str, tokenizer_folder: Path, folder: Path) -> Path:
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return folder
+
+
+def reference_processor(folder: Path):
+    """transformers' processor for a saved folder, as a reference run loads it: AutoProcessor, except for the
+    Qwen families, whose AutoProcessor needs torchvision for the video processor."""
+    model_type = transformers.AutoConfig.from_pretrained(folder).model_type
+    if model_type == "qwen2_vl":
+        return qwen_images_only(transformers.Qwen2VLProcessor).from_pretrained(folder, backend="pil")
+    if model_type == "qwen2_5_vl":
+        return qwen_images_only(transformers.Qwen2_5_VLProcessor).from_pretrained(folder, backend="pil")
+    return transformers.AutoProcessor.from_pretrained(folder, backend="pil")

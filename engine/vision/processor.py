@@ -23,6 +23,36 @@ def is_vision_config(model_config) -> bool:
             and getattr(model_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
+# Families whose transformers processor also holds a video processor, which needs torchvision in transformers 5.23
+# (not in this CPU install): they are loaded as their own processor class without that attribute, so the image
+# processor (PIL backend), the tokenizer and the image-token expansion stay transformers' own. The worker takes
+# no video parts, so nothing it accepts needs the video processor.
+_WITHOUT_VIDEO = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+
+
+def load_processor(folder, model_config, trust_remote_code: bool = False):
+    """The model's processor from its folder, with the PIL image backend (no torchvision)."""
+    import transformers
+
+    family = getattr(model_config, "model_type", None)
+    if family in _WITHOUT_VIDEO:
+        return _images_only(getattr(transformers, _WITHOUT_VIDEO[family])).from_pretrained(folder, backend="pil")
+    return transformers.AutoProcessor.from_pretrained(folder, backend="pil", trust_remote_code=trust_remote_code)
+
+
+def _images_only(base: type) -> type:
+    """`base` (a processor whose __init__ takes image_processor, tokenizer, video_processor) without its video
+    processor: transformers builds and loads a processor's parts from its __init__ parameters, so the subclass's
+    __init__ leaves the video processor out and hands the base None for it."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        kwargs.pop("video_processor", None)
+        base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    # The base's name: saving and the processor-class checks go by the class name.
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__})
+
+
 class ImagePlacementError(ValueError):
     """The rendered prompt's image placeholders and the request's images do not pair up (a template that drops
     images, or text that spells an image token)."""
