@@ -355,3 +355,40 @@ def test_prompt_chunks_that_split_an_image_block_equal_generate(folders, monkeyp
         split += prompt[15] == prompt[16] == image_token  # the first chunk ends inside an image's block
         assert worker.job(chat_job(with_images(messages, urls)))["choices"][0]["token_ids"] == expected
     assert split
+
+
+def test_detail_low_shows_the_processor_a_512_pixel_view_and_tokenize_counts_its_image_tokens(folders, monkeypatch,
+                                                                                             tmp_path):
+    """Qwen2-VL's image-token count follows the picture's size: `detail: low` on a 640x480 picture is its
+    512x384 view (bicubic), so fewer image tokens than `high` or `auto` (the processor's own resolution), and
+    the tokens are generate's on that view. /tokenize counts the same image tokens."""
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders["qwen2_vl"]), DTYPE="float32")
+    reference = Reference(folders["qwen2_vl"])
+    large = picture(41, (480, 640))
+    url = data_url(large)
+    low_view = large.resize((512, 384), Image.Resampling.BICUBIC)
+    image_token = reference.model.config.image_token_id
+    counts = {}
+    for detail, seen in (("low", low_view), ("high", large), ("auto", large), (None, large)):
+        part = {"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}}
+        messages = [{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}]
+        prompt, expected = reference.tokens(as_reference(messages), [seen])
+        out = worker.job(chat_job(messages))
+        assert out["prompt_token_ids"] == prompt and out["choices"][0]["token_ids"] == expected, detail
+        assert out["usage"]["prompt_tokens"] == len(prompt)
+        counts[detail] = prompt.count(image_token)
+        tokens = worker.job({"openai_route": "/tokenize", "openai_input": {
+            "messages": messages, "add_generation_prompt": True}})
+        assert tokens["tokens"] == prompt and tokens["count"] == len(prompt), detail
+    # 640x480 is 23x17 merged patches of 28 pixels at the processor's resolution, 512x384 is 18x14.
+    assert counts == {"low": 18 * 14, "high": 23 * 17, "auto": 23 * 17, None: 23 * 17}
+    # A Responses input_image carries its detail too.
+    out = worker.job({"openai_route": "/v1/responses", "openai_input": {
+        "input": [{"role": "user", "content": [{"type": "input_image", "image_url": url, "detail": "low"},
+                                               {"type": "input_text", "text": "What is it?"}]}],
+        "max_output_tokens": NEW, "temperature": 0, "ignore_eos": True}})
+    assert out["usage"]["input_tokens"] == len(reference.tokens(as_reference(
+        [{"role": "user", "content": [image_part(url), {"type": "text", "text": "What is it?"}]}]), [low_view])[0])
+    bad = worker.job(chat_job([{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": url, "detail": "medium"}}]}]))
+    _error(bad, "messages[0].content[0].image_url.detail", "auto, low or high")
