@@ -50,7 +50,7 @@ def image_part(url: str) -> dict:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, tokenizer_folder):
     root = tmp_path_factory.mktemp("vlm")
-    return {family: build(family, tokenizer_folder, root / family) for family in FAMILIES if family != "mistral3"}
+    return {family: build(family, tokenizer_folder, root / family) for family in FAMILIES}
 
 
 class Reference:
@@ -105,7 +105,7 @@ def with_images(messages, urls: dict[str, str]) -> list[dict]:
             for m in messages]
 
 
-@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"mistral3"}))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tokens_equal_generate(family, folders, monkeypatch, tmp_path):
     worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders[family]), DTYPE="float32")
     reference = Reference(folders[family])
@@ -118,7 +118,12 @@ def test_greedy_tokens_equal_generate(family, folders, monkeypatch, tmp_path):
         assert out["prompt_token_ids"] == prompt, family
         assert out["choices"][0]["token_ids"] == expected, (family, messages)
         assert out["usage"]["prompt_tokens"] == len(prompt)
-    # LLaVA-style families run their decoder on the paged engine, the others the whole model on the fallback.
+        if family == "mistral3" and messages is ONE:  # 40x52 pixels: 3 rows of 4 merged 14-pixel patches
+            img, brk, end = reference.processor.ids
+            grid = [img] * 4 + [brk] + [img] * 4 + [brk] + [img] * 4 + [end]
+            start = prompt.index(img)
+            assert prompt[start:start + len(grid)] == grid and prompt.count(img) == 12
+    # LLaVA-style families (and Mistral 3) run their decoder on the paged engine, the others the whole model on the fallback.
     assert isinstance(worker.engine.engine, Engine if family in PAGED_FAMILIES else FallbackEngine)
     # Several choices share the prompt's images; a text-only request to a vision model is plain text.
     out = worker.job(chat_job(with_images(ONE, urls), n=2))
@@ -127,10 +132,11 @@ def test_greedy_tokens_equal_generate(family, folders, monkeypatch, tmp_path):
     assert worker.job(chat_job(text_only))["choices"][0]["token_ids"] == reference.tokens(text_only, [])[1]
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["llava", "mistral3", "qwen2_vl"])
 def test_concurrent_image_and_text_requests_batch_and_each_equals_generate(family, folders, monkeypatch, tmp_path):
-    """LLaVA's decoder runs batched on the paged engine; Qwen2-VL's requests take turns on the fallback loop, each
-    decoding with its own multimodal rotary offset (pictures of different shapes give different offsets)."""
+    """LLaVA's and Mistral 3's decoders run batched on the paged engine; Qwen2-VL's requests take turns on the
+    fallback loop, each decoding with its own multimodal rotary offset (pictures of different shapes give
+    different offsets)."""
     worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders[family]), DTYPE="float32", MAX_NUM_SEQS="8")
     reference = Reference(folders[family])
     pictures = [picture(10 + i, size) for i, size in enumerate([(40, 52), (90, 30), (30, 120)])]
@@ -317,9 +323,11 @@ def test_official_clients_over_http_chat_responses_messages_and_tokenize(folders
         stop_gateway(process)
 
 
-def test_prefix_cache_reuses_an_image_in_a_later_turn_and_never_a_different_image(folders, monkeypatch, tmp_path):
-    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders["llava"]), DTYPE="float32")
-    reference = Reference(folders["llava"])
+@pytest.mark.parametrize("family", ["llava", "mistral3"])
+def test_prefix_cache_reuses_an_image_in_a_later_turn_and_never_a_different_image(family, folders, monkeypatch,
+                                                                                  tmp_path):
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders[family]), DTYPE="float32")
+    reference = Reference(folders[family])
     first, other = picture(21), picture(22)
     long_text = "Describe every part of this picture in detail, please, with care"
 
@@ -341,18 +349,21 @@ def test_prefix_cache_reuses_an_image_in_a_later_turn_and_never_a_different_imag
         assert (hits() > before) == cached, (later, hits() - before)
 
 
-def test_prompt_chunks_that_split_an_image_block_equal_generate(folders, monkeypatch, tmp_path):
-    """Prompts prefilled 16 tokens at a time, so a chunk ends inside an image's block of tokens."""
-    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders["llava_next"]), DTYPE="float32",
+@pytest.mark.parametrize("family", ["llava_next", "mistral3"])
+def test_prompt_chunks_that_split_an_image_block_equal_generate(family, folders, monkeypatch, tmp_path):
+    """Prompts prefilled 16 tokens at a time, so a chunk ends inside an image's block of tokens (for Mistral 3, a
+    block with [IMG_BREAK] tokens between its rows of image positions)."""
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders[family]), DTYPE="float32",
                     MAX_NUM_SEQS="4", MAX_NUM_BATCHED_TOKENS="16")
-    reference = Reference(folders["llava_next"])
+    reference = Reference(folders[family])
     a, b = picture(31), picture(32, (60, 30))
     urls = {"A": data_url(a), "B": data_url(b)}
     image_token = reference.model.config.image_token_id
+    block = set(reference.processor.ids[:2]) if family == "mistral3" else {image_token}
     split = 0
     for messages, images in ((ONE, [a]), (TWO, [a, b])):
         prompt, expected = reference.tokens(as_reference(messages), images)
-        split += prompt[15] == prompt[16] == image_token  # the first chunk ends inside an image's block
+        split += prompt[15] in block and prompt[16] in block  # the first chunk ends inside an image's block
         assert worker.job(chat_job(with_images(messages, urls)))["choices"][0]["token_ids"] == expected
     assert split
 

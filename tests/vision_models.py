@@ -7,6 +7,7 @@ folders, as it cannot load a real Qwen2-VL folder here: the worker has to load t
 Random weights say gibberish, but deterministically under greedy."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -163,17 +164,68 @@ def _qwen2_5_vl(tokenizer_folder):
     return transformers.Qwen2_5_VLForConditionalGeneration(config), processor
 
 
+class _PixtralFolder:
+    """What a Mistral 3 checkpoint's folder holds for its processor: the image processor's and tokenizer's files,
+    processor_config.json (PixtralProcessor's settings) and the chat template. transformers' PixtralProcessor
+    cannot be imported without torchvision in 5.23, so the files are written from their parts."""
+
+    def __init__(self, images, tokenizer, settings: dict, chat_template: str):
+        self.images, self.tokenizer, self.settings, self.chat_template = images, tokenizer, settings, chat_template
+
+    def save_pretrained(self, folder: Path) -> None:
+        self.images.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+        (Path(folder) / "processor_config.json").write_text(json.dumps({"processor_class": "PixtralProcessor",
+                                                                        **self.settings}, indent=2))
+        (Path(folder) / "chat_template.jinja").write_text(self.chat_template)
+
+
 def _mistral3(tokenizer_folder):
     tok = _tokenizer(tokenizer_folder, ["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
     vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                               num_attention_heads=2, image_size=56, patch_size=7, head_dim=16)
-    text = transformers.MistralConfig(vocab_size=_vocab(tok), **_TEXT)
+    text = transformers.MistralConfig(vocab_size=_vocab(tok), **_TEXT, initializer_range=0.5)
     config = transformers.Mistral3Config(vision_config=vision, text_config=text, spatial_merge_size=2,
                                          image_token_index=tok.convert_tokens_to_ids("[IMG]"))
-    images = transformers.PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=14, **_MEAN)
-    processor = transformers.PixtralProcessor(images, tok, patch_size=7, spatial_merge_size=2,
-                                              chat_template=TEMPLATE.replace("IMAGE", "'[IMG]'"))
+    images = transformers.PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size={"height": 14, "width": 14},
+                                                   **_MEAN)
+    settings = {"patch_size": 7, "spatial_merge_size": 2, "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
+                "image_end_token": "[IMG_END]"}
+    processor = _PixtralFolder(images, tok, settings, TEMPLATE.replace("IMAGE", "'[IMG]'"))
     return transformers.Mistral3ForConditionalGeneration(config), processor
+
+
+class PixtralReference:
+    """Mistral 3's processor for the reference runs, written in the test from transformers' parts (PixtralProcessor
+    needs torchvision here): transformers' PIL image processor and tokenizer, and each [IMG] placeholder expanded
+    into Pixtral's id grid by hand: a row of [IMG] ids per row of merged patches, each row closed by [IMG_BREAK],
+    the last by [IMG_END]."""
+
+    def __init__(self, folder: Path):
+        self.image_processor = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        settings = json.loads((Path(folder) / "processor_config.json").read_text())
+        self.side = settings["patch_size"] * settings["spatial_merge_size"]
+        self.chat_template = (Path(folder) / "chat_template.jinja").read_text()
+        self.ids = [self.tokenizer.convert_tokens_to_ids(t) for t in ("[IMG]", "[IMG_BREAK]", "[IMG_END]")]
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=tokenize,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def __call__(self, text, images, return_tensors="pt", add_special_tokens=False):
+        image, brk, end = self.ids
+        pixels = self.image_processor(images[0], patch_size={"height": self.side, "width": self.side},
+                                      return_tensors="pt")
+        pieces = text[0].split("[IMG]")
+        ids = self.tokenizer(pieces[0], add_special_tokens=False)["input_ids"]
+        for piece, (height, width) in zip(pieces[1:], pixels["image_sizes"].tolist()):
+            grid = ([image] * (width // self.side) + [brk]) * (height // self.side)
+            grid[-1] = end
+            ids += grid + self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        input_ids = torch.tensor([ids])
+        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+                "pixel_values": pixels["pixel_values"], "image_sizes": pixels["image_sizes"]}
 
 
 FAMILIES = {"llava": _llava, "llava_next": _llava_next, "idefics3": _idefics3, "gemma3": _gemma3, "paligemma": _paligemma,
@@ -198,4 +250,6 @@ def reference_processor(folder: Path):
         return qwen_images_only(transformers.Qwen2VLProcessor).from_pretrained(folder, backend="pil")
     if model_type == "qwen2_5_vl":
         return qwen_images_only(transformers.Qwen2_5_VLProcessor).from_pretrained(folder, backend="pil")
+    if model_type == "mistral3":
+        return PixtralReference(folder)
     return transformers.AutoProcessor.from_pretrained(folder, backend="pil")

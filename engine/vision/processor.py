@@ -4,7 +4,9 @@ image placeholder expanded into the family's image tokens) and the tensors the m
 the PIL image backend), so the tokens and pixels are the ones `generate` would be given."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -23,21 +25,42 @@ def is_vision_config(model_config) -> bool:
             and getattr(model_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
-# Families whose transformers processor also holds a video processor, which needs torchvision in transformers 5.23
-# (not in this CPU install): they are loaded as their own processor class without that attribute, so the image
-# processor (PIL backend), the tokenizer and the image-token expansion stay transformers' own. The worker takes
-# no video parts, so nothing it accepts needs the video processor.
-_WITHOUT_VIDEO = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+# Processors that need torchvision in transformers 5.23 (not in this CPU install), loaded without it. Qwen2-VL's
+# and Qwen2.5-VL's also hold a video processor (the torchvision part): they are loaded as their own class without
+# that attribute, so the image processor (PIL backend), the tokenizer and the image-token expansion stay
+# transformers' own; the worker takes no video parts, so nothing it accepts needs the video processor.
+# PixtralProcessor (Mistral 3, Pixtral) cannot be imported at all: pixtral.py stands in for it.
+_WITHOUT_VIDEO = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
 
 
 def load_processor(folder, model_config, trust_remote_code: bool = False):
     """The model's processor from its folder, with the PIL image backend (no torchvision)."""
     import transformers
 
-    family = getattr(model_config, "model_type", None)
-    if family in _WITHOUT_VIDEO:
-        return _images_only(getattr(transformers, _WITHOUT_VIDEO[family])).from_pretrained(folder, backend="pil")
+    name = _processor_class_name(Path(folder), getattr(model_config, "model_type", None))
+    if name in _WITHOUT_VIDEO:
+        return _images_only(getattr(transformers, name)).from_pretrained(folder, backend="pil")
+    if name == "PixtralProcessor":
+        from engine.vision.pixtral import PixtralImagesProcessor
+
+        return PixtralImagesProcessor.from_pretrained(folder, backend="pil")
     return transformers.AutoProcessor.from_pretrained(folder, backend="pil", trust_remote_code=trust_remote_code)
+
+
+def _processor_class_name(folder: Path, family: str | None) -> str | None:
+    """The processor class AutoProcessor would pick: the folder's processor_config.json names it, else the
+    family's default."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    saved = folder / "processor_config.json"
+    if saved.is_file():
+        try:
+            name = json.loads(saved.read_text()).get("processor_class")
+        except (ValueError, AttributeError):
+            name = None
+        if isinstance(name, str):
+            return name
+    return PROCESSOR_MAPPING_NAMES.get(family)
 
 
 def _images_only(base: type) -> type:
