@@ -132,11 +132,11 @@ def test_greedy_tokens_equal_generate(family, folders, monkeypatch, tmp_path):
     assert worker.job(chat_job(text_only))["choices"][0]["token_ids"] == reference.tokens(text_only, [])[1]
 
 
-@pytest.mark.parametrize("family", ["llava", "mistral3", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["llava", "mistral3", "qwen2_vl", "qwen2_5_vl"])
 def test_concurrent_image_and_text_requests_batch_and_each_equals_generate(family, folders, monkeypatch, tmp_path):
-    """LLaVA's and Mistral 3's decoders run batched on the paged engine; Qwen2-VL's requests take turns on the
-    fallback loop, each decoding with its own multimodal rotary offset (pictures of different shapes give
-    different offsets)."""
+    """LLaVA's and Mistral 3's decoders run batched on the paged engine; Qwen2-VL's and Qwen2.5-VL's requests take
+    turns on the fallback loop, each decoding with its own multimodal rotary offset (pictures of different shapes
+    give different offsets; the 30x120 one spans several of Qwen2.5-VL's attention windows)."""
     worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders[family]), DTYPE="float32", MAX_NUM_SEQS="8")
     reference = Reference(folders[family])
     pictures = [picture(10 + i, size) for i, size in enumerate([(40, 52), (90, 30), (30, 120)])]
