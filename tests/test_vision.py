@@ -1,7 +1,7 @@
 """Vision-language models: image parts in chat, Responses and Messages requests, served by tiny random models of
-five families (tests/vision_models.py). The worker's greedy tokens must equal transformers' `generate` given the
+eight families (tests/vision_models.py). The worker's greedy tokens must equal transformers' `generate` given the
 same processor inputs, for one image, two images, an image in an earlier turn, several choices, and concurrent
-mixes of image and text requests; bad images, the URL fetcher's limits and the per-prompt limit are 400s naming
+mixes of image and text requests; `detail: low` shows the processor a smaller picture; bad images, the URL fetcher's limits and the per-prompt limit are 400s naming
 the part, after which the worker keeps serving."""
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """A vision-language model's processor: a rendered prompt and its pictures become the prompt's token ids (each
 image placeholder expanded into the family's image tokens) and the tensors the model's forward takes with them
 (pixel values, image sizes, patch masks, token types). The processor is transformers' own (AutoProcessor,
-the PIL image backend), so the tokens and pixels are the ones `generate` would be given."""
+the PIL image backend; for the families whose processor needs torchvision, see load_processor), so the tokens
+and pixels are the ones `generate` would be given."""
 from __future__ import annotations
 
 import json
