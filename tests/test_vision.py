@@ -403,3 +403,23 @@ def test_detail_low_shows_the_processor_a_512_pixel_view_and_tokenize_counts_its
     bad = worker.job(chat_job([{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": url, "detail": "medium"}}]}]))
     _error(bad, "messages[0].content[0].image_url.detail", "auto, low or high")
+
+
+def test_a_qwen2_vl_folder_saved_with_its_video_processor_is_served(folders, monkeypatch, tmp_path):
+    """A Qwen2-VL folder as transformers saves the full processor (the video processor's settings in
+    processor_config.json and video_preprocessor_config.json, which need torchvision to load): the worker loads
+    it without them, and its tokens are still generate's."""
+    import shutil
+
+    folder = tmp_path / "qwen2_vl_with_video"
+    shutil.copytree(folders["qwen2_vl"], folder)
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14, "merge_size": 2,
+             "temporal_patch_size": 2, "min_pixels": 3136, "max_pixels": 409600}
+    settings = json.loads((folder / "processor_config.json").read_text())
+    (folder / "processor_config.json").write_text(json.dumps({**settings, "video_processor": video}))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folder), DTYPE="float32")
+    reference = Reference(folders["qwen2_vl"])
+    a = picture(51)
+    out = worker.job(chat_job(with_images(ONE, {"A": data_url(a)})))
+    assert (out["prompt_token_ids"], out["choices"][0]["token_ids"]) == reference.tokens(as_reference(ONE), [a])

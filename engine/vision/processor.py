@@ -66,11 +66,11 @@ def _processor_class_name(folder: Path, family: str | None) -> str | None:
 
 def _images_only(base: type) -> type:
     """`base` (a processor whose __init__ takes image_processor, tokenizer, video_processor) without its video
-    processor: transformers builds and loads a processor's parts from its __init__ parameters, so the subclass's
-    __init__ leaves the video processor out and hands the base None for it."""
+    processor: transformers builds and loads a processor's parts from its __init__ parameters (and passes a saved
+    setting only where __init__ names it), so the subclass's __init__ leaves the video processor out and hands
+    the base None for it."""
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        kwargs.pop("video_processor", None)
         base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
     # The base's name: saving and the processor-class checks go by the class name.
