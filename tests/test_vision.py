@@ -1,5 +1,5 @@
 """Vision-language models: image parts in chat, Responses and Messages requests, served by tiny random models of
-eight families (tests/vision_models.py). The worker's greedy tokens must equal transformers' `generate` given the
+nine families (tests/vision_models.py). The worker's greedy tokens must equal transformers' `generate` given the
 same processor inputs, for one image, two images, an image in an earlier turn, several choices, and concurrent
 mixes of image and text requests; `detail: low` shows the processor a smaller picture; bad images, the URL fetcher's limits and the per-prompt limit are 400s naming
 the part, after which the worker keeps serving."""
@@ -60,9 +60,16 @@ class Reference:
         self.processor = reference_processor(folder)
         self.model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
 
+    def render(self, messages: list[dict]) -> str:
+        if isinstance(self.processor, transformers.SmolVLMProcessor):
+            # Its apply_chat_template reads the video processor's settings, which it has not here (torchvision).
+            return self.processor.tokenizer.apply_chat_template(messages, chat_template=self.processor.chat_template,
+                                                                add_generation_prompt=True, tokenize=False)
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
     def tokens(self, messages: list[dict], images: list[Image.Image]) -> tuple[list[int], list[int]]:
         """(prompt ids, greedy new ids) for messages in the processor's form ({"type": "image"} parts)."""
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.render(messages)
         if images:
             inputs = self.processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
         else:
@@ -167,8 +174,7 @@ def test_concurrent_image_and_text_requests_batch_and_each_equals_generate(famil
     # Logprobs are the model's own for the prompt with its image; a grammar holds with an image in the prompt.
     messages, images = requests[0]
     out = worker.job(chat_job(messages, logprobs=True, top_logprobs=2, max_tokens=1))
-    text = reference.processor.apply_chat_template(as_reference(messages), add_generation_prompt=True,
-                                                   tokenize=False)
+    text = reference.render(as_reference(messages))
     inputs = reference.processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():  # over the tokenizer's ids: the worker never samples the embedding table's padding rows
         logits = reference.model(**inputs).logits[0, -1, :len(reference.processor.tokenizer)]

@@ -1,12 +1,14 @@
 """Tiny random vision-language models built from transformers' config classes, each saved with a processor
 assembled from the embedded model's tokenizer (its image tokens added as special tokens), the family's image
 processor at a small size (the PIL backend: no torchvision), and a chat template that places the image tokens.
-Qwen2-VL's and Qwen2.5-VL's processors are saved as transformers saves them (the image processor and the tokenizer;
-a video processor needs torchvision, which this CPU install does not have), so AutoProcessor cannot load these
-folders, as it cannot load a real Qwen2-VL folder here: the worker has to load them without it.
+Qwen2-VL's, Qwen2.5-VL's and SmolVLM 2's processors are saved as transformers saves them without their video
+processor (it needs torchvision, which this CPU install does not have), and Mistral 3's processor files are
+written from their parts (PixtralProcessor needs torchvision too), so AutoProcessor cannot load these folders, as
+it cannot load the real ones here: the worker has to load them without it.
 Random weights say gibberish, but deterministically under greedy."""
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -113,13 +115,22 @@ _QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_
 _QWEN_TEMPLATE = TEMPLATE.replace("IMAGE", "'<|vision_start|><|image_pad|><|vision_end|>'")
 
 
-def qwen_images_only(base):
-    """A Qwen processor class without its video processor (which needs torchvision): the test's own way to build
-    and load the family's processor (image processor, tokenizer, chat template), for the folders and for the
-    reference `generate` runs."""
+def images_only(base):
+    """A processor class (Qwen's, SmolVLM's) without its video processor (which needs torchvision): the test's own
+    way to build and load the family's processor (image processor, tokenizer, chat template), for the folders and
+    for the reference `generate` runs."""
+    signature = inspect.signature(base.__init__)
+    signature = signature.replace(parameters=[p for p in signature.parameters.values() if p.name != "video_processor"])
+    settings = list(signature.parameters)
+
     class ImagesOnly(base):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+        __init__.__signature__ = signature  # saving writes the settings __init__'s signature names
+
+        @staticmethod
+        def validate_init_kwargs(processor_config, valid_kwargs):  # saved settings reach __init__'s **kwargs
+            return base.validate_init_kwargs(processor_config, [*valid_kwargs, *settings])
     ImagesOnly.__name__ = base.__name__
     return ImagesOnly
 
@@ -149,7 +160,7 @@ def _qwen2_vl(tokenizer_folder):
     vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2)
     config = transformers.Qwen2VLConfig(vision_config=vision, text_config=_qwen_text(tok), **_qwen_ids(tok))
-    processor = qwen_images_only(transformers.Qwen2VLProcessor)(_qwen_images(), tok, chat_template=_QWEN_TEMPLATE)
+    processor = images_only(transformers.Qwen2VLProcessor)(_qwen_images(), tok, chat_template=_QWEN_TEMPLATE)
     return transformers.Qwen2VLForConditionalGeneration(config), processor
 
 
@@ -159,9 +170,24 @@ def _qwen2_5_vl(tokenizer_folder):
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
     config = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=_qwen_text(tok), **_qwen_ids(tok))
-    processor = qwen_images_only(transformers.Qwen2_5_VLProcessor)(_qwen_images(), tok,
+    processor = images_only(transformers.Qwen2_5_VLProcessor)(_qwen_images(), tok,
                                                                     chat_template=_QWEN_TEMPLATE)
     return transformers.Qwen2_5_VLForConditionalGeneration(config), processor
+
+
+def _smolvlm(tokenizer_folder):
+    tok = _tokenizer(tokenizer_folder, ["<fake_token_around_image>", "<image>", "<global-img>"])
+    vision = transformers.SmolVLMVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, image_size=28, patch_size=7)
+    config = transformers.SmolVLMConfig(vision_config=vision, text_config=transformers.LlamaConfig(
+        vocab_size=_vocab(tok), **_TEXT), image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2)
+    # Image splitting on: a picture larger than 28 pixels becomes tiles plus a global view, so the image-token
+    # count follows its size.
+    images = transformers.SmolVLMImageProcessorPil(size={"longest_edge": 56}, max_image_size={"longest_edge": 28},
+                                                   do_image_splitting=True, **_MEAN)
+    processor = images_only(transformers.SmolVLMProcessor)(images, tok, image_seq_len=4,
+                                                           chat_template=TEMPLATE.replace("IMAGE", "'<image>'"))
+    return transformers.SmolVLMForConditionalGeneration(config), processor
 
 
 class _PixtralFolder:
@@ -229,7 +255,7 @@ class PixtralReference:
 
 
 FAMILIES = {"llava": _llava, "llava_next": _llava_next, "idefics3": _idefics3, "gemma3": _gemma3, "paligemma": _paligemma,
-            "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "mistral3": _mistral3}
+            "smolvlm": _smolvlm, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "mistral3": _mistral3}
 
 
 def build(family: str, tokenizer_folder: Path, folder: Path) -> Path:
@@ -247,9 +273,11 @@ def reference_processor(folder: Path):
     Qwen families, whose AutoProcessor needs torchvision for the video processor."""
     model_type = transformers.AutoConfig.from_pretrained(folder).model_type
     if model_type == "qwen2_vl":
-        return qwen_images_only(transformers.Qwen2VLProcessor).from_pretrained(folder, backend="pil")
+        return images_only(transformers.Qwen2VLProcessor).from_pretrained(folder, backend="pil")
     if model_type == "qwen2_5_vl":
-        return qwen_images_only(transformers.Qwen2_5_VLProcessor).from_pretrained(folder, backend="pil")
+        return images_only(transformers.Qwen2_5_VLProcessor).from_pretrained(folder, backend="pil")
+    if model_type == "smolvlm":
+        return images_only(transformers.SmolVLMProcessor).from_pretrained(folder, backend="pil")
     if model_type == "mistral3":
         return PixtralReference(folder)
     return transformers.AutoProcessor.from_pretrained(folder, backend="pil")

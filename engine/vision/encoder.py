@@ -18,7 +18,7 @@ import hashlib
 
 import torch
 
-PAGED_FAMILIES = ("llava", "llava_next", "idefics3", "mistral3")
+PAGED_FAMILIES = ("llava", "llava_next", "idefics3", "smolvlm", "mistral3")
 _PAGED_DECODERS = ("llama", "mistral", "qwen2", "qwen3")
 
 

@@ -5,6 +5,7 @@ the PIL image backend; for the families whose processor needs torchvision, see l
 and pixels are the ones `generate` would be given."""
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +27,12 @@ def is_vision_config(model_config) -> bool:
             and getattr(model_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
-# Processors that need torchvision in transformers 5.23 (not in this CPU install), loaded without it. Qwen2-VL's
-# and Qwen2.5-VL's also hold a video processor (the torchvision part): they are loaded as their own class without
+# Processors that need torchvision in transformers 5.23 (not in this CPU install), loaded without it. Qwen2-VL's,
+# Qwen2.5-VL's and SmolVLM 2's also hold a video processor (the torchvision part): they are loaded as their own class without
 # that attribute, so the image processor (PIL backend), the tokenizer and the image-token expansion stay
 # transformers' own; the worker takes no video parts, so nothing it accepts needs the video processor.
 # PixtralProcessor (Mistral 3, Pixtral) cannot be imported at all: pixtral.py stands in for it.
-_WITHOUT_VIDEO = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
+_WITHOUT_VIDEO = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "SmolVLMProcessor")
 
 
 def load_processor(folder, model_config, trust_remote_code: bool = False):
@@ -65,16 +66,22 @@ def _processor_class_name(folder: Path, family: str | None) -> str | None:
 
 
 def _images_only(base: type) -> type:
-    """`base` (a processor whose __init__ takes image_processor, tokenizer, video_processor) without its video
-    processor: transformers builds and loads a processor's parts from its __init__ parameters (and passes a saved
-    setting only where __init__ names it), so the subclass's __init__ leaves the video processor out and hands
-    the base None for it."""
+    """`base` (a processor whose __init__ takes image_processor, tokenizer, video_processor, then its settings)
+    without its video processor. transformers builds and loads a processor's parts from its __init__
+    parameters, so the subclass's __init__ leaves the video processor out and hands the base None for it; and it
+    passes a saved setting (SmolVLM's image_seq_len) only where __init__ names it, so the base's settings are
+    named for it."""
+    settings = [name for name in inspect.signature(base.__init__).parameters if name not in ("self", "video_processor")]
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
+    def validate_init_kwargs(processor_config, valid_kwargs):
+        return base.validate_init_kwargs(processor_config, [*valid_kwargs, *settings])
+
     # The base's name: saving and the processor-class checks go by the class name.
-    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__})
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__,
+                                         "validate_init_kwargs": staticmethod(validate_init_kwargs)})
 
 
 class ImagePlacementError(ValueError):
