@@ -1,5 +1,5 @@
 """Vision-language models: image parts in chat, Responses and Messages requests, served by tiny random models of
-nine families (tests/vision_models.py). The worker's greedy tokens must equal transformers' `generate` given the
+ten families (tests/vision_models.py). The worker's greedy tokens must equal transformers' `generate` given the
 same processor inputs, for one image, two images, an image in an earlier turn, several choices, and concurrent
 mixes of image and text requests; `detail: low` shows the processor a smaller picture; bad images, the URL fetcher's limits and the per-prompt limit are 400s naming
 the part, after which the worker keeps serving."""
@@ -139,9 +139,9 @@ def test_greedy_tokens_equal_generate(family, folders, monkeypatch, tmp_path):
     assert worker.job(chat_job(text_only))["choices"][0]["token_ids"] == reference.tokens(text_only, [])[1]
 
 
-@pytest.mark.parametrize("family", ["llava", "mistral3", "qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["llava", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_concurrent_image_and_text_requests_batch_and_each_equals_generate(family, folders, monkeypatch, tmp_path):
-    """LLaVA's and Mistral 3's decoders run batched on the paged engine; Qwen2-VL's and Qwen2.5-VL's requests take
+    """LLaVA's and Mistral 3's decoders run batched on the paged engine; the Qwen VL families' requests take
     turns on the fallback loop, each decoding with its own multimodal rotary offset (pictures of different shapes
     give different offsets; the 30x120 one spans several of Qwen2.5-VL's attention windows)."""
     worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders[family]), DTYPE="float32", MAX_NUM_SEQS="8")

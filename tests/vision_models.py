@@ -1,7 +1,7 @@
 """Tiny random vision-language models built from transformers' config classes, each saved with a processor
 assembled from the embedded model's tokenizer (its image tokens added as special tokens), the family's image
 processor at a small size (the PIL backend: no torchvision), and a chat template that places the image tokens.
-Qwen2-VL's, Qwen2.5-VL's and SmolVLM 2's processors are saved as transformers saves them without their video
+The Qwen VL families' and SmolVLM 2's processors are saved as transformers saves them without their video
 processor (it needs torchvision, which this CPU install does not have), and Mistral 3's processor files are
 written from their parts (PixtralProcessor needs torchvision too), so AutoProcessor cannot load these folders, as
 it cannot load the real ones here: the worker has to load them without it.
@@ -175,6 +175,22 @@ def _qwen2_5_vl(tokenizer_folder):
     return transformers.Qwen2_5_VLForConditionalGeneration(config), processor
 
 
+def _qwen3_vl(tokenizer_folder):
+    tok = _tokenizer(tokenizer_folder, _QWEN_TOKENS)
+    # Deepstack: the first block's features are also added into the decoder's first layer at the image positions.
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=[0])
+    text = _qwen_text(tok)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                               "mrope_interleaved": True}
+    config = transformers.Qwen3VLConfig(vision_config=vision, text_config=text, **_qwen_ids(tok))
+    images = transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": 32 * 32 * 4, "longest_edge": 640 * 640},
+                                                   patch_size=16, merge_size=2, temporal_patch_size=2, **_MEAN)
+    processor = images_only(transformers.Qwen3VLProcessor)(images, tok, chat_template=_QWEN_TEMPLATE)
+    return transformers.Qwen3VLForConditionalGeneration(config), processor
+
+
 def _smolvlm(tokenizer_folder):
     tok = _tokenizer(tokenizer_folder, ["<fake_token_around_image>", "<image>", "<global-img>"])
     vision = transformers.SmolVLMVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -255,7 +271,8 @@ class PixtralReference:
 
 
 FAMILIES = {"llava": _llava, "llava_next": _llava_next, "idefics3": _idefics3, "gemma3": _gemma3, "paligemma": _paligemma,
-            "smolvlm": _smolvlm, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "mistral3": _mistral3}
+            "smolvlm": _smolvlm, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl,
+            "qwen3_vl": _qwen3_vl, "mistral3": _mistral3}
 
 
 def build(family: str, tokenizer_folder: Path, folder: Path) -> Path:
@@ -276,6 +293,8 @@ def reference_processor(folder: Path):
         return images_only(transformers.Qwen2VLProcessor).from_pretrained(folder, backend="pil")
     if model_type == "qwen2_5_vl":
         return images_only(transformers.Qwen2_5_VLProcessor).from_pretrained(folder, backend="pil")
+    if model_type == "qwen3_vl":
+        return images_only(transformers.Qwen3VLProcessor).from_pretrained(folder, backend="pil")
     if model_type == "smolvlm":
         return images_only(transformers.SmolVLMProcessor).from_pretrained(folder, backend="pil")
     if model_type == "mistral3":

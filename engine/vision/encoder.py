@@ -4,7 +4,7 @@ and the image encoder that turns a prompt's images into the embedding rows of it
 A family qualifies when its images enter the decoder only as embeddings scattered into the image-token
 positions, the decoder's attention over them is causal and its positions are plain 1-D ones (LLaVA, LLaVA-NeXT,
 Idefics3 and Mistral 3 over a Llama-like decoder). Others (Gemma 3 and PaliGemma attend bidirectionally over an
-image, Qwen2-VL and Qwen2.5-VL have multimodal rotary positions) run on the fallback loop with the whole model's
+image, the Qwen VL families have multimodal rotary positions) run on the fallback loop with the whole model's
 forward.
 
 The encoder runs the model's own multimodal forward up to the decoder (vision tower, projector, the family's

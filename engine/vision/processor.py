@@ -27,12 +27,12 @@ def is_vision_config(model_config) -> bool:
             and getattr(model_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
-# Processors that need torchvision in transformers 5.23 (not in this CPU install), loaded without it. Qwen2-VL's,
-# Qwen2.5-VL's and SmolVLM 2's also hold a video processor (the torchvision part): they are loaded as their own class without
+# Processors that need torchvision in transformers 5.23 (not in this CPU install), loaded without it. The Qwen VL
+# families' and SmolVLM 2's also hold a video processor (the torchvision part): they are loaded as their own class without
 # that attribute, so the image processor (PIL backend), the tokenizer and the image-token expansion stay
 # transformers' own; the worker takes no video parts, so nothing it accepts needs the video processor.
 # PixtralProcessor (Mistral 3, Pixtral) cannot be imported at all: pixtral.py stands in for it.
-_WITHOUT_VIDEO = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "SmolVLMProcessor")
+_WITHOUT_VIDEO = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "SmolVLMProcessor")
 
 
 def load_processor(folder, model_config, trust_remote_code: bool = False):
