@@ -1,8 +1,8 @@
 """Vision-language models: image parts in chat, Responses and Messages requests, served by tiny random models of
 ten families (tests/vision_models.py). The worker's greedy tokens must equal transformers' `generate` given the
 same processor inputs, for one image, two images, an image in an earlier turn, several choices, and concurrent
-mixes of image and text requests; `detail: low` shows the processor a smaller picture; bad images, the URL fetcher's limits and the per-prompt limit are 400s naming
-the part, after which the worker keeps serving."""
+mixes of image and text requests; `detail: low` shows the processor a smaller picture; bad images, the URL
+fetcher's limits and the per-prompt limit are 400s naming the part, after which the worker keeps serving."""
 from __future__ import annotations
 
 import asyncio
@@ -130,7 +130,8 @@ def test_greedy_tokens_equal_generate(family, folders, monkeypatch, tmp_path):
             grid = [img] * 4 + [brk] + [img] * 4 + [brk] + [img] * 4 + [end]
             start = prompt.index(img)
             assert prompt[start:start + len(grid)] == grid and prompt.count(img) == 12
-    # LLaVA-style families (and Mistral 3) run their decoder on the paged engine, the others the whole model on the fallback.
+    # LLaVA-style families (and Mistral 3) run their decoder on the paged engine, the others the whole model on the
+    # fallback.
     assert isinstance(worker.engine.engine, Engine if family in PAGED_FAMILIES else FallbackEngine)
     # Several choices share the prompt's images; a text-only request to a vision model is plain text.
     out = worker.job(chat_job(with_images(ONE, urls), n=2))

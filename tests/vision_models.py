@@ -270,8 +270,8 @@ class PixtralReference:
                 "pixel_values": pixels["pixel_values"], "image_sizes": pixels["image_sizes"]}
 
 
-FAMILIES = {"llava": _llava, "llava_next": _llava_next, "idefics3": _idefics3, "gemma3": _gemma3, "paligemma": _paligemma,
-            "smolvlm": _smolvlm, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl,
+FAMILIES = {"llava": _llava, "llava_next": _llava_next, "idefics3": _idefics3, "gemma3": _gemma3,
+            "paligemma": _paligemma, "smolvlm": _smolvlm, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl,
             "qwen3_vl": _qwen3_vl, "mistral3": _mistral3}
 
 

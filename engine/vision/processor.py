@@ -28,8 +28,8 @@ def is_vision_config(model_config) -> bool:
 
 
 # Processors that need torchvision in transformers 5.23 (not in this CPU install), loaded without it. The Qwen VL
-# families' and SmolVLM 2's also hold a video processor (the torchvision part): they are loaded as their own class without
-# that attribute, so the image processor (PIL backend), the tokenizer and the image-token expansion stay
+# families' and SmolVLM 2's also hold a video processor (the torchvision part): they are loaded as their own class
+# without that attribute, so the image processor (PIL backend), the tokenizer and the image-token expansion stay
 # transformers' own; the worker takes no video parts, so nothing it accepts needs the video processor.
 # PixtralProcessor (Mistral 3, Pixtral) cannot be imported at all: pixtral.py stands in for it.
 _WITHOUT_VIDEO = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "SmolVLMProcessor")
@@ -71,7 +71,8 @@ def _images_only(base: type) -> type:
     parameters, so the subclass's __init__ leaves the video processor out and hands the base None for it; and it
     passes a saved setting (SmolVLM's image_seq_len) only where __init__ names it, so the base's settings are
     named for it."""
-    settings = [name for name in inspect.signature(base.__init__).parameters if name not in ("self", "video_processor")]
+    settings = [name for name in inspect.signature(base.__init__).parameters
+                if name not in ("self", "video_processor")]
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
