@@ -106,9 +106,8 @@ def main() -> None:
         vlm = encoder.model if paged else engine.loaded_model.model
         whole = _StepTimer(engine.engine.runner) if paged else _Timer(vlm)
         inner = vlm.model
-        vision = [_Timer(m) for m in (getattr(inner, "vision_tower", None), getattr(inner, "vision_model", None),
-                                      getattr(inner, "multi_modal_projector", None), getattr(inner, "connector", None))
-                  if m is not None]
+        towers = ("vision_tower", "vision_model", "visual", "multi_modal_projector", "connector")  # visual: Qwen2-VL's
+        vision = [_Timer(getattr(inner, name)) for name in towers if getattr(inner, name, None) is not None]
 
         async def one(url: str) -> None:
             job = {"openai_route": "/v1/chat/completions", "openai_input": {

@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.core.pooling import PoolingConfig, Task, pooling_config
 from engine.tokenizer import Tokenizer
 from engine.vision.encoder import ImageEncoder, paged_vision_refusal, text_view
-from engine.vision.processor import VisionProcessor, is_vision_config
+from engine.vision.processor import VisionProcessor, is_vision_config, load_processor
 
 log = logging.getLogger("engine.loader")
 
@@ -271,7 +271,7 @@ def _vision_model(folder: Path, model_config, config: EngineConfig, dtype: torch
     positions) on a prompt with images, then decodes with transformers' cache. A paged decoder gets its fused
     projections (for the compact forward); the native kernels and weight layouts are not applied to
     vision-language models."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     if getattr(model_config, "model_type", None) in _CROSS_ATTENTION_VISION:
         raise ModelLoadError("cross-attention vision models (mllama) are not supported: their image masks must be "
@@ -279,7 +279,7 @@ def _vision_model(folder: Path, model_config, config: EngineConfig, dtype: torch
     if config.tokenizer:
         raise ModelLoadError("TOKENIZER_NAME cannot replace a vision-language model's tokenizer: its processor "
                              "places the image tokens with its own")
-    processor = AutoProcessor.from_pretrained(folder, backend="pil", trust_remote_code=config.trust_remote_code)
+    processor = load_processor(folder, model_config, config.trust_remote_code)
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype, trust_remote_code=config.trust_remote_code,
                                                         **placement)
     model.eval()

@@ -1,8 +1,8 @@
 """Vision-language models: image parts in chat, Responses and Messages requests, served by tiny random models of
-five families (tests/vision_models.py). The worker's greedy tokens must equal transformers' `generate` given the
+ten families (tests/vision_models.py). The worker's greedy tokens must equal transformers' `generate` given the
 same processor inputs, for one image, two images, an image in an earlier turn, several choices, and concurrent
-mixes of image and text requests; bad images, the URL fetcher's limits and the per-prompt limit are 400s naming
-the part, after which the worker keeps serving."""
+mixes of image and text requests; `detail: low` shows the processor a smaller picture; bad images, the URL
+fetcher's limits and the per-prompt limit are 400s naming the part, after which the worker keeps serving."""
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +24,7 @@ from engine.core.fallback import FallbackEngine
 from engine.core.loop import Engine
 from engine.vision.encoder import PAGED_FAMILIES
 from conftest import start_gateway, stop_gateway
-from vision_models import FAMILIES, build
+from vision_models import FAMILIES, build, reference_processor
 
 NEW = 6
 
@@ -57,12 +57,19 @@ class Reference:
     """transformers' own: the processor renders and encodes the conversation, `generate` continues it."""
 
     def __init__(self, folder):
-        self.processor = transformers.AutoProcessor.from_pretrained(folder, backend="pil")
+        self.processor = reference_processor(folder)
         self.model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def render(self, messages: list[dict]) -> str:
+        if isinstance(self.processor, transformers.SmolVLMProcessor):
+            # Its apply_chat_template reads the video processor's settings, which it has not here (torchvision).
+            return self.processor.tokenizer.apply_chat_template(messages, chat_template=self.processor.chat_template,
+                                                                add_generation_prompt=True, tokenize=False)
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def tokens(self, messages: list[dict], images: list[Image.Image]) -> tuple[list[int], list[int]]:
         """(prompt ids, greedy new ids) for messages in the processor's form ({"type": "image"} parts)."""
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.render(messages)
         if images:
             inputs = self.processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
         else:
@@ -118,7 +125,13 @@ def test_greedy_tokens_equal_generate(family, folders, monkeypatch, tmp_path):
         assert out["prompt_token_ids"] == prompt, family
         assert out["choices"][0]["token_ids"] == expected, (family, messages)
         assert out["usage"]["prompt_tokens"] == len(prompt)
-    # LLaVA-style families run their decoder on the paged engine, the others the whole model on the fallback.
+        if family == "mistral3" and messages is ONE:  # 40x52 pixels: 3 rows of 4 merged 14-pixel patches
+            img, brk, end = reference.processor.ids
+            grid = [img] * 4 + [brk] + [img] * 4 + [brk] + [img] * 4 + [end]
+            start = prompt.index(img)
+            assert prompt[start:start + len(grid)] == grid and prompt.count(img) == 12
+    # LLaVA-style families (and Mistral 3) run their decoder on the paged engine, the others the whole model on the
+    # fallback.
     assert isinstance(worker.engine.engine, Engine if family in PAGED_FAMILIES else FallbackEngine)
     # Several choices share the prompt's images; a text-only request to a vision model is plain text.
     out = worker.job(chat_job(with_images(ONE, urls), n=2))
@@ -127,10 +140,14 @@ def test_greedy_tokens_equal_generate(family, folders, monkeypatch, tmp_path):
     assert worker.job(chat_job(text_only))["choices"][0]["token_ids"] == reference.tokens(text_only, [])[1]
 
 
-def test_concurrent_image_and_text_requests_batch_and_each_equals_generate(folders, monkeypatch, tmp_path):
-    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders["llava"]), DTYPE="float32", MAX_NUM_SEQS="8")
-    reference = Reference(folders["llava"])
-    pictures = [picture(10 + i) for i in range(3)]
+@pytest.mark.parametrize("family", ["llava", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_concurrent_image_and_text_requests_batch_and_each_equals_generate(family, folders, monkeypatch, tmp_path):
+    """LLaVA's and Mistral 3's decoders run batched on the paged engine; the Qwen VL families' requests take
+    turns on the fallback loop, each decoding with its own multimodal rotary offset (pictures of different shapes
+    give different offsets; the 30x120 one spans several of Qwen2.5-VL's attention windows)."""
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders[family]), DTYPE="float32", MAX_NUM_SEQS="8")
+    reference = Reference(folders[family])
+    pictures = [picture(10 + i, size) for i, size in enumerate([(40, 52), (90, 30), (30, 120)])]
     requests = [
         ([{"role": "user", "content": [image_part(data_url(pictures[0])), {"type": "text", "text": "Describe"}]}],
          [pictures[0]]),
@@ -158,8 +175,7 @@ def test_concurrent_image_and_text_requests_batch_and_each_equals_generate(folde
     # Logprobs are the model's own for the prompt with its image; a grammar holds with an image in the prompt.
     messages, images = requests[0]
     out = worker.job(chat_job(messages, logprobs=True, top_logprobs=2, max_tokens=1))
-    text = reference.processor.apply_chat_template(as_reference(messages), add_generation_prompt=True,
-                                                   tokenize=False)
+    text = reference.render(as_reference(messages))
     inputs = reference.processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():  # over the tokenizer's ids: the worker never samples the embedding table's padding rows
         logits = reference.model(**inputs).logits[0, -1, :len(reference.processor.tokenizer)]
@@ -314,9 +330,11 @@ def test_official_clients_over_http_chat_responses_messages_and_tokenize(folders
         stop_gateway(process)
 
 
-def test_prefix_cache_reuses_an_image_in_a_later_turn_and_never_a_different_image(folders, monkeypatch, tmp_path):
-    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders["llava"]), DTYPE="float32")
-    reference = Reference(folders["llava"])
+@pytest.mark.parametrize("family", ["llava", "mistral3"])
+def test_prefix_cache_reuses_an_image_in_a_later_turn_and_never_a_different_image(family, folders, monkeypatch,
+                                                                                  tmp_path):
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders[family]), DTYPE="float32")
+    reference = Reference(folders[family])
     first, other = picture(21), picture(22)
     long_text = "Describe every part of this picture in detail, please, with care"
 
@@ -338,17 +356,77 @@ def test_prefix_cache_reuses_an_image_in_a_later_turn_and_never_a_different_imag
         assert (hits() > before) == cached, (later, hits() - before)
 
 
-def test_prompt_chunks_that_split_an_image_block_equal_generate(folders, monkeypatch, tmp_path):
-    """Prompts prefilled 16 tokens at a time, so a chunk ends inside an image's block of tokens."""
-    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders["llava_next"]), DTYPE="float32",
+@pytest.mark.parametrize("family", ["llava_next", "mistral3"])
+def test_prompt_chunks_that_split_an_image_block_equal_generate(family, folders, monkeypatch, tmp_path):
+    """Prompts prefilled 16 tokens at a time, so a chunk ends inside an image's block of tokens (for Mistral 3, a
+    block with [IMG_BREAK] tokens between its rows of image positions)."""
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders[family]), DTYPE="float32",
                     MAX_NUM_SEQS="4", MAX_NUM_BATCHED_TOKENS="16")
-    reference = Reference(folders["llava_next"])
+    reference = Reference(folders[family])
     a, b = picture(31), picture(32, (60, 30))
     urls = {"A": data_url(a), "B": data_url(b)}
     image_token = reference.model.config.image_token_id
+    block = set(reference.processor.ids[:2]) if family == "mistral3" else {image_token}
     split = 0
     for messages, images in ((ONE, [a]), (TWO, [a, b])):
         prompt, expected = reference.tokens(as_reference(messages), images)
-        split += prompt[15] == prompt[16] == image_token  # the first chunk ends inside an image's block
+        split += prompt[15] in block and prompt[16] in block  # the first chunk ends inside an image's block
         assert worker.job(chat_job(with_images(messages, urls)))["choices"][0]["token_ids"] == expected
     assert split
+
+
+def test_detail_low_shows_the_processor_a_512_pixel_view_and_tokenize_counts_its_image_tokens(folders, monkeypatch,
+                                                                                             tmp_path):
+    """Qwen2-VL's image-token count follows the picture's size: `detail: low` on a 640x480 picture is its
+    512x384 view (bicubic), so fewer image tokens than `high` or `auto` (the processor's own resolution), and
+    the tokens are generate's on that view. /tokenize counts the same image tokens."""
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders["qwen2_vl"]), DTYPE="float32")
+    reference = Reference(folders["qwen2_vl"])
+    large = picture(41, (480, 640))
+    url = data_url(large)
+    low_view = large.resize((512, 384), Image.Resampling.BICUBIC)
+    image_token = reference.model.config.image_token_id
+    counts = {}
+    for detail, seen in (("low", low_view), ("high", large), ("auto", large), (None, large)):
+        part = {"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}}
+        messages = [{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}]
+        prompt, expected = reference.tokens(as_reference(messages), [seen])
+        out = worker.job(chat_job(messages))
+        assert out["prompt_token_ids"] == prompt and out["choices"][0]["token_ids"] == expected, detail
+        assert out["usage"]["prompt_tokens"] == len(prompt)
+        counts[detail] = prompt.count(image_token)
+        tokens = worker.job({"openai_route": "/tokenize", "openai_input": {
+            "messages": messages, "add_generation_prompt": True}})
+        assert tokens["tokens"] == prompt and tokens["count"] == len(prompt), detail
+    # 640x480 is 23x17 merged patches of 28 pixels at the processor's resolution, 512x384 is 18x14.
+    assert counts == {"low": 18 * 14, "high": 23 * 17, "auto": 23 * 17, None: 23 * 17}
+    # A Responses input_image carries its detail too.
+    out = worker.job({"openai_route": "/v1/responses", "openai_input": {
+        "input": [{"role": "user", "content": [{"type": "input_image", "image_url": url, "detail": "low"},
+                                               {"type": "input_text", "text": "What is it?"}]}],
+        "max_output_tokens": NEW, "temperature": 0, "ignore_eos": True}})
+    assert out["usage"]["input_tokens"] == len(reference.tokens(as_reference(
+        [{"role": "user", "content": [image_part(url), {"type": "text", "text": "What is it?"}]}]), [low_view])[0])
+    bad = worker.job(chat_job([{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": url, "detail": "medium"}}]}]))
+    _error(bad, "messages[0].content[0].image_url.detail", "auto, low or high")
+
+
+def test_a_qwen2_vl_folder_saved_with_its_video_processor_is_served(folders, monkeypatch, tmp_path):
+    """A Qwen2-VL folder as transformers saves the full processor (the video processor's settings in
+    processor_config.json and video_preprocessor_config.json, which need torchvision to load): the worker loads
+    it without them, and its tokens are still generate's."""
+    import shutil
+
+    folder = tmp_path / "qwen2_vl_with_video"
+    shutil.copytree(folders["qwen2_vl"], folder)
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14, "merge_size": 2,
+             "temporal_patch_size": 2, "min_pixels": 3136, "max_pixels": 409600}
+    settings = json.loads((folder / "processor_config.json").read_text())
+    (folder / "processor_config.json").write_text(json.dumps({**settings, "video_processor": video}))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folder), DTYPE="float32")
+    reference = Reference(folders["qwen2_vl"])
+    a = picture(51)
+    out = worker.job(chat_job(with_images(ONE, {"A": data_url(a)})))
+    assert (out["prompt_token_ids"], out["choices"][0]["token_ids"]) == reference.tokens(as_reference(ONE), [a])

@@ -3,8 +3,9 @@ and the image encoder that turns a prompt's images into the embedding rows of it
 
 A family qualifies when its images enter the decoder only as embeddings scattered into the image-token
 positions, the decoder's attention over them is causal and its positions are plain 1-D ones (LLaVA, LLaVA-NeXT,
-Idefics3 over a Llama-like decoder). Others (Gemma 3 and PaliGemma attend bidirectionally over an
-image, Qwen2-VL has multimodal rotary positions) run on the fallback loop with the whole model's forward.
+Idefics3 and Mistral 3 over a Llama-like decoder). Others (Gemma 3 and PaliGemma attend bidirectionally over an
+image, the Qwen VL families have multimodal rotary positions) run on the fallback loop with the whole model's
+forward.
 
 The encoder runs the model's own multimodal forward up to the decoder (vision tower, projector, the family's
 scatter of the features into the prompt's embeddings) and stops there, so the rows are exactly those
@@ -17,7 +18,7 @@ import hashlib
 
 import torch
 
-PAGED_FAMILIES = ("llava", "llava_next", "idefics3")
+PAGED_FAMILIES = ("llava", "llava_next", "idefics3", "smolvlm", "mistral3")
 _PAGED_DECODERS = ("llama", "mistral", "qwen2", "qwen3")
 
 

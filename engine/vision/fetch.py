@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp.abc import AbstractResolver
 from aiohttp.resolver import ThreadedResolver
 
-from engine.vision.images import ImageError, MediaLimits, decode_data_url, decode_image
+from engine.vision.images import ImageError, MediaLimits, at_detail, decode_data_url, decode_image
 
 
 def _public(address: str) -> bool:
@@ -100,9 +100,10 @@ async def _fetch(url: str, limits: MediaLimits) -> bytes:
         raise ImageError(f"fetching the image failed: {exc}") from None
 
 
-async def load_image(url: str, limits: MediaLimits):
-    """The picture a `data:` or http(s) URL names; decoding runs off the event loop."""
+async def load_image(url: str, limits: MediaLimits, detail: str | None = None):
+    """The picture a `data:` or http(s) URL names, at the `detail` level asked for (images.at_detail); decoding
+    runs off the event loop."""
     if url.startswith("data:"):
-        return await asyncio.to_thread(decode_data_url, url, limits)
+        return await asyncio.to_thread(lambda: at_detail(decode_data_url(url, limits), detail))
     data = await fetch_image_bytes(url, limits)
-    return await asyncio.to_thread(decode_image, data, limits)
+    return await asyncio.to_thread(lambda: at_detail(decode_image(data, limits), detail))

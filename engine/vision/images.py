@@ -9,6 +9,8 @@ import io
 from dataclasses import dataclass
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+DETAILS = ("auto", "low", "high")
+LOW_DETAIL_SIDE = 512  # `detail: low`: the longer side at most this many pixels, as OpenAI's 512x512 low-res view
 _MEDIA_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif"}
 
 
@@ -69,3 +71,19 @@ def decode_image(data: bytes, limits: MediaLimits):
         return image.convert("RGB")
     except Exception as exc:  # noqa: BLE001 - truncated or corrupt pixel data
         raise ImageError(f"the image cannot be decoded: {exc}") from None
+
+
+def at_detail(image, detail: str | None):
+    """The picture the processor sees at an OpenAI `detail` level: `low` shrinks it (aspect kept, bicubic, each
+    side rounded to the nearest pixel) so its longer side is at most LOW_DETAIL_SIDE; `auto`, `high` and none
+    leave it as it is, for the processor's own resolution."""
+    if detail not in (None, *DETAILS):
+        raise ImageError("detail must be auto, low or high")
+    width, height = image.size
+    if detail != "low" or max(width, height) <= LOW_DETAIL_SIDE:
+        return image
+    from PIL import Image
+
+    scale = LOW_DETAIL_SIDE / max(width, height)
+    size = (max(1, round(width * scale)), max(1, round(height * scale)))
+    return image.resize(size, Image.Resampling.BICUBIC)

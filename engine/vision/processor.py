@@ -1,10 +1,14 @@
 """A vision-language model's processor: a rendered prompt and its pictures become the prompt's token ids (each
 image placeholder expanded into the family's image tokens) and the tensors the model's forward takes with them
 (pixel values, image sizes, patch masks, token types). The processor is transformers' own (AutoProcessor,
-the PIL image backend), so the tokens and pixels are the ones `generate` would be given."""
+the PIL image backend; for the families whose processor needs torchvision, see load_processor), so the tokens
+and pixels are the ones `generate` would be given."""
 from __future__ import annotations
 
+import inspect
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -21,6 +25,64 @@ def is_vision_config(model_config) -> bool:
 
     return (getattr(model_config, "vision_config", None) is not None
             and getattr(model_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+# Processors that need torchvision in transformers 5.23 (not in this CPU install), loaded without it. The Qwen VL
+# families' and SmolVLM 2's also hold a video processor (the torchvision part): they are loaded as their own class
+# without that attribute, so the image processor (PIL backend), the tokenizer and the image-token expansion stay
+# transformers' own; the worker takes no video parts, so nothing it accepts needs the video processor.
+# PixtralProcessor (Mistral 3, Pixtral) cannot be imported at all: pixtral.py stands in for it.
+_WITHOUT_VIDEO = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "SmolVLMProcessor")
+
+
+def load_processor(folder, model_config, trust_remote_code: bool = False):
+    """The model's processor from its folder, with the PIL image backend (no torchvision)."""
+    import transformers
+
+    name = _processor_class_name(Path(folder), getattr(model_config, "model_type", None))
+    if name in _WITHOUT_VIDEO:
+        return _images_only(getattr(transformers, name)).from_pretrained(folder, backend="pil")
+    if name == "PixtralProcessor":
+        from engine.vision.pixtral import PixtralImagesProcessor
+
+        return PixtralImagesProcessor.from_pretrained(folder, backend="pil")
+    return transformers.AutoProcessor.from_pretrained(folder, backend="pil", trust_remote_code=trust_remote_code)
+
+
+def _processor_class_name(folder: Path, family: str | None) -> str | None:
+    """The processor class AutoProcessor would pick: the folder's processor_config.json names it, else the
+    family's default."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    saved = folder / "processor_config.json"
+    if saved.is_file():
+        try:
+            name = json.loads(saved.read_text()).get("processor_class")
+        except (ValueError, AttributeError):
+            name = None
+        if isinstance(name, str):
+            return name
+    return PROCESSOR_MAPPING_NAMES.get(family)
+
+
+def _images_only(base: type) -> type:
+    """`base` (a processor whose __init__ takes image_processor, tokenizer, video_processor, then its settings)
+    without its video processor. transformers builds and loads a processor's parts from its __init__
+    parameters, so the subclass's __init__ leaves the video processor out and hands the base None for it; and it
+    passes a saved setting (SmolVLM's image_seq_len) only where __init__ names it, so the base's settings are
+    named for it."""
+    settings = [name for name in inspect.signature(base.__init__).parameters
+                if name not in ("self", "video_processor")]
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    def validate_init_kwargs(processor_config, valid_kwargs):
+        return base.validate_init_kwargs(processor_config, [*valid_kwargs, *settings])
+
+    # The base's name: saving and the processor-class checks go by the class name.
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__,
+                                         "validate_init_kwargs": staticmethod(validate_init_kwargs)})
 
 
 class ImagePlacementError(ValueError):

@@ -8,6 +8,7 @@ from typing import Any
 
 from engine import ChatTemplateError
 from engine.vision import ImageError, ImagePlacementError, load_image
+from engine.vision.images import DETAILS
 
 from ..errors import OpenAIError
 from ..serving import OpenAIServing, Prompt
@@ -25,7 +26,7 @@ async def render_chat(serving: OpenAIServing, request: ChatCompletionRequest, ad
                           "worker instead", param="chat_template")
     vision = serving.engine.vision
     messages = []
-    image_urls: list[tuple[str, str]] = []  # (the part's path, its URL), in prompt order
+    image_urls: list[tuple[str, str, str | None]] = []  # (the part's path, its URL, its detail), in prompt order
     for i, message in enumerate(request.messages):
         entry: dict[str, Any] = {"role": message.role}
         parts = []
@@ -34,7 +35,7 @@ async def render_chat(serving: OpenAIServing, request: ChatCompletionRequest, ad
             if part.type in IMAGE_PART_TYPES and image_paths is not None:
                 param = image_paths[len(image_urls)]
             if part.type in IMAGE_PART_TYPES and vision is not None:
-                image_urls.append((param, image_part_url(part, param)))
+                image_urls.append((param, *image_part_source(part, param)))
                 parts.append({"type": "image"})
             elif part.type != "text":
                 raise OpenAIError(f"content part type {part.type} is not supported: this model takes text only",
@@ -84,10 +85,11 @@ async def render_chat(serving: OpenAIServing, request: ChatCompletionRequest, ad
 IMAGE_PART_TYPES = ("image_url", "input_image")
 
 
-def image_part_url(part, param: str) -> str:
-    """The URL of an image part: `{"type": "image_url", "image_url": {"url": ..., "detail": ...}}` (OpenAI's
-    chat form) or `{"type": "input_image", "image_url": "..."}` (the Responses form). `detail` is accepted and
-    has no effect: the model's processor decides the resolution."""
+def image_part_source(part, param: str) -> tuple[str, str | None]:
+    """The URL and `detail` of an image part: `{"type": "image_url", "image_url": {"url": ..., "detail": ...}}`
+    (OpenAI's chat form) or `{"type": "input_image", "image_url": "...", "detail": ...}` (the Responses form).
+    `detail: low` shrinks the picture to at most 512 pixels a side before the processor sees it; auto and high
+    leave the resolution to the processor (engine/vision/images.py at_detail)."""
     value = getattr(part, "image_url", None)
     extra = set(part.model_extra or ()) - {"image_url", "detail"}
     if extra or part.text is not None:
@@ -99,15 +101,15 @@ def image_part_url(part, param: str) -> str:
             name = sorted(set(value) - {"url", "detail"})[0]
             raise OpenAIError(f"unknown field {name} in image_url", param=f"{param}.image_url.{name}")
         detail, value = value.get("detail", detail), value.get("url")
-    if detail not in (None, "auto", "low", "high"):
+    if detail not in (None, *DETAILS):
         raise OpenAIError("detail must be auto, low or high", param=f"{param}.image_url.detail")
     if not isinstance(value, str) or not value:
         raise OpenAIError("an image part needs image_url with a url: a data: URL or an http(s) URL",
                           param=f"{param}.image_url")
-    return value
+    return value, detail
 
 
-async def load_images(serving: OpenAIServing, image_urls: list[tuple[str, str]]) -> list:
+async def load_images(serving: OpenAIServing, image_urls: list[tuple[str, str, str | None]]) -> list:
     """The pictures of a request's image parts, fetched and decoded concurrently; a bad one is a 400 naming
     its part, and more than LIMIT_MM_PER_PROMPT is a 400 before anything is fetched."""
     limits = serving.config.media
@@ -115,13 +117,13 @@ async def load_images(serving: OpenAIServing, image_urls: list[tuple[str, str]])
         raise OpenAIError(f"the request has {len(image_urls)} images; at most {limits.max_images} are accepted per "
                           f"prompt (LIMIT_MM_PER_PROMPT)", param=image_urls[limits.max_images][0])
 
-    async def one(param: str, url: str):
+    async def one(param: str, url: str, detail: str | None):
         try:
-            return await load_image(url, limits)
+            return await load_image(url, limits, detail)
         except ImageError as exc:
             raise OpenAIError(f"{param}: {exc}", param=param) from None
 
-    return list(await asyncio.gather(*(one(param, url) for param, url in image_urls)))
+    return list(await asyncio.gather(*(one(*source) for source in image_urls)))
 
 
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
