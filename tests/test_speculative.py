@@ -158,6 +158,11 @@ def test_load_switch_keeps_the_faster_mode_and_rarely_retries_the_slower():
     assert _drive(switch, 8, 400, spec_cost=1.47, plain_cost=1.0) <= 6
     # Sixteen streams, never seen: borrows eight's verdict instead of trying speculation first.
     assert _drive(switch, 16, 15, spec_cost=1.47, plain_cost=1.0) == 0
+    # Thirty-two streams, first thing after start: speculation loses; as the streams finish the batch shrinks
+    # (31, 30, ... 17) and keeps that verdict rather than trying speculation again at each new size.
+    shrinking = LoadSwitch()
+    assert _drive(shrinking, 32, 100, spec_cost=1.6, plain_cost=1.0) <= 4
+    assert sum(_drive(shrinking, size, 3, spec_cost=1.6, plain_cost=1.0) for size in range(31, 16, -1)) == 0
     # The machine changes (another load goes away): retries notice and the verdict turns.
     _drive(switch, 8, 600, spec_cost=0.5, plain_cost=1.0)
     assert _drive(switch, 8, 100, spec_cost=0.5, plain_cost=1.0) >= 95

@@ -6,7 +6,7 @@ compute and guesses that are thrown away cost as much as kept ones (n-gram looku
 plain at 8 streams). Neither the crossover nor the cost of a draft model is known in advance, so both are
 measured:
 
-- `LoadSwitch`: for each number of decoding sequences, the time per generated token of steps that speculated and
+- `LoadSwitch`: for each number of decoding sequences (up to the next power of two), the time per generated token of steps that speculated and
   of steps that did not (moving averages over decode-only steps, drafting included). The faster one runs; the
   slower one is tried again now and then, less often each time it loses again, so a wrong choice costs at most a
   few steps in a hundred. A batch size never seen borrows the verdict of the nearest smaller one it has (the gain
@@ -23,6 +23,12 @@ _SMOOTHING = 0.25  # weight of a new step time in its moving average
 _FIRST_TRIALS = 1  # steps of each mode before a batch size has a verdict (later steps refine it)
 _RETRY_FIRST, _RETRY_MAX = 16, 512  # steps between trials of the slower mode: doubles while it keeps losing
 _MAX_BATCH_KEY = 64  # larger batches share one entry
+
+
+def _key(batch: int) -> int:
+    """The entry a batch size's measurements go to: sizes up to the next power of two share one (5 to 8, 17 to
+    32...), so a batch that shrinks as its streams finish keeps its verdict instead of paying for new trials."""
+    return min(1 << (batch - 1).bit_length(), _MAX_BATCH_KEY)
 _CLEAR_WIN = 0.9  # a trial this much faster than the verdict's average is retried at once
 
 
@@ -71,10 +77,10 @@ class LoadSwitch:
             return False
         if not self.adaptive or batch == 0:
             return True
-        size = self._sizes.setdefault(min(batch, _MAX_BATCH_KEY), _BatchSize())
+        size = self._sizes.setdefault(_key(batch), _BatchSize())
         verdict = size.verdict()
         if verdict is None:
-            borrowed = self._borrowed(min(batch, _MAX_BATCH_KEY))
+            borrowed = self._borrowed(_key(batch))
             spec, plain = size.modes[True].samples, size.modes[False].samples
             if borrowed is False and plain >= spec:
                 # A smaller batch already lost with speculation: this one will too; keep measuring plain steps
@@ -119,7 +125,7 @@ class LoadSwitch:
         """One decode-only step's wall time (drafting included) and the tokens it generated."""
         if not self.adaptive or tokens <= 0 or batch == 0:
             return
-        size = self._sizes.setdefault(min(batch, _MAX_BATCH_KEY), _BatchSize())
+        size = self._sizes.setdefault(_key(batch), _BatchSize())
         size.modes[speculated].add(seconds / tokens)
         winner = size.modes[not speculated]
         if speculated != size.winner and size.winner is not None and \
