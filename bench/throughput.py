@@ -1,6 +1,6 @@
 """Streaming throughput of the worker's gateway against plain `model.generate`, in one run.
 
-    .venv/bin/python bench/throughput.py [--model FOLDER] [--levels 1,4,8,16] [--long-levels 4]
+    .venv/bin/python bench/throughput.py [--model FOLDER] [--levels 1,4,8,16] [--long-levels 4] [--prefill]
                                          [--long-words 1000] [--max-tokens 64] [--rounds 2] [--env KEY=VALUE ...]
 
 1. Baseline: transformers' `model.generate`, batch 1, greedy, `--max-tokens` new tokens, on the same model in
@@ -17,7 +17,10 @@ embedded one; with `--base-url` it only names the weights whose bytes are counte
 Prints the machine's own ceilings (matmul GFLOP/s in float32 and bfloat16, copy GB/s), a table (aggregate
 output tok/s, TTFT p50/mean/p95, ratio to the baseline) and one JSON line. For a local safetensors model it also
 prints the weights a decode step reads per token (every linear weight, the output head included, once) and the
-bytes per second that 1 stream reads them at, as a share of the copy ceiling.
+bytes per second that 1 stream reads them at, as a share of the copy ceiling, and (with `--prefill`) the rate
+one long prompt is read at alone (prompt tokens / time to first token, best of 3): its multiply-adds per second
+(every decoder linear weight once per prompt token, plus attention over the tokens before) as a share of the
+matmul ceiling of the model's type.
 """
 from __future__ import annotations
 
@@ -143,6 +146,50 @@ def machine_ceilings(threads: int | None) -> dict:
     return out
 
 
+def prefill_flops_per_token(folder: str | Path, prompt_tokens: int) -> float:
+    """Floating-point operations a prompt token costs on average in a safetensors model: 2 per decoder linear
+    weight (the output head only sees the last position, the embeddings are a lookup), and attention's
+    2 x 2 x (the tokens before, on average half the prompt) x the query width per layer."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config = config.get("text_config", config)
+    weights = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                if len(shape) == 2 and "embed_tokens" not in name and "lm_head" not in name:
+                    weights += shape[0] * shape[1]
+    width = config["num_attention_heads"] * config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return 2 * weights + 4 * (prompt_tokens / 2) * width * config["num_hidden_layers"]
+
+
+async def prefill_rate(base_url: str, model: str, words: int, tries: int = 3) -> tuple[float, int]:
+    """(prompt tokens per second, prompt tokens) of one long prompt alone, each try a different document (so no
+    prefix is cached), the fastest try: its time to the first token covers the whole prompt's forward."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=900, max_retries=0)
+    best, tokens = 0.0, 0
+    for index in range(tries):
+        start = time.perf_counter()
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": long_document_prompt(1000 + index, words)}],
+            max_tokens=1, temperature=0.0, stream=True, stream_options={"include_usage": True})
+        first, usage = None, None
+        async for chunk in stream:
+            if first is None and chunk.choices:
+                first = time.perf_counter() - start
+            if chunk.usage is not None:
+                usage = chunk.usage
+        tokens = usage.prompt_tokens
+        best = max(best, tokens / first)
+    await client.close()
+    return best, tokens
+
+
 async def drive(base_url: str, model: str, concurrency: int, requests: int, max_tokens: int,
                 long_words: int = 0, long_every: int = 1) -> dict:
     """A closed loop of `requests` streaming chats at `concurrency`. With `long_words`, every `long_every`-th
@@ -215,6 +262,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="requests per level = concurrency x rounds")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the gateway (e.g. DTYPE=bfloat16)")
     parser.add_argument("--no-baseline", action="store_true", help="skip model.generate and the ceilings")
+    parser.add_argument("--prefill", action="store_true",
+                        help="also measure one long prompt's rate alone against the matmul ceiling")
     parser.add_argument("--base-url", help="drive this running OpenAI-compatible server (e.g. vLLM's, "
                         "http://127.0.0.1:8100/v1) with the same loads instead of starting the gateway")
     args = parser.parse_args()
@@ -251,6 +300,7 @@ def main() -> None:
                   f"{result['tok_s']:7.1f} tok/s  "
                   f"ttft p50 {result['ttft_p50_s']} s  mean {result['ttft_mean_s']} s  errors {result['errors']}",
                   flush=True)
+        prefill = asyncio.run(prefill_rate(url, model_id, args.long_words)) if args.prefill else None
     finally:
         if process is not None:
             process.terminate()
@@ -263,6 +313,20 @@ def main() -> None:
         read = weight_bytes * single["tok_s"] / 1e9
         share = f", {read / ceilings['copy_gb_s']:.0%} of the copy ceiling" if ceilings else ""
         print(f"1 stream reads {weight_bytes / 1e6:.0f} MB of weights a token: {read:.1f} GB/s{share}")
+    prefill_report = None
+    if prefill is not None:
+        rate, prompt_tokens = prefill
+        prefill_report = {"prompt_tokens": prompt_tokens, "tok_s": round(rate, 1)}
+        line = f"one {prompt_tokens}-token prompt alone: {rate:.1f} prompt tok/s"
+        if any(model_dir.glob("*.safetensors")):
+            gflops = rate * prefill_flops_per_token(model_dir, prompt_tokens) / 1e9
+            dtype = json.loads((model_dir / "config.json").read_text()).get("torch_dtype") or \
+                json.loads((model_dir / "config.json").read_text()).get("dtype")
+            ceiling = ceilings.get("matmul_bfloat16_gflops" if dtype == "bfloat16" else "matmul_float32_gflops")
+            prefill_report["gflops"] = round(gflops, 1)
+            line += f" = {gflops:.1f} GFLOP/s" + (f", {gflops / ceiling:.0%} of the {dtype or 'float32'} matmul "
+                                                  f"ceiling" if ceiling else "")
+        print(line)
     print()
     print(f"| load | output tok/s | TTFT p50 | TTFT mean | TTFT p95 | vs model.generate ({base:.1f} tok/s) | errors |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -277,6 +341,7 @@ def main() -> None:
                       "ceilings": ceilings, "max_tokens": args.max_tokens, "server": args.base_url or "gateway",
                       "gateway_env": env,
                       "baseline_tok_s": round(base, 1), "weight_bytes_per_token": weight_bytes,
+                      "prefill": prefill_report,
                       "levels": results}))
 
 
