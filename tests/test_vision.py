@@ -69,7 +69,7 @@ class Reference:
                                                                 add_generation_prompt=True, tokenize=False)
         return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def tokens(self, messages: list[dict], images: list[Image.Image]) -> tuple[list[int], list[int]]:
+    def tokens(self, messages: list[dict], images: list[Image.Image], new: int = NEW) -> tuple[list[int], list[int]]:
         """(prompt ids, greedy new ids) for messages in the processor's form ({"type": "image"} parts)."""
         text = self.render(messages)
         if images:
@@ -78,7 +78,7 @@ class Reference:
             inputs = self.processor.tokenizer([text], return_tensors="pt", add_special_tokens=False)
         inputs.pop("labels", None)
         with torch.no_grad():
-            out = self.model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+            out = self.model.generate(**inputs, max_new_tokens=new, do_sample=False)
         prompt = inputs["input_ids"][0].tolist()
         return prompt, out[0, len(prompt):].tolist()
 
@@ -380,6 +380,45 @@ def test_prompt_chunks_that_split_an_image_block_equal_generate(family, folders,
         assert worker.job(chat_job(with_images(messages, urls)))["choices"][0]["token_ids"] == expected
     assert split
     assert isinstance(worker.engine.engine, Engine)
+
+
+def test_qwen2_vl_requests_preempted_and_recomputed_equal_generate(folders, monkeypatch, tmp_path):
+    """A KV cache of 128 tokens (8 blocks) for five image requests of about 75 tokens each: some are preempted and
+    recomputed, generated tokens included, whose rotary positions run on from the prompt's (index plus the
+    prompt's offset) while the prompt's keep their 3-D ones. Each token and its logprob are generate's (the
+    logprobs are what a wrong position would move; the tiny model's greedy choice can survive it)."""
+    per_token = 2 * 2 * 2 * 16 * 4  # keys and values, 2 layers, 2 KV heads of 16, float32 (vision_models._TEXT)
+    new = 48
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders["qwen2_vl"]), DTYPE="float32",
+                    KV_CACHE_MEMORY=str(128 * per_token), MAX_MODEL_LEN="128", MAX_NUM_SEQS="5")
+    reference = Reference(folders["qwen2_vl"])
+    sizes = [(112, 112), (84, 140), (140, 84), (98, 98), (56, 168)]  # different rotary offsets (-10 and -12 among them)
+    pictures = [picture(60 + i, size) for i, size in enumerate(sizes)]
+    requests = [[{"role": "user", "content": [image_part(data_url(p)), {"type": "text", "text": "Describe"}]}]
+                for p in pictures]
+
+    async def run_all():
+        async def one(messages):
+            return [part async for part in worker.router.run(chat_job(messages, max_tokens=new, logprobs=True))][0]
+        await worker.engine.start()
+        return await asyncio.gather(*(one(messages) for messages in requests))
+
+    outputs = asyncio.run(run_all())
+    assert isinstance(worker.engine.engine, Engine)
+    assert worker.engine.stats()["preemptions"] > 0, "the budget was meant to force preemption"
+    vocab = len(reference.processor.tokenizer)
+    for messages, image, out in zip(requests, pictures, outputs):
+        text = reference.render(as_reference(messages))
+        inputs = reference.processor(text=[text], images=[[image]], return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            generated = reference.model.generate(**inputs, max_new_tokens=new, do_sample=False, output_logits=True,
+                                                 return_dict_in_generate=True)
+        expected = generated.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        choice = out["choices"][0]
+        assert choice["token_ids"] == expected
+        for token, got, logits in zip(expected, choice["logprobs"]["content"], generated.logits):
+            logprob = torch.log_softmax(logits[0, :vocab].float(), -1)[token].item()
+            assert got["logprob"] == pytest.approx(logprob, abs=1e-4)
 
 
 def test_detail_low_shows_the_processor_a_512_pixel_view_and_tokenize_counts_its_image_tokens(folders, monkeypatch,
