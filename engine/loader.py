@@ -290,7 +290,7 @@ def _vision_model(folder: Path, model_config, config: EngineConfig, dtype: torch
     # The paged engine runs the decoder (with its attention); the vision tower keeps transformers' own.
     view = text_view(model)
     view.model.set_attn_implementation(attention.ATTENTION_IMPLEMENTATION)
-    windows.mark_windows(view)
+    windows.mark_windows(view.model)  # the decoder: its modeling module is the one that builds windowed masks
     fusion.apply(view, verdicts)  # fused projections, which the compact forward takes
     encoder = ImageEncoder(model)
     return view, VisionProcessor(processor, dtype, encoder), None

@@ -29,6 +29,13 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
 
+
+def _rope_delta(seq: Sequence) -> int:
+    """The shift of a sequence's rotary positions after its prompt (a multimodal-rotary decoder's prompt with
+    images, engine/vision/encoder.py); 0 for every other sequence."""
+    images = seq.group.images
+    return images.rope_delta if images is not None else 0
+
 class Engine(GenerationLoop):
     def __init__(self, runner: ModelRunner | None, tokenizer: Tokenizer, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, prefix_cache_bytes: int,
@@ -235,15 +242,18 @@ class Engine(GenerationLoop):
             return results
 
     def _execute(self, plan: StepPlan) -> torch.Tensor | None:
-        decodes = [DecodeRow(s.tokens[-1], len(s.tokens) - 1, s.blocks, s.state_slot, s.group.lora_slot)
-                   for s in plan.decodes]
-        chunks = [PrefillChunk(w.seq.tokens[w.seq.num_computed:w.seq.num_computed + w.length], w.seq.num_computed,
-                               w.seq.blocks, w.logits, w.seq.state_slot, lora_slot=w.seq.group.lora_slot,
-                               image_rows=w.seq.group.images.rows_between(w.seq.num_computed,
-                                                                          w.seq.num_computed + w.length)
-                               if w.seq.group.images is not None else None) for w in plan.prefills]
+        decodes = [DecodeRow(s.tokens[-1], len(s.tokens) - 1, s.blocks, s.state_slot, s.group.lora_slot,
+                             _rope_delta(s)) for s in plan.decodes]
+        chunks = []
+        for w in plan.prefills:
+            start, end, images = w.seq.num_computed, w.seq.num_computed + w.length, w.seq.group.images
+            chunks.append(PrefillChunk(w.seq.tokens[start:end], start, w.seq.blocks, w.logits, w.seq.state_slot,
+                                       lora_slot=w.seq.group.lora_slot,
+                                       image_rows=images.rows_between(start, end) if images is not None else None,
+                                       rotary=images.rotary_between(start, end) if images is not None else None,
+                                       rope_delta=_rope_delta(w.seq)))
         chunks += [PrefillChunk([s.tokens[-1]] + s.proposal, len(s.tokens) - 1, s.blocks, "all",
-                                lora_slot=s.group.lora_slot) for s in plan.verifies]
+                                lora_slot=s.group.lora_slot, rope_delta=_rope_delta(s)) for s in plan.verifies]
         return self.runner.execute(decodes, chunks)
 
     def _process(self, plan: StepPlan, logits: torch.Tensor | None) -> None:

@@ -26,6 +26,10 @@ from engine.executor.kv_cache import StepCache
 _FAMILIES = {"LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM", "MixtralForCausalLM",
              "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
              "SmolLM3ForCausalLM"}
+# Decoders served without a causal-LM class of their own (engine/vision/encoder.py's DecoderWithHead): Qwen2-VL's
+# and Qwen2.5-VL's are Qwen2's layers with multimodal rotary positions, which their own rotary embedding turns
+# into one cos/sin per token (the compact forward calls it with the step's [3, 1, tokens] positions).
+_DECODERS = {"Qwen2VLTextModel", "Qwen2_5_VLTextModel"}
 _WINDOW_FROM_CONFIG = {"MistralAttention", "MixtralAttention"}
 
 
@@ -160,9 +164,9 @@ class CompactDecoder:
         """The compact forward for this model (through `kernels`, engine/cpu/native_kernels.py's, where given and the
         model's norms and MLP suit them), or None and why not."""
         name = type(model).__name__
-        if name not in _FAMILIES:
-            return None, f"no compact forward for {name}"
         inner = getattr(model, "model", None)
+        if name not in _FAMILIES and type(inner).__name__ not in _DECODERS:
+            return None, f"no compact forward for {name}"
         layers = getattr(inner, "layers", None)
         if layers is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm")):
             return None, "the model lacks the usual embed_tokens, rotary_emb, layers and norm"

@@ -149,13 +149,16 @@ class ModelRunner:
         adapters = _adapter_rows(decodes, chunks, keep)
         segments = []
         image_rows = []  # (offsets among the step's tokens, rows) of vision-language prompts' image positions
+        rotary = []  # (offset among the step's tokens, [3, tokens] positions) of multimodal-rotary prompt chunks
         for chunk in chunks:
             offset, n = len(ids), len(chunk.token_ids)
             if chunk.image_rows is not None:
                 image_rows.append((chunk.image_rows[0] + offset, chunk.image_rows[1]))
+            if chunk.rotary is not None:
+                rotary.append((offset, chunk.rotary))
             span, chunk_slots, segment = self._chunk_segment(chunk, offset)
             ids.extend(chunk.token_ids)
-            positions.extend(span)
+            positions.extend(span if not chunk.rope_delta else (p + chunk.rope_delta for p in span))
             slots.extend(chunk_slots)
             segments.append(segment)
             if chunk.logits == "all":
@@ -165,23 +168,35 @@ class ModelRunner:
         layout = StepLayout(buckets, segments, torch.tensor(slots, device=self.device))
         if not keep:
             keep = [len(ids) - 1]  # the model computes at least one logit row; it is dropped below
+        position_ids = self._position_ids(positions, rotary)
         with StepCache(self.kv, layout) as cache, lora_layers.step(adapters):
             if image_rows:
-                logits = self._forward_with_images(ids, positions, cache, keep, image_rows)
+                logits = self._forward_with_images(ids, position_ids, cache, keep, image_rows)
             else:
-                logits = self._forward([ids], [positions], cache, keep)
+                logits = self._forward([ids], position_ids, cache, keep)
         if not any(c.logits != "none" for c in chunks) and not decodes:
             return None
         return logits[0]
 
-    def _forward_with_images(self, ids: list[int], positions: list[int], cache, keep: list[int],
+    def _position_ids(self, positions: list[int], rotary: list) -> torch.Tensor:
+        """The step's rotary positions: [1, tokens], or [3, 1, tokens] (time, height, width) when a chunk of a
+        multimodal-rotary prompt carries its own (every other token takes its 1-D position in all three)."""
+        flat = torch.tensor(positions)
+        if not rotary:
+            return flat.view(1, -1).to(self.device)
+        three = flat.expand(3, -1).clone()
+        for offset, chunk_positions in rotary:
+            three[:, offset:offset + chunk_positions.shape[1]] = chunk_positions
+        return three.unsqueeze(1).to(self.device)
+
+    def _forward_with_images(self, ids: list[int], position_ids: torch.Tensor, cache, keep: list[int],
                              image_rows: list) -> torch.Tensor:
         """A step holding image positions: the tokens' embeddings with those positions' rows put in, through the
         model's own forward (the compact forward takes token ids only)."""
         embeds = self.model.get_input_embeddings()(torch.tensor([ids], device=self.device))
         for offsets, rows in image_rows:
             embeds[0, offsets.to(self.device)] = rows.to(self.device, embeds.dtype)
-        out = self.model(inputs_embeds=embeds, position_ids=torch.tensor([positions], device=self.device),
+        out = self.model(inputs_embeds=embeds, position_ids=position_ids,
                          use_cache=True, logits_to_keep=torch.tensor(keep, device=self.device),
                          **{self._cache_argument: cache})
         return out.logits
@@ -210,7 +225,7 @@ class ModelRunner:
                 row = decodes[i]
                 packed_at[i] = len(ids)
                 ids.append(row.token)
-                positions.append(row.position)
+                positions.append(row.position + row.rope_delta)
                 slots.append(_slot(row.blocks, row.position))
                 table.extend(row.blocks[:width])
                 table.extend([row.blocks[0]] * (width - min(width, len(row.blocks))))
@@ -220,12 +235,14 @@ class ModelRunner:
                                         max_len))
         return ids, positions, slots, buckets, packed_at
 
-    def _forward(self, ids: list[list[int]], positions: list[list[int]], cache, keep: list[int]) -> torch.Tensor:
+    def _forward(self, ids: list[list[int]], positions: list[list[int]] | torch.Tensor, cache,
+                 keep: list[int]) -> torch.Tensor:
+        if not isinstance(positions, torch.Tensor):
+            positions = torch.tensor(positions, device=self.device)
         if self.compact is not None:
-            return self.compact(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                                cache, torch.tensor(keep, device=self.device))
-        out = self.model(input_ids=torch.tensor(ids, device=self.device),
-                         position_ids=torch.tensor(positions, device=self.device), use_cache=True,
+            return self.compact(torch.tensor(ids, device=self.device), positions, cache,
+                                torch.tensor(keep, device=self.device))
+        out = self.model(input_ids=torch.tensor(ids, device=self.device), position_ids=positions, use_cache=True,
                          logits_to_keep=torch.tensor(keep, device=self.device), **{self._cache_argument: cache})
         return out.logits
 

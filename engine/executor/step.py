@@ -12,6 +12,9 @@ class DecodeRow:
     blocks: list[int]
     state_slot: int | None = None  # its recurrent-state slot (models with recurrent layers)
     lora_slot: int = 0  # its LoRA adapter's slot (engine/lora/layers.py); 0: none
+    # Its rotary position is position + rope_delta (a multimodal-rotary decoder's shift after a prompt with
+    # images, engine/vision/encoder.py; 0 otherwise). The cache slot stays `position`.
+    rope_delta: int = 0
 
 
 @dataclass
@@ -25,3 +28,7 @@ class PrefillChunk:
     # replace those tokens' embeddings (engine/vision/encoder.py); None for text.
     image_rows: tuple | None = None
     lora_slot: int = 0
+    # A multimodal-rotary decoder's [3, len(token_ids)] rotary positions of these tokens (a prompt with images);
+    # None: each token's index plus rope_delta, in all three components.
+    rotary: object = None
+    rope_delta: int = 0

@@ -95,15 +95,31 @@ class ImageInputs:
     """What the engine needs besides the prompt's token ids to run a prompt with images. For the fallback loop:
     the model's extra forward inputs, for one row (pixel values, image sizes, patch masks, token types). For the
     paged engine (encoder.py): the image-token positions, the embedding rows they take, and the prompt's
-    prefix-cache keys (its token ids with each image position keyed by its row's content)."""
+    prefix-cache keys (its token ids with each image position keyed by its row's content); for a decoder with
+    multimodal rotary positions, the prompt's [3, tokens] rotary positions and the shift of every later token's
+    (its index plus `rope_delta`, in all three components)."""
     tensors: dict[str, torch.Tensor]
     positions: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     key_ids: list[int] | None = None
+    rotary: torch.Tensor | None = None
+    rope_delta: int = 0
 
     def to(self, device) -> "ImageInputs":
         return ImageInputs({k: v.to(device) for k, v in self.tensors.items()}, self.positions, self.rows,
-                           self.key_ids)
+                           self.key_ids, self.rotary, self.rope_delta)
+
+    def rotary_between(self, start: int, end: int) -> torch.Tensor | None:
+        """The [3, end - start] rotary positions of sequence positions start..end-1 (the prompt's own, then index
+        plus rope_delta for generated tokens a resumed sequence recomputes), or None for 1-D positions."""
+        if self.rotary is None:
+            return None
+        prompt = self.rotary.shape[1]
+        inside = self.rotary[:, min(start, prompt):min(end, prompt)]
+        if end <= prompt:
+            return inside
+        later = torch.arange(max(start, prompt), end) + self.rope_delta
+        return torch.cat([inside, later.expand(3, -1)], dim=1)
 
     def rows_between(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The image rows of prompt positions start..end-1, as (offsets from start, rows), or None."""
@@ -143,8 +159,11 @@ class VisionProcessor:
         tensors = {k: (v.to(self.dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
         if self.encoder is None or not encode:
             return ids, ImageInputs(tensors)
-        positions, rows = self.encoder.encode(ids, tensors)
+        positions, rows, rotary = self.encoder.encode(ids, tensors)
         key_ids = list(ids)
         for position, key in zip(positions.tolist(), row_keys(rows)):
             key_ids[position] = key
-        return ids, ImageInputs({}, positions, rows, key_ids)
+        # The shift after the prompt, as the model's get_rope_index defines it: the token after the prompt takes
+        # the largest rotary position plus one.
+        delta = int(rotary.max()) + 1 - len(ids) if rotary is not None else 0
+        return ids, ImageInputs({}, positions, rows, key_ids, rotary, delta)
