@@ -18,8 +18,10 @@ JOB = json.dumps({"input": {"openai_route": "/v1/chat/completions", "openai_inpu
 
 @pytest.fixture(scope="module")
 def base_path(tmp_path_factory) -> Path:
-    """A fresh BASE_PATH with the default one's converted GGUF models linked in (conversion is not under test)."""
+    """A fresh BASE_PATH with the default one's converted GGUF models and native kernel builds linked in (neither
+    the conversion nor the compiler is under test: a build takes a minute of the suite)."""
     from engine.config import EngineConfig
+    from engine.cpu import native_kernels
     from engine.loader import model_folder
     from worker.settings import load_settings
 
@@ -27,6 +29,8 @@ def base_path(tmp_path_factory) -> Path:
     model_folder(EngineConfig(cache_dir=default))
     base = tmp_path_factory.mktemp("volume")
     (base / "converted").symlink_to(default / "converted")
+    native_kernels.build(cache_dir=default)  # this CPU's build there (install.sh made it: found at once)
+    (base / "native-kernels").symlink_to(native_kernels.build_dir(default))
     return base
 
 
