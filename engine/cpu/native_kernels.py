@@ -58,7 +58,12 @@ QUANTIZED_SOURCE = SOURCE.with_name("quantized_linear.cpp")  # built into the sa
 PREFILL_SOURCE = SOURCE.with_name("prefill_attention.cpp")  # this one too
 BF16_SOURCE = SOURCE.with_name("bf16_linear.cpp")  # and the AVX512_BF16 product
 LORA_SOURCE = SOURCE.with_name("lora_linear.cpp")  # and LoRA adapters' per-row term
-SOURCES = (SOURCE, QUANTIZED_SOURCE, PREFILL_SOURCE, BF16_SOURCE, LORA_SOURCE)
+
+
+def sources() -> tuple[Path, ...]:
+    """Every source file of the build, read at call time (a test swaps SOURCE for a broken one)."""
+    return SOURCE, QUANTIZED_SOURCE, PREFILL_SOURCE, BF16_SOURCE, LORA_SOURCE
+
 PREBUILT = SOURCE.with_name("prebuilt")  # the image's builds (--prebuild), beside the sources they came from
 
 BUILD_WAIT_S = 300.0  # the longest a start waits for another process's build (one takes about a minute)
@@ -136,7 +141,7 @@ def build_name(variant: Variant) -> str:
              platform.machine()]
     for part in parts:
         digest.update(part.encode() + b"\0")
-    for source in SOURCES:
+    for source in sources():
         digest.update(source.read_bytes() + b"\0")
     return f"llm_worker_kernels_{variant.name}_{digest.hexdigest()[:16]}"
 
@@ -260,7 +265,7 @@ def _compile(variant: Variant, root: Path, wait_s: float):
             # -fopenmp links libgomp.so.1 by name: the loader reuses the copy torch already loaded, so the
             # kernels share torch's OpenMP threads instead of starting a second team (which halves decode
             # speed; README).
-            module = cpp_extension.load(name, [str(source) for source in SOURCES],
+            module = cpp_extension.load(name, [str(source) for source in sources()],
                                extra_cflags=[*_COMMON_FLAGS, *variant.flags], extra_ldflags=["-fopenmp"],
                                build_directory=str(work), verbose=False)
             os.replace(work / f"{name}.so", target)  # whole or absent: a reader never sees a partial file
