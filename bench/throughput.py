@@ -320,8 +320,8 @@ def main() -> None:
         line = f"one {prompt_tokens}-token prompt alone: {rate:.1f} prompt tok/s"
         if any(model_dir.glob("*.safetensors")):
             gflops = rate * prefill_flops_per_token(model_dir, prompt_tokens) / 1e9
-            dtype = json.loads((model_dir / "config.json").read_text()).get("torch_dtype") or \
-                json.loads((model_dir / "config.json").read_text()).get("dtype")
+            config = json.loads((model_dir / "config.json").read_text())
+            dtype = config.get("torch_dtype") or config.get("dtype")
             ceiling = ceilings.get("matmul_bfloat16_gflops" if dtype == "bfloat16" else "matmul_float32_gflops")
             prefill_report["gflops"] = round(gflops, 1)
             line += f" = {gflops:.1f} GFLOP/s" + (f", {gflops / ceiling:.0%} of the {dtype or 'float32'} matmul "

@@ -337,8 +337,10 @@ class PoolingQueue:
 
     def _has_slot(self, job: _Job) -> bool:
         """Whether the job can run now: no adapter, or its adapter's slot held (taken here when one is free)."""
-        if job.params.lora_name is None or job.lora_slot or job.failed:
-            return not job.failed
+        if job.failed:
+            return False
+        if job.params.lora_name is None or job.lora_slot:
+            return True
         try:
             held = self.lora.acquire(job.params.lora_name)
         except Exception as exc:  # unloaded since the request arrived

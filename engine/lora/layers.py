@@ -120,27 +120,25 @@ class LoraLinear:
             raise RuntimeError(f"a LoRA-adapted layer saw {tokens} rows in a pass of {rows.count}")
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
+        out = y if y.dtype == self.dtype and y.is_contiguous() else y.to(self.dtype).contiguous()
+        out2 = out.view(tokens, self.out_features)
         kernels = native_kernels.active()
         if kernels is not None and self.dtype in _KERNEL_TYPES and self.device.type == "cpu":
             # One call: each row against its own slot only (engine/cpu/native/lora_linear.cpp).
-            out = y if y.dtype == self.dtype and y.is_contiguous() else y.to(self.dtype).contiguous()
-            kernels.lora_add_(out.view(tokens, self.out_features), x2.contiguous(), self.a, self.b,
-                              rows.slots(tokens), self.max_rank)
-            return out if out is y else out.to(y.dtype)
-        w, r = self.width, self.max_rank
-        first, last = (rows.single - 1, rows.single) if rows.single is not None else (0, rows.top)
-        h = torch.mm(x2, self.a[first * w:last * w].t())
-        if rows.single is None:
-            h.mul_(rows.mask(w, self.dtype, self.device))  # each row keeps its own slot's columns only
-        out = y if y.dtype == self.dtype and y.is_contiguous() else y.to(self.dtype).contiguous()
-        out2 = out.view(tokens, self.out_features)
-        if len(self.sizes) == 1:
-            out2.addmm_(h, self.b[0][first * r:last * r])  # the product added in place, in one operation
+            kernels.lora_add_(out2, x2.contiguous(), self.a, self.b, rows.slots(tokens), self.max_rank)
         else:
-            parts = h.view(tokens, last - first, len(self.sizes), r)
-            for index, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
-                out2[:, offset:offset + size].addmm_(parts[:, :, index].reshape(tokens, -1),
-                                                     self.b[index][first * r:last * r])
+            w, r = self.width, self.max_rank
+            first, last = (rows.single - 1, rows.single) if rows.single is not None else (0, rows.top)
+            h = torch.mm(x2, self.a[first * w:last * w].t())
+            if rows.single is None:
+                h.mul_(rows.mask(w, self.dtype, self.device))  # each row keeps its own slot's columns only
+            if len(self.sizes) == 1:
+                out2.addmm_(h, self.b[0][first * r:last * r])  # the product added in place, in one operation
+            else:
+                parts = h.view(tokens, last - first, len(self.sizes), r)
+                for index, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
+                    out2[:, offset:offset + size].addmm_(parts[:, :, index].reshape(tokens, -1),
+                                                         self.b[index][first * r:last * r])
         return out if out is y else out.to(y.dtype)
 
     def write(self, slot: int, parts: list[tuple[int, tuple[torch.Tensor, torch.Tensor] | None]]) -> None:
