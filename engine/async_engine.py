@@ -29,6 +29,7 @@ from engine.executor.startup_checks import PagedPathUnsupported
 from engine.loader import LoadedModel, load
 from engine.lora import AdapterError, LoraRegistry, LoraSpec
 from engine.sampling.sampler import SamplingParams
+from engine.threads import in_own_thread
 from engine.tokenizer import Tokenizer
 from engine.vision.processor import VisionProcessor
 
@@ -285,7 +286,7 @@ class AsyncEngine:
         await self.start()
         if self._lora is None:
             raise AdapterError("LoRA is off (set ENABLE_LORA=true)")
-        await asyncio.to_thread(self._lora.add, LoraSpec(name, path))
+        await in_own_thread(self._lora.add, LoraSpec(name, path))  # its tensors' copies are parallel torch work
 
     def unload_lora(self, name: str) -> None:
         """Forget an adapter (KeyError when none has that name); running requests finish with it."""

@@ -476,3 +476,33 @@ def test_a_qwen2_vl_folder_saved_with_its_video_processor_is_served(folders, mon
     a = picture(51)
     out = worker.job(chat_job(with_images(ONE, {"A": data_url(a)})))
     assert (out["prompt_token_ids"], out["choices"][0]["token_ids"]) == reference.tokens(as_reference(ONE), [a])
+
+
+def test_an_image_is_encoded_on_a_thread_that_ends_with_it(folders, monkeypatch, tmp_path):
+    """The encoder's torch work runs beside the engine on a thread that ends with it: a thread that ran parallel
+    torch work keeps an OpenMP team while it lives, and once a process holds more OpenMP threads than cores libgomp
+    makes every team sleep at its barriers, which slowed the engine's steps up to 2x after a first image request
+    (a pooled asyncio.to_thread worker kept its team for good)."""
+    worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders["llava"]), DTYPE="float32")
+    job = chat_job(with_images(ONE, {"A": data_url(picture(1))}))
+    worker.job(job)
+    ran: set[threading.Thread] = set()
+
+    def note(module, args):
+        if threading.current_thread().name != "engine-loop":
+            ran.add(threading.current_thread())
+
+    async def serve_and_look() -> list[threading.Thread]:
+        # Looked at while the event loop (and its default executor) still runs, as in the gateway and the handler.
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(note)
+        try:
+            [part async for part in worker.router.run(job)]
+        finally:
+            handle.remove()
+        for thread in ran:
+            thread.join(timeout=5)
+        return [thread.name for thread in ran if thread.is_alive()]
+
+    alive = asyncio.run(serve_and_look())
+    assert ran, "the encoder's forward ran on no thread but the engine's"
+    assert alive == []

@@ -8,6 +8,7 @@ from typing import Any
 
 from engine import ChatTemplateError
 from engine.vision import ImageError, ImagePlacementError, load_image
+from engine.threads import in_own_thread
 from engine.vision.images import DETAILS
 
 from ..errors import OpenAIError
@@ -72,7 +73,8 @@ async def render_chat(serving: OpenAIServing, request: ChatCompletionRequest, ad
         return tokenizer.encode(text, add_special_tokens=add_special_tokens), text, None
 
     try:
-        ids, text, images = await asyncio.to_thread(render)
+        # An image's encoder pass is parallel torch work: on a thread that ends with it (engine/threads.py).
+        ids, text, images = await (in_own_thread(render) if pictures else asyncio.to_thread(render))
     except ChatTemplateError as exc:
         raise OpenAIError(str(exc), param="messages") from exc
     except ImagePlacementError as exc:
