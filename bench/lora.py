@@ -103,29 +103,32 @@ def main() -> None:
                         startup_cache=True, cache_dir=folder / "cache")
     lora = LoraConfig(modules=tuple(LoraSpec(n, str(folder / n)) for n in names), max_loras=4,
                       max_lora_rank=args.rank)
-    off, on = AsyncEngine(base), AsyncEngine(dataclasses.replace(base, lora=lora))
-    cases = [("base (LoRA off)", off, [None]), ("0 adapters", on, [None]), ("1 adapter", on, names[:1]),
-             ("4 adapters", on, names)]
+    configs = {"off": base, "on": dataclasses.replace(base, lora=lora)}
+    cases = [("base (LoRA off)", "off", [None]), ("0 adapters", "on", [None]), ("1 adapter", "on", names[:1]),
+             ("4 adapters", "on", names)]
     results: dict[tuple[str, int], float] = {}
 
     async def measure():
-        # Both engines stay loaded and the cases take turns, round after round (the fastest round counts), so a
-        # change in the machine's load touches every case alike.
-        for engine in (off, on):  # one after the other: the second reads the first's verdicts
-            await engine.start()
-            await step_time(engine, 2, [None] if engine is off else names[:2], 4)  # warm-up
+        # One engine alive at a time: an idle engine's thread keeps its OpenMP team, and while a process holds more
+        # OpenMP threads than cores, libgomp makes every team sleep at its barriers instead of spinning, which
+        # slowed the measured engine's steps up to 2x. The engines take turns round after round (the fastest round
+        # counts), so a change in the machine's load touches every case alike; the first start writes the probe
+        # verdicts every later one reads.
         for _ in range(args.repeats):
-            for level in levels:
-                for label, engine, adapters in cases:
-                    if len(adapters) > level:
-                        continue
-                    seconds = await step_time(engine, level, adapters, args.max_tokens)
-                    results[(label, level)] = min(seconds, results.get((label, level), seconds))
-                    print(json.dumps({"case": label, "streams": level, "ms_per_step": round(seconds * 1000, 2)}),
-                          flush=True)
+            for which, config in configs.items():
+                engine = AsyncEngine(config)
+                await engine.start()
+                await step_time(engine, 2, [None] if which == "off" else names[:2], 4)  # warm-up
+                for level in levels:
+                    for label, owner, adapters in cases:
+                        if owner != which or len(adapters) > level:
+                            continue
+                        seconds = await step_time(engine, level, adapters, args.max_tokens)
+                        results[(label, level)] = min(seconds, results.get((label, level), seconds))
+                        print(json.dumps({"case": label, "streams": level, "ms_per_step": round(seconds * 1000, 2)}),
+                              flush=True)
+                engine.close()
     asyncio.run(measure())
-    off.close()
-    on.close()
     print(f"{'case':<18}{'streams':>8}{'ms/step':>10}{'x base':>8}")
     rows = []
     for (label, level), seconds in sorted(results.items(), key=lambda item: item[0][1]):

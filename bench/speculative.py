@@ -7,7 +7,7 @@ runs adaptive (the default: engine/core/speculation_control.py) and fixed (`-fix
                                           [--modes plain,ngram,ngram-fixed,draft,draft-fixed]
                                           [--rounds 3]
 
-Runs the engines in this process (no gateway), taking turns; prints a table (tok/s, ratio to
+Runs the engines in this process (no gateway), one at a time and taking turns; prints a table (tok/s, ratio to
 plain, acceptance = kept / proposed draft tokens) and one JSON line. Each configuration takes well under a
 minute on a small CPU.
 """
@@ -82,36 +82,35 @@ def main() -> None:
     specs["ngram-fixed"] = {**specs["ngram"], "adaptive": False}
     specs["draft-fixed"] = {**specs["draft"], "adaptive": False}
     levels = [int(x) for x in args.streams.split(",")]
-    modes = args.modes.split(",")
-    engines = {}
-    for mode in modes:
-        spec = specs[mode]
-        engines[mode] = AsyncEngine(dataclasses.replace(
-            base, speculative=SpeculativeConfig.parse(json.dumps(spec)) if spec else None))
+    configs = {mode: dataclasses.replace(base, speculative=SpeculativeConfig.parse(json.dumps(specs[mode]))
+                                         if specs[mode] else None) for mode in args.modes.split(",")}
 
     def counters(engine) -> tuple[int, int]:
         stats = engine.stats()
         return stats.get("speculative_proposed_tokens", 0), stats.get("speculative_accepted_tokens", 0)
 
     async def measure() -> list[dict]:
-        for engine in engines.values():
-            await engine.start()
-            await run_level(engine, 1, 8)  # warm-up
-        # Modes take turns at each level and each round, so a change in the machine's load falls on all of them;
-        # a level's figure is its median over the rounds.
+        # One engine alive at a time: an idle engine's thread keeps its OpenMP team, and while a process holds more
+        # OpenMP threads than cores, libgomp makes every team sleep at its barriers instead of spinning (up to 2x
+        # slower steps). Modes take turns each round, each from a fresh start through every level, so a change in
+        # the machine's load falls on all of them; a level's figure is its median over the rounds.
         rates: dict[tuple[str, int], list[float]] = {}
         counts: dict[tuple[str, int], list[int]] = {}
         for _ in range(args.rounds):
-            for level in levels:
-                for mode, engine in engines.items():
+            for mode, config in configs.items():
+                engine = AsyncEngine(config)
+                await engine.start()
+                await run_level(engine, 1, 8)  # warm-up
+                for level in levels:
                     before = counters(engine)
                     rate, _tokens = await run_level(engine, level, args.max_tokens)
                     after = counters(engine)
                     rates.setdefault((mode, level), []).append(rate)
                     proposed, accepted = counts.setdefault((mode, level), [0, 0])
                     counts[(mode, level)] = [proposed + after[0] - before[0], accepted + after[1] - before[1]]
+                engine.close()
         rows = []
-        for mode in engines:
+        for mode in configs:
             for level in levels:
                 proposed, accepted = counts[(mode, level)]
                 rows.append({"mode": mode, "streams": level,
@@ -121,8 +120,6 @@ def main() -> None:
         return rows
 
     rows = asyncio.run(measure())
-    for engine in engines.values():
-        engine.close()
     plain = {r["streams"]: r["tok_s"] for r in rows if r["mode"] == "plain"}
     print(f"{'mode':<13}{'streams':>8}{'tok/s':>10}{'x plain':>9}{'accept':>8}")
     for r in rows:
