@@ -402,6 +402,17 @@ def self_check(kernels, dtype: torch.dtype = torch.float32) -> str:
         kernels.lora_add_(y, x, a, bs, torch.tensor(slots), rank)
         if not _close(expected.to(dtype), y):
             return "lora_add_"
+        if dtype == torch.float32:  # bfloat16 adapters under float32 rows (GGUF block layers)
+            a, bs = a.bfloat16(), [b.bfloat16() for b in bs]
+            expected = y.clone()
+            for row, slot in enumerate(slots):
+                if slot:
+                    h = a[(slot - 1) * 2 * rank:slot * 2 * rank].float() @ x[row]
+                    expected[row] += torch.cat([h[j * rank:(j + 1) * rank] @ bs[j][(slot - 1) * rank:slot * rank]
+                                                .float() for j in range(len(sizes))])
+            kernels.lora_add_(y, x, a, bs, torch.tensor(slots), rank)
+            if not _close(expected, y):
+                return "lora_add_ (bfloat16 adapter)"
     return ""
 
 

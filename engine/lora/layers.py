@@ -8,6 +8,10 @@ output. The adapters resident in slots 1..MAX_LORAS are stacked per layer, A's a
 gate/up, else 1) and each projection's B (scaled, transposed) as the rows of one [slots x rank, outputs] matrix,
 so any run of slots is a contiguous block of each; a smaller rank is padded with zeros. On CPU (float32 and
 bfloat16 layers) one native call adds each row's term from its own slot (engine/cpu/native/lora_linear.cpp).
+The matrices are of the layer's type, except under a float32 layer whose own product is coarser (GGUF blocks with
+16-bit integer activations, the embedded model's): there they are bfloat16, whose rounding stays below the base
+product's, and a mixed step reads half the bytes (four rank-16 adapters of every projection of the embedded
+model are 78 MB a step in float32).
 Elsewhere PyTorch's operations do: a step whose rows all use one adapter takes that adapter's block; a mixed
 step computes every row against every slot up to the highest in use and zeroes the other slots' columns of each
 row before the second product, so a step costs one A product and one B product per projection whatever its mix
@@ -100,6 +104,9 @@ class LoraLinear:
         weight = getattr(module, "weight", None)
         self.dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
         self.device = weight.device if weight is not None else torch.device("cpu")
+        coarse = getattr(module, "weight_blocks", None) is not None  # engine/cpu/quantized_weights.py
+        self.store = (torch.bfloat16 if coarse and self.dtype == torch.float32 and self.device.type == "cpu"
+                      and native_kernels.active() is not None else self.dtype)
         # Allocated when an adapter first targets the layer: A [slots x width, in], rows slot-major then
         # projection; B per projection [slots x rank, its outputs].
         self.a: torch.Tensor | None = None
@@ -126,6 +133,10 @@ class LoraLinear:
         if kernels is not None and self.dtype in _KERNEL_TYPES and self.device.type == "cpu":
             # One call: each row against its own slot only (engine/cpu/native/lora_linear.cpp).
             kernels.lora_add_(out2, x2.contiguous(), self.a, self.b, rows.slots(tokens), self.max_rank)
+        elif self.store != self.dtype:  # bfloat16 matrices kept for the kernel, which is gone: computed as stored
+            self.a, self.b = self.a.to(self.dtype), [b.to(self.dtype) for b in self.b]
+            self.store = self.dtype
+            return self._add(x, y, rows)
         else:
             w, r = self.width, self.max_rank
             first, last = (rows.single - 1, rows.single) if rows.single is not None else (0, rows.top)
@@ -147,8 +158,8 @@ class LoraLinear:
         if self.a is None:
             if all(pair is None for _, pair in parts):
                 return
-            self.a = torch.zeros(self.max_loras * self.width, self.in_features, dtype=self.dtype, device=self.device)
-            self.b = [torch.zeros(self.max_loras * self.max_rank, size, dtype=self.dtype, device=self.device)
+            self.a = torch.zeros(self.max_loras * self.width, self.in_features, dtype=self.store, device=self.device)
+            self.b = [torch.zeros(self.max_loras * self.max_rank, size, dtype=self.store, device=self.device)
                       for size in self.sizes]
         r = self.max_rank
         self.a[(slot - 1) * self.width:slot * self.width] = 0
@@ -160,8 +171,8 @@ class LoraLinear:
             a, b = pair
             rank = a.shape[0]
             at = (slot - 1) * self.width + index * r
-            self.a[at:at + rank] = a.to(self.dtype)
-            self.b[index][(slot - 1) * r:(slot - 1) * r + rank] = b.t().to(self.dtype)
+            self.a[at:at + rank] = a.to(self.store)
+            self.b[index][(slot - 1) * r:(slot - 1) * r + rank] = b.t().to(self.store)
 
 
 # A fused linear layer and the projections it computes, in output order (engine/cpu/fusion.py).

@@ -11,7 +11,9 @@
 // Layout (layers.py): A is [slots x width, inputs], width = projections x rank, slot-major then projection;
 // B is one matrix per projection, [slots x rank, its outputs] (B transposed and scaled), so the term of row t
 // with slot s (1-based; 0: none) for projection j is  h = A[s, j] x_t  (rank sums), y[t, j's outputs] += h B_j[s].
-// Sums are float32; a bfloat16 output is rounded once, to nearest even.
+// Sums are float32; a bfloat16 output is rounded once, to nearest even. The adapter's matrices are of the layer's
+// type, or bfloat16 under a float32 layer whose own product is coarser than that (GGUF blocks with 16-bit integer
+// activations): they are read once a call from memory, so half the bytes is most of a mixed step's cost.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -43,8 +45,8 @@ inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
 #endif
 
 // out[j] = A_row . x_j for R rows x_j that share each load of A_row.
-template <typename T, int R>
-void dots(const T* a, const T* const* x, int64_t n, float* out) {
+template <typename W, typename X, int R>
+void dots(const W* a, const X* const* x, int64_t n, float* out) {
 #if defined(__AVX512F__)
   __m512 sums[R];
   for (int j = 0; j < R; ++j) sums[j] = _mm512_setzero_ps();
@@ -64,8 +66,8 @@ void dots(const T* a, const T* const* x, int64_t n, float* out) {
 }
 
 // out[0..n) += sum_k coef[k] * b[k * stride + 0..n), n <= kChunk: the sums stay in registers over the rank.
-template <typename T>
-inline void add_rank_sum(T* out, const float* coef, const T* b, int64_t stride, int64_t rank, int64_t n) {
+template <typename Y, typename W>
+inline void add_rank_sum(Y* out, const float* coef, const W* b, int64_t stride, int64_t rank, int64_t n) {
 #if defined(__AVX512F__)
   constexpr int kVectors = kChunk / 16;
   __m512 acc[kVectors];
@@ -78,7 +80,7 @@ inline void add_rank_sum(T* out, const float* coef, const T* b, int64_t stride, 
   for (int64_t k = 0; k < rank; ++k) {
     if (coef[k] == 0.f) continue;  // a rank below the maximum, or a projection the adapter leaves alone
     const __m512 f = _mm512_set1_ps(coef[k]);
-    const T* row = b + k * stride;
+    const W* row = b + k * stride;
     for (int v = 0; v < kVectors; ++v) acc[v] = _mm512_fmadd_ps(f, load16(row + v * 16, masks[v]), acc[v]);
   }
   alignas(64) float sums[kChunk];
@@ -97,14 +99,14 @@ struct Piece {  // one work item of the second product: columns [begin, end) of 
   int64_t proj, begin, end;
 };
 
-template <typename T>
+template <typename T, typename W>  // T: the rows' (x, y) type; W: the adapter's (A, B)
 void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const std::vector<at::Tensor>& bs,
                     const int64_t* slots, int64_t rank) {
   const int64_t rows = x.size(0), inputs = x.size(1), outputs = y.size(1);
   const int64_t projections = static_cast<int64_t>(bs.size()), width = projections * rank;
   const int64_t resident = a.size(0) / width;
   const T* xp = x.data_ptr<T>();
-  const T* ap = a.data_ptr<T>();
+  const W* ap = a.data_ptr<W>();
   T* yp = y.data_ptr<T>();
   // The rows of each slot, slot by slot (a counting sort): rows of one slot share each load of its A rows.
   std::vector<int64_t> order, starts(resident + 2, 0);
@@ -142,7 +144,7 @@ void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, con
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < first_items; ++item) {
       const int64_t s = used[item / width], k = item % width;
-      const T* arow = ap + ((s - 1) * width + k) * inputs;
+      const W* arow = ap + ((s - 1) * width + k) * inputs;
       const int64_t* mine = order.data() + starts[s];
       const int64_t count = starts[s + 1] - starts[s];
       int64_t i = 0;
@@ -150,12 +152,12 @@ void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, con
       const T* xs[kRowTile];
       for (; i + kRowTile <= count; i += kRowTile) {
         for (int j = 0; j < kRowTile; ++j) xs[j] = xp + mine[i + j] * inputs;
-        dots<T, kRowTile>(arow, xs, inputs, got);
+        dots<W, T, kRowTile>(arow, xs, inputs, got);
         for (int j = 0; j < kRowTile; ++j) h[mine[i + j] * width + k] = got[j];
       }
       for (; i < count; ++i) {
         xs[0] = xp + mine[i] * inputs;
-        dots<T, 1>(arow, xs, inputs, got);
+        dots<W, T, 1>(arow, xs, inputs, got);
         h[mine[i] * width + k] = got[0];
       }
     }
@@ -163,7 +165,7 @@ void lora_add_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, con
     for (int64_t p = 0; p < piece_count; ++p) {
       const Piece piece = pieces[p];
       const int64_t columns = bs[piece.proj].size(1);
-      const T* bp = bs[piece.proj].data_ptr<T>() + piece.begin;
+      const W* bp = bs[piece.proj].data_ptr<W>() + piece.begin;
       for (int64_t t = 0; t < rows; ++t) {
         const int64_t s = slots[t];
         if (s == 0) continue;
@@ -181,25 +183,28 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const st
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && a.dim() == 2 && x.size(0) == y.size(0) && a.size(1) == x.size(1),
               "lora_add_: x [rows, inputs], y [rows, outputs] and A [slots x width, inputs] are needed");
   TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && a.is_contiguous(), "lora_add_: contiguous tensors needed");
-  TORCH_CHECK(x.scalar_type() == y.scalar_type() && x.scalar_type() == a.scalar_type() &&
+  TORCH_CHECK(x.scalar_type() == y.scalar_type() &&
+                  (x.scalar_type() == a.scalar_type() || a.scalar_type() == at::kBFloat16) &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "lora_add_: float32 or bfloat16 tensors of one type are needed");
+              "lora_add_: float32 or bfloat16 rows, and an adapter of their type or bfloat16, are needed");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == x.size(0) && slots.scalar_type() == at::kLong &&
                   slots.is_contiguous(), "lora_add_: one int64 slot per row is needed");
   const int64_t width = static_cast<int64_t>(bs.size()) * rank;
   TORCH_CHECK(rank > 0 && !bs.empty() && a.size(0) % width == 0, "lora_add_: A's rows are not slots x width");
   const int64_t resident = a.size(0) / width;
   for (const auto& b : bs) {
-    TORCH_CHECK(b.dim() == 2 && b.is_contiguous() && b.scalar_type() == x.scalar_type() &&
-                    b.size(0) == resident * rank, "lora_add_: each B must be [slots x rank, outputs] of x's type");
+    TORCH_CHECK(b.dim() == 2 && b.is_contiguous() && b.scalar_type() == a.scalar_type() &&
+                    b.size(0) == resident * rank, "lora_add_: each B must be [slots x rank, outputs] of A's type");
   }
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < slots.size(0); ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] <= resident, "lora_add_: a row's slot is out of range");
   }
-  if (x.scalar_type() == at::kFloat) {
-    lora_add_typed<float>(y, x, a, bs, sp, rank);
+  if (x.scalar_type() == at::kBFloat16) {
+    lora_add_typed<at::BFloat16, at::BFloat16>(y, x, a, bs, sp, rank);
+  } else if (a.scalar_type() == at::kBFloat16) {
+    lora_add_typed<float, at::BFloat16>(y, x, a, bs, sp, rank);
   } else {
-    lora_add_typed<at::BFloat16>(y, x, a, bs, sp, rank);
+    lora_add_typed<float, float>(y, x, a, bs, sp, rank);
   }
 }
