@@ -3,6 +3,7 @@ built from environment variables exactly as worker/handler.py builds its own."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import openai
 import pytest
@@ -44,6 +45,25 @@ def close_started() -> None:
         _started.pop().close()
 
 
+def _share_builds(base: Path, default_model: bool) -> None:
+    """A fresh BASE_PATH with the default one's CPU kernel builds and (for the embedded default model) its GGUF
+    conversion linked in, as test_cold_start links them: neither the compiler (about a minute, where no earlier
+    load in the process found the build) nor the conversion (17 s) is what a test of a Worker is about. Both are
+    named by what they are made from, so a linked one is the one that would be made."""
+    from engine.config import EngineConfig
+    from engine.cpu import native_kernels
+    from engine.loader import model_folder
+    from worker.settings import load_settings
+
+    default = load_settings().base_path
+    base.mkdir(parents=True, exist_ok=True)
+    if not (base / "native-kernels").exists():
+        (base / "native-kernels").symlink_to(native_kernels.build_dir(default), target_is_directory=True)
+    if default_model and not (base / "converted").exists():
+        model_folder(EngineConfig(cache_dir=default))  # converted there once, by the first test that needs it
+        (base / "converted").symlink_to(default / "converted", target_is_directory=True)
+
+
 class Worker:
     """The handler's worker (settings -> engine -> OpenAI serving -> job router) for the given environment."""
 
@@ -54,6 +74,7 @@ class Worker:
         from worker.settings import load_settings
 
         monkeypatch.delenv("CUSTOM_CHAT_TEMPLATE", raising=False)
+        _share_builds(tmp_path, default_model="MODEL_NAME" not in env)
         monkeypatch.setenv("BASE_PATH", str(tmp_path))
         for name, value in env.items():
             monkeypatch.setenv(name, value)

@@ -2,8 +2,9 @@
 included), on the real embedded model.
 
 Every case must get one OpenAI error body `{"error": {"message", "type", "param", "code"}}` whose message
-names the problem, with the right status, within seconds, and without traceback text; and the next good
-request on the same worker must still be answered. test_handler.py and test_openai_conformance.py hold the
+names the problem, with the right status, within seconds, and without traceback text; and the worker must keep
+serving: after every case its health says the engine has not failed and holds no request, and a real generation
+round trip follows every few cases and the last one (KeepsServing), naming the cases since the previous one. test_handler.py and test_openai_conformance.py hold the
 basic cases (unknown model, bad ranges, wrong role, empty message list, ...); this file covers the rest.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 
 import httpx
@@ -76,15 +78,90 @@ def http_error(response: httpx.Response, status: int, words: tuple[str, ...], pa
     return assert_error(response.json(), status, words, param)
 
 
-def assert_worker_serves() -> None:
+def assert_worker_serves(after: str = "") -> None:
     (body,) = run_job({"openai_route": COMPLETIONS, "openai_input": GOOD}, "good-after-bad")
-    assert body["choices"][0]["text"] == " Paris", body
+    assert body["choices"][0]["text"] == " Paris", (after, body)
 
 
-def assert_gateway_serves(gateway_url: str) -> None:
+def assert_gateway_serves(gateway_url: str, after: str = "") -> None:
     response = http(gateway_url, "POST", "/openai/v1/completions", json.dumps(GOOD).encode())
-    assert response.status_code == 200, response.text[:500]
-    assert response.json()["choices"][0]["text"] == " Paris"
+    assert response.status_code == 200, (after, response.text[:500])
+    assert response.json()["choices"][0]["text"] == " Paris", after
+
+
+def assert_idle_and_healthy(read_health, side: str) -> None:
+    """The engine has not failed and holds no request: the bad one left nothing behind (a request's last output
+    can reach its caller a moment before the loop lets go of it, hence the short wait)."""
+    deadline = time.monotonic() + 5
+    while True:
+        state = read_health()
+        assert state["status"] == "ok", (side, state)
+        if not state["model_loaded"] or state["requests_in_engine"] == 0:
+            return
+        assert time.monotonic() < deadline, (side, "a request stayed in the engine", state)
+        time.sleep(0.05)
+
+
+class KeepsServing:
+    """Whether the worker and the gateway keep serving after bad input, checked at two depths. After every case,
+    cheaply: its health (no generation). After every SERVE_EVERY cases of a side, and once more when the module
+    ends (the fixture below): a real generation round trip, whose failure names the cases since the last one.
+    A full round trip after each of these hundreds of cases cost most of this file's time (the gateway's engine
+    and the in-process one take turns on two cores), and showed no more than this does."""
+
+    SERVE_EVERY = 8
+
+    def __init__(self):
+        self.unserved: dict[str, list[str]] = {"worker": [], "gateway": []}
+        self.gateway_url: str | None = None
+
+    @staticmethod
+    def case() -> str:
+        return os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+
+    def worker(self) -> None:
+        from worker import handler
+
+        assert_idle_and_healthy(handler.health, "worker")
+        self.unserved["worker"].append(self.case())
+        if len(self.unserved["worker"]) >= self.SERVE_EVERY:
+            self.serve("worker")
+
+    def gateway(self, gateway_url: str) -> None:
+        self.gateway_url = gateway_url
+        base = gateway_url.removesuffix("/openai/v1")
+        assert_idle_and_healthy(lambda: httpx.get(base + "/health", timeout=60).json(), "gateway")
+        self.unserved["gateway"].append(self.case())
+        if len(self.unserved["gateway"]) >= self.SERVE_EVERY:
+            self.serve("gateway")
+
+    def serve(self, side: str) -> None:
+        cases, self.unserved[side] = self.unserved[side], []
+        if not cases:
+            return
+        after = f"the {side} stopped serving after one of: {cases}"
+        if side == "worker":
+            assert_worker_serves(after)
+        else:
+            assert_gateway_serves(self.gateway_url, after)
+
+
+KEEPS_SERVING = KeepsServing()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _serves_after_the_last_case():
+    yield
+    KEEPS_SERVING.serve("worker")
+    KEEPS_SERVING.serve("gateway")
+
+
+def worker_keeps_serving() -> None:
+    KEEPS_SERVING.worker()
+
+
+def gateway_keeps_serving(gateway_url: str) -> None:
+    KEEPS_SERVING.gateway(gateway_url)
 
 
 # ---------------------------------------------------------------- request bodies, in-process and over HTTP
@@ -198,11 +275,11 @@ def test_malformed_body_in_process_and_over_http(worker, gateway_url, case):
     route, body = make()
     in_process = job_error({"openai_route": route, "openai_input": body})
     assert_error(in_process, status, words, param)
-    assert_worker_serves()
+    worker_keeps_serving()
 
     response = http(gateway_url, "POST", "/openai" + route, json.dumps(body).encode())
     assert http_error(response, status, words, param) == in_process["error"]  # one code path, one answer
-    assert_gateway_serves(gateway_url)
+    gateway_keeps_serving(gateway_url)
 
 
 # ---------------------------------------------------------------- job inputs only the platform path can carry
@@ -296,7 +373,7 @@ JOB_CASES = {
 def test_malformed_job_in_process(worker, case):
     make, status, words, param = JOB_CASES[case]
     assert_error(job_error(make()), status, words, param)
-    assert_worker_serves()
+    worker_keeps_serving()
 
 
 # ---------------------------------------------------------------- bytes only HTTP can carry
@@ -353,13 +430,13 @@ HTTP_CASES = {
 def test_malformed_http_request(gateway_url, case):
     method, path, body, status, words, param = HTTP_CASES[case]
     http_error(http(gateway_url, method, path, body), status, words, param)
-    assert_gateway_serves(gateway_url)
+    gateway_keeps_serving(gateway_url)
 
 
 def test_body_over_the_size_limit_is_413(gateway_url):
     body = b'{"prompt": "' + b"a" * (64 * 2**20) + b'"}'
     http_error(http(gateway_url, "POST", "/openai/v1/completions", body), 413, ("64 MiB",), None)
-    assert_gateway_serves(gateway_url)
+    gateway_keeps_serving(gateway_url)
 
 
 def test_tens_of_megabytes_of_prompt_are_refused_without_tokenizing(gateway_url):
@@ -368,7 +445,7 @@ def test_tens_of_megabytes_of_prompt_are_refused_without_tokenizing(gateway_url)
     error = http_error(http(gateway_url, "POST", "/openai/v1/completions", body), 400,
                        ("maximum context length is 8192", "30000000 characters"), "prompt")
     assert "tokens" in error["message"]
-    assert_gateway_serves(gateway_url)
+    gateway_keeps_serving(gateway_url)
 
 
 # ---------------------------------------------------------------- a wrong type for every field
@@ -422,8 +499,8 @@ def test_wrong_type_for_every_request_field(worker, gateway_url, route, field):
     assert_error(in_process, 400, (field,), field)
     response = http(gateway_url, "POST", "/openai" + route, json.dumps(body).encode())
     assert http_error(response, 400, (field,), field) == in_process["error"]
-    assert_worker_serves()
-    assert_gateway_serves(gateway_url)
+    worker_keeps_serving()
+    gateway_keeps_serving(gateway_url)
 
 
 @pytest.mark.parametrize("field", [f"sampling_params.{f}" for f in LEGACY_SAMPLING_WRONG] + list(LEGACY_WRONG))
@@ -434,7 +511,7 @@ def test_wrong_type_for_every_legacy_field(worker, field):
     else:
         job = {**({} if field in ("prompt", "messages") else legacy()), field: LEGACY_WRONG[field]}
     assert_error(job_error(job), 400, (field,), field)
-    assert_worker_serves()
+    worker_keeps_serving()
 
 
 # ---------------------------------------------------------------- the Responses API
@@ -526,8 +603,8 @@ def test_malformed_responses_body_in_process_and_over_http(worker, gateway_url, 
     assert_error(in_process, status, words, param)
     response = http(gateway_url, "POST", "/openai" + route, json.dumps(body).encode())
     assert http_error(response, status, words, param) == in_process["error"]
-    assert_worker_serves()
-    assert_gateway_serves(gateway_url)
+    worker_keeps_serving()
+    gateway_keeps_serving(gateway_url)
 
 
 RESPONSES_WRONG = {
@@ -555,7 +632,7 @@ def test_wrong_type_for_every_responses_field(worker, gateway_url, field):
     assert_error(in_process, 400, (field,), field)
     response = http(gateway_url, "POST", "/openai" + RESPONSES, json.dumps(body).encode())
     assert http_error(response, 400, (field,), field) == in_process["error"]
-    assert_worker_serves()
+    worker_keeps_serving()
 
 
 @pytest.mark.parametrize("route, status, words", [
@@ -566,7 +643,7 @@ def test_wrong_type_for_every_responses_field(worker, gateway_url, field):
 ])
 def test_malformed_response_ids_in_process(worker, route, status, words):
     assert_error(job_error({"openai_route": route}), status, words)
-    assert_worker_serves()
+    worker_keeps_serving()
 
 
 @pytest.mark.parametrize("method, path, status", [
@@ -576,7 +653,7 @@ def test_malformed_response_ids_in_process(worker, route, status, words):
 ])
 def test_responses_routes_refuse_other_methods_and_paths(gateway_url, method, path, status):
     http_error(http(gateway_url, method, path, b"{}" if method == "POST" else None), status, ())
-    assert_gateway_serves(gateway_url)
+    gateway_keeps_serving(gateway_url)
 
 
 # ---------------------------------------------------------------- extremes that are valid must still work
@@ -760,8 +837,8 @@ def test_malformed_messages_request_in_process_and_over_http(worker, gateway_url
     assert_anthropic_error(in_process, status, words)
     response = http(gateway_url, "POST", MESSAGES, json.dumps(body).encode())
     assert response.status_code == status and response.json() == in_process  # one code path, one answer
-    assert_worker_serves()
-    assert_gateway_serves(gateway_url)
+    worker_keeps_serving()
+    gateway_keeps_serving(gateway_url)
 
 
 MESSAGES_COMMON_WRONG = {"model": 5, "messages": "Hi", "system": 5, "tools": "x", "tool_choice": "auto",
@@ -787,4 +864,4 @@ def test_wrong_type_for_every_messages_field(worker, gateway_url, route, field):
     assert_anthropic_error(in_process, 400, (field,))
     response = http(gateway_url, "POST", "/openai" + route, json.dumps(body).encode())
     assert response.status_code == 400 and response.json() == in_process
-    assert_gateway_serves(gateway_url)
+    gateway_keeps_serving(gateway_url)

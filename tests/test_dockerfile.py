@@ -132,7 +132,24 @@ def rehearsed(tmp_path_factory):
     results = {}
     for keyword, rest in instructions():
         results[(keyword, rest)] = rehearsal.play(keyword, rest)
+    _keep_the_image_builds(rehearsal)
     return rehearsal, results
+
+
+def _keep_the_image_builds(rehearsal: Rehearsal) -> None:
+    """The builds the image's --prebuild compiled (the variants the suite's build folder lacked: the image took
+    the others from there), put in that folder: a build is named by what its machine code depends on, so it is the
+    one a later test or start there would compile again (test_native_kernel_builds builds the avx2 variant; the
+    compile itself is tested there, by a killed and a repeated start)."""
+    from engine.cpu import native_kernels
+
+    folder = native_kernels.build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    for built in rehearsal.root.rglob("engine/cpu/native/prebuilt/*.so"):
+        if not (folder / built.name).exists():
+            partial = folder / f"{built.name}.partial-{os.getpid()}"  # whole or absent, as prebuild() copies
+            shutil.copy2(built, partial)
+            os.replace(partial, folder / built.name)
 
 
 def test_the_image_builds_and_its_command_serves_a_job(rehearsed):

@@ -185,10 +185,15 @@ def test_tokenizer_name_from_s3_needs_no_config_json(s3, small_model, local_comp
 
 def test_handler_process_serves_model_name_from_moto_server(served_s3, local_completion, tmp_path):
     """The worker as deployed: handler.py in its own process, configured only by environment variables."""
+    from engine.cpu import native_kernels
+
     job = {"input": {"openai_route": "/v1/completions", "openai_input": COMPLETION}}
+    # The suite's CPU kernel build (NATIVE_KERNELS_DIR), not a compile into the fresh BASE_PATH: the download is
+    # under test here, the compiler is not (it cost this test three minutes).
     result = subprocess.run([sys.executable, "handler.py", "--test_input", json.dumps(job)], cwd=ROOT,
                             capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "MODEL_NAME": URI, "BASE_PATH": str(tmp_path)})
+                            env={**os.environ, "MODEL_NAME": URI, "BASE_PATH": str(tmp_path),
+                                 "NATIVE_KERNELS_DIR": str(native_kernels.build_dir())})
     assert result.returncode == 0, result.stderr[-3000:]
     output = json.loads(result.stdout)["output"][0]
     assert output["choices"][0]["text"] == local_completion["choices"][0]["text"]
