@@ -4,8 +4,9 @@ included), on the real embedded model.
 Every case must get one OpenAI error body `{"error": {"message", "type", "param", "code"}}` whose message
 names the problem, with the right status, within seconds, and without traceback text; and the worker must keep
 serving: after every case its health says the engine has not failed and holds no request, and a real generation
-round trip follows every few cases and the last one (KeepsServing), naming the cases since the previous one. test_handler.py and test_openai_conformance.py hold the
-basic cases (unknown model, bad ranges, wrong role, empty message list, ...); this file covers the rest.
+round trip follows every few cases and the last one (KeepsServing), naming the cases since the previous one.
+test_handler.py and test_openai_conformance.py hold the basic cases (unknown model, bad ranges, wrong role, empty
+message list, ...); this file covers the rest.
 """
 from __future__ import annotations
 
