@@ -64,6 +64,7 @@ def sources() -> tuple[Path, ...]:
     """Every source file of the build, read at call time (a test swaps SOURCE for a broken one)."""
     return SOURCE, QUANTIZED_SOURCE, PREFILL_SOURCE, BF16_SOURCE, LORA_SOURCE
 
+
 PREBUILT = SOURCE.with_name("prebuilt")  # the image's builds (--prebuild), beside the sources they came from
 
 BUILD_WAIT_S = 300.0  # the longest a start waits for another process's build (one takes about a minute)
@@ -393,23 +394,23 @@ def self_check(kernels, dtype: torch.dtype = torch.float32) -> str:
         x, y = rand(5, 40), rand(5, sum(sizes))
         a = rand(3 * 2 * rank, 40)
         bs = [rand(3 * rank, size) for size in sizes]
-        expected = y.float().clone()
-        for row, slot in enumerate(slots):
-            if slot:
-                h = a[(slot - 1) * 2 * rank:slot * 2 * rank].float() @ x[row].float()
-                expected[row] += torch.cat([h[j * rank:(j + 1) * rank] @ bs[j][(slot - 1) * rank:slot * rank].float()
-                                            for j in range(len(sizes))])
+
+        def added(a, bs) -> torch.Tensor:  # y plus each row's own slot's term, in float32
+            expected = y.float().clone()
+            for row, slot in enumerate(slots):
+                if slot:
+                    h = a[(slot - 1) * 2 * rank:slot * 2 * rank].float() @ x[row].float()
+                    expected[row] += torch.cat([h[j * rank:(j + 1) * rank] @ bs[j][(slot - 1) * rank:slot * rank]
+                                                .float() for j in range(len(sizes))])
+            return expected
+
+        expected = added(a, bs)
         kernels.lora_add_(y, x, a, bs, torch.tensor(slots), rank)
         if not _close(expected.to(dtype), y):
             return "lora_add_"
         if dtype == torch.float32:  # bfloat16 adapters under float32 rows (GGUF block layers)
             a, bs = a.bfloat16(), [b.bfloat16() for b in bs]
-            expected = y.clone()
-            for row, slot in enumerate(slots):
-                if slot:
-                    h = a[(slot - 1) * 2 * rank:slot * 2 * rank].float() @ x[row]
-                    expected[row] += torch.cat([h[j * rank:(j + 1) * rank] @ bs[j][(slot - 1) * rank:slot * rank]
-                                                .float() for j in range(len(sizes))])
+            expected = added(a, bs)
             kernels.lora_add_(y, x, a, bs, torch.tensor(slots), rank)
             if not _close(expected, y):
                 return "lora_add_ (bfloat16 adapter)"

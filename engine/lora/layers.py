@@ -133,11 +133,10 @@ class LoraLinear:
         if kernels is not None and self.dtype in _KERNEL_TYPES and self.device.type == "cpu":
             # One call: each row against its own slot only (engine/cpu/native/lora_linear.cpp).
             kernels.lora_add_(out2, x2.contiguous(), self.a, self.b, rows.slots(tokens), self.max_rank)
-        elif self.store != self.dtype:  # bfloat16 matrices kept for the kernel, which is gone: computed as stored
-            self.a, self.b = self.a.to(self.dtype), [b.to(self.dtype) for b in self.b]
-            self.store = self.dtype
-            return self._add(x, y, rows)
         else:
+            if self.store != self.dtype:  # bfloat16 matrices kept for the kernel, which is gone: widened once
+                self.a, self.b = self.a.to(self.dtype), [b.to(self.dtype) for b in self.b]
+                self.store = self.dtype
             w, r = self.width, self.max_rank
             first, last = (rows.single - 1, rows.single) if rows.single is not None else (0, rows.top)
             h = torch.mm(x2, self.a[first * w:last * w].t())
