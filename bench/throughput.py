@@ -14,13 +14,13 @@ With `--base-url` the same loads drive another running OpenAI-compatible server 
 gateway, so that two servers are measured one after the other in one sitting.
 `--model` serves that model (MODEL_NAME: a local folder such as a bfloat16 checkpoint) in both, instead of the
 embedded one; with `--base-url` it only names the weights whose bytes are counted.
-Prints the machine's own ceilings (matmul GFLOP/s in float32 and bfloat16, copy GB/s), a table (aggregate
-output tok/s, TTFT p50/mean/p95, ratio to the baseline) and one JSON line. For a local safetensors model it also
-prints the weights a decode step reads per token (every linear weight, the output head included, once) and the
-bytes per second that 1 stream reads them at, as a share of the copy ceiling, and (with `--prefill`) the rate
-one long prompt is read at alone (prompt tokens / time to first token, best of 3): its multiply-adds per second
-(every decoder linear weight once per prompt token, plus attention over the tokens before) as a share of the
-matmul ceiling of the model's type.
+Prints the machine's own ceilings (torch's matmul GFLOP/s in float32 and bfloat16, VDPBF16PS's rate, copy and
+read GB/s), a table (aggregate output tok/s, TTFT p50/mean/p95, ratio to the baseline) and one JSON line. For a
+local safetensors model it also prints the weights a decode step reads per token (every linear weight, the output
+head included, once) and the bytes per second that 1 stream reads them at, as a share of the read ceiling, and
+(with `--prefill`) the rate one long prompt is read at alone (prompt tokens / time to first token, best of 3):
+its multiply-adds per second (every decoder linear weight once per prompt token, plus attention over the tokens
+before) as a share of the ceiling of the model's type (bfloat16: the larger of torch.mm's and VDPBF16PS's).
 """
 from __future__ import annotations
 
@@ -125,10 +125,13 @@ def weight_bytes_per_token(folder: str | Path) -> int:
 
 
 def machine_ceilings(threads: int | None) -> dict:
-    """This machine's own limits with torch: matmul GFLOP/s in float32 and bfloat16, and memory copy GB/s
-    (read + write), so every report carries the ceiling it is measured against."""
+    """This machine's own limits, so every report carries the ceiling it is measured against: torch's matmul
+    GFLOP/s in float32 and bfloat16, VDPBF16PS's own rate on every thread (where the CPU kernels have the bfloat16
+    product; torch.mm's bfloat16 rate stays well under it on AVX512_BF16 without AMX), memory copy GB/s (read +
+    write) and read GB/s (a sum over 768 MB: what a decode step does to its weights)."""
     import torch
 
+    from engine.cpu import native_kernels
     from engine.cpu.layout import best_time as best
 
     if threads:
@@ -140,10 +143,21 @@ def machine_ceilings(threads: int | None) -> dict:
         a = torch.randn(n, n, dtype=dtype)
         b = torch.randn(n, n, dtype=dtype)
         out[f"matmul_{name}_gflops"] = round(2 * n ** 3 / best(lambda: torch.mm(a, b)) / 1e9, 1)
+    native_kernels.load()
+    kernels = native_kernels.active()
+    if kernels is not None and kernels.bf16_linear_supported():
+        out["vdpbf16ps_gflops"] = round(kernels.bf16_peak_gflops(0.3), 1)
     src = torch.empty(64 * 2**20, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     out["copy_gb_s"] = round(2 * src.numel() * 4 / best(lambda: dst.copy_(src)) / 1e9, 1)
+    big = torch.ones(192 * 2**20, dtype=torch.float32)
+    out["read_gb_s"] = round(big.numel() * 4 / best(lambda: big.sum()) / 1e9, 1)
     return out
+
+
+def bfloat16_ceiling(ceilings: dict) -> float:
+    """The bfloat16 products' limit: the larger of torch.mm's rate and VDPBF16PS's."""
+    return max(ceilings.get("matmul_bfloat16_gflops", 0.0), ceilings.get("vdpbf16ps_gflops", 0.0))
 
 
 def prefill_flops_per_token(folder: str | Path, prompt_tokens: int) -> float:
@@ -279,8 +293,10 @@ def main() -> None:
     if not args.no_baseline:
         ceilings = machine_ceilings(threads)
         print(f"machine: {ceilings['matmul_float32_gflops']} GFLOP/s float32 matmul, "
-              f"{ceilings['matmul_bfloat16_gflops']} GFLOP/s bfloat16 matmul, {ceilings['copy_gb_s']} GB/s copy "
-              f"(read + write), torch {__import__('torch').get_num_threads()} threads", flush=True)
+              f"{ceilings['matmul_bfloat16_gflops']} GFLOP/s bfloat16 matmul, "
+              f"{ceilings.get('vdpbf16ps_gflops', '-')} GFLOP/s VDPBF16PS, {ceilings['copy_gb_s']} GB/s copy "
+              f"(read + write), {ceilings['read_gb_s']} GB/s read, torch {__import__('torch').get_num_threads()} "
+              f"threads", flush=True)
         base, folder = baseline_tok_s(args.max_tokens, threads)
         print(f"baseline (model.generate, batch 1, {args.max_tokens} tokens): {base:.1f} tok/s  [{folder}]",
               flush=True)
@@ -311,7 +327,7 @@ def main() -> None:
     single = next((r for r in results if r["concurrency"] == 1 and not r["long_words"]), None)
     if weight_bytes and single:
         read = weight_bytes * single["tok_s"] / 1e9
-        share = f", {read / ceilings['copy_gb_s']:.0%} of the copy ceiling" if ceilings else ""
+        share = f", {read / ceilings['read_gb_s']:.0%} of the read ceiling" if ceilings else ""
         print(f"1 stream reads {weight_bytes / 1e6:.0f} MB of weights a token: {read:.1f} GB/s{share}")
     prefill_report = None
     if prefill is not None:
@@ -322,7 +338,7 @@ def main() -> None:
             gflops = rate * prefill_flops_per_token(model_dir, prompt_tokens) / 1e9
             config = json.loads((model_dir / "config.json").read_text())
             dtype = config.get("torch_dtype") or config.get("dtype")
-            ceiling = ceilings.get("matmul_bfloat16_gflops" if dtype == "bfloat16" else "matmul_float32_gflops")
+            ceiling = bfloat16_ceiling(ceilings) if dtype == "bfloat16" else ceilings.get("matmul_float32_gflops")
             prefill_report["gflops"] = round(gflops, 1)
             line += f" = {gflops:.1f} GFLOP/s" + (f", {gflops / ceiling:.0%} of the {dtype or 'float32'} matmul "
                                                   f"ceiling" if ceiling else "")

@@ -13,8 +13,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__GNUC__) && (__GNUC__ >= 10 || defined(__clang__))
 #include <immintrin.h>
@@ -112,6 +114,30 @@ void tile(int rows, int nb, const uint16_t* x, int64_t xs, int64_t K, const uint
   }
 }
 
+// One thread's VDPBF16PS rate (GFLOP/s) over about `seconds`: 12 independent sums hide the instruction's latency.
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+double peak_loop(double seconds) {
+  __m512 acc[12];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_set1_epi32(0x3c003c00);
+  constexpr int64_t kRound = 1 << 16;  // iterations between clock reads
+  int64_t rounds = 0;
+  const auto start = std::chrono::steady_clock::now();
+  double elapsed = 0.0;
+  do {
+    for (int64_t i = 0; i < kRound; ++i) {
+      for (auto& x : acc) x = _mm512_dpbf16_ps(x, a, b);
+      __asm__ volatile("" : "+v"(a));  // keeps the compiler from folding the loop
+    }
+    ++rounds;
+    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  } while (elapsed < seconds);
+  float sink = 0.f;
+  for (auto& x : acc) sink += _mm512_reduce_add_ps(x);
+  __asm__ volatile("" : : "x"(sink));
+  return rounds * kRound * 12 * 64.0 / elapsed / 1e9;
+}
+
 bool cpu_has_bf16() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512bf16");
@@ -120,6 +146,26 @@ bool cpu_has_bf16() {
 #endif
 
 }  // namespace
+
+// This machine's arithmetic limit for the product: every thread multiplies with VDPBF16PS alone for about
+// `seconds` (12 independent sums, no loads), and the rate of all of them together, in GFLOP/s (64 a VDPBF16PS).
+// bench/throughput.py reports prefill against it: torch.mm's rate understates it here (243 against 460 GFLOP/s).
+double bf16_peak_gflops(double seconds) {
+#if defined(LLM_BF16_PRODUCT)
+  if (!cpu_has_bf16()) return 0.0;
+  const int64_t threads = at::get_num_threads();
+  std::vector<double> rates(threads, 0.0);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rates[t] = peak_loop(seconds);
+  });
+  double total = 0.0;
+  for (double r : rates) total += r;
+  return total;
+#else
+  (void)seconds;
+  return 0.0;
+#endif
+}
 
 bool bf16_linear_supported() {
 #if defined(LLM_BF16_PRODUCT)

@@ -572,6 +572,7 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, 
                              const at::Tensor& blocks, int64_t start, int64_t window, double scale, at::Tensor& out);
 // engine/native/bf16_linear.cpp
 bool bf16_linear_supported();
+double bf16_peak_gflops(double seconds);
 at::Tensor bf16_pack(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        const c10::optional<at::Tensor>& bias);
@@ -596,6 +597,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_scaled", &pack_scaled, "(format, blocks): a quantized checkpoint's w = scale * q + minimum per 32 inputs",
         py::arg("q"), py::arg("scale"), py::arg("minimum"), py::arg("bits"), py::arg("half") = false);
   m.def("bf16_linear_supported", &bf16_linear_supported, "whether this build and CPU have the AVX512_BF16 product");
+  m.def("bf16_peak_gflops", &bf16_peak_gflops, "VDPBF16PS's rate on every thread for about `seconds` (0: none)",
+        py::arg("seconds") = 0.2);
   m.def("bf16_pack", &bf16_pack, "a bfloat16 weight laid out for bf16_linear");
   m.def("bf16_linear", &bf16_linear, "bfloat16 rows times a weight packed by bf16_pack (+ bias)",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
