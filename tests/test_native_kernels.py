@@ -132,6 +132,24 @@ def test_decode_attention_over_the_blocks_equals_sdpa(kernels, dtype, heads, kv_
     assert not out_buffer[0, 0].any() and not out_buffer[0, rows + 1:].any()  # nothing written outside the view
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(15, 5), (6, 3), (7, 7)])
+@pytest.mark.parametrize("rows, window", [(1, 0), (2, 0), (1, 20)])
+def test_few_rows_split_their_key_heads_between_tasks(kernels, dtype, heads, kv_heads, rows, window):
+    """With too few rows to keep the threads busy a task takes a span of a row's key heads, uneven where the
+    spans do not divide them (5 key heads in 4 spans); every head must still attend as SDPA does."""
+    gen = torch.Generator().manual_seed(heads * 100 + kv_heads * 10 + rows + window)
+    dim, block, width = 64, 16, 4
+    k_pool = torch.randn(rows * width + 3, block, kv_heads, dim, generator=gen).to(dtype)
+    v_pool = torch.randn(rows * width + 3, block, kv_heads, dim, generator=gen).to(dtype)
+    lengths = torch.tensor([50, 37][:rows])
+    blocks = torch.randperm(rows * width + 3, generator=gen)[:rows * width]
+    query = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    out = torch.empty(rows, heads, dim, dtype=dtype)
+    kernels.paged_decode_attention(query, k_pool, v_pool, blocks, lengths, window, 0.125, out)
+    _close(_reference_attention(query, k_pool, v_pool, blocks, lengths, window, 0.125), out, dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows, window", [(1, 0), (2, 0), (1, 700), (2, 300), (3, 1500)])
 def test_long_rows_split_across_threads_equal_sdpa(kernels, dtype, rows, window):
@@ -188,6 +206,29 @@ def test_prefill_attention_over_the_blocks_equals_sdpa(kernels, heads, kv_heads,
     untouched = torch.ones_like(out_buffer, dtype=torch.bool)
     untouched[1:1 + tokens, 1:1 + heads] = False
     assert not out_buffer[untouched].any()  # nothing written outside the view
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (15, 5, 64), (14, 2, 128)])
+@pytest.mark.parametrize("tokens, start, window", [(64, 0, 0), (70, 0, 0), (33, 100, 0), (80, 151, 64), (130, 500, 0)])
+def test_a_bfloat16_models_prompt_chunk_equals_sdpa(kernels, heads, kv_heads, dim, tokens, start, window):
+    """A bfloat16 model's chunk (its queries bfloat16 values widened, its cache bfloat16) multiplies in bfloat16
+    where the CPU has AVX512_BF16 (odd numbers of keys pair the last one with a zero weight): equal to SDPA over the
+    same values within bfloat16's rounding, as the model's own bfloat16 attention is."""
+    if not kernels.prefill_attention_supported():
+        pytest.skip("this build has no AVX-512")
+    gen = torch.Generator().manual_seed(heads + tokens + start + window + dim)
+    block = 16
+    pool_blocks = (start + tokens) // block + 4
+    k_pool = torch.randn(pool_blocks, block, kv_heads, dim, generator=gen).bfloat16()
+    v_pool = torch.randn(pool_blocks, block, kv_heads, dim, generator=gen).bfloat16()
+    k_pool[0, 3] *= 8  # a few keys far ahead of the rest, so the running maximum moves between tiles
+    blocks = torch.randperm(pool_blocks, generator=gen)[:(start + tokens + block - 1) // block]
+    packed = (torch.randn(tokens + 3, heads + 2 * kv_heads, dim, generator=gen) * 2).bfloat16().float()
+    query = packed[2:2 + tokens, :heads]
+    out = torch.empty(tokens, heads, dim)
+    kernels.paged_prefill_attention(query, k_pool, v_pool, blocks, start, window, dim ** -0.5, out)
+    expected = _reference_prefill(query, k_pool.float(), v_pool.float(), blocks, start, window, dim ** -0.5)
+    _close(expected, out, torch.bfloat16)
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float16, torch.bfloat16])

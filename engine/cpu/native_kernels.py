@@ -368,12 +368,15 @@ def self_check(kernels, dtype: torch.dtype = torch.float32) -> str:
                                                               vals.float(), scale=0.3, enable_gqa=True)[:, 0]
                     if not _close(expected.to(dtype), out[row]):
                         return "paged_decode_attention"
-        for pool_type in pool_types if dtype == torch.float32 and kernels.prefill_attention_supported() else ():
+        # Prefill attention takes float32 queries: a float32 model's (over its own or a float16 cache), or a
+        # bfloat16 model's widened (over its bfloat16 cache: multiplied in bfloat16 where the CPU has AVX512_BF16).
+        prefill_pools = {torch.float32: pool_types, torch.bfloat16: (torch.bfloat16,)}.get(dtype, ())
+        for pool_type in prefill_pools if kernels.prefill_attention_supported() else ():
             # A chunk of 70 tokens after 50 cached ones (five token tiles, the last one partial), whole and
             # within a window of 30, against SDPA with the causal mask over the gathered keys.
             start, tokens, table = 50, 70, [6, 2, 0, 7, 4, 1, 3, 5]
             k_pool, v_pool = rand(8, 16, kv_heads, 64).to(pool_type), rand(8, 16, kv_heads, 64).to(pool_type)
-            query, out = rand(tokens, heads, 64), torch.empty(tokens, heads, 64)
+            query, out = rand(tokens, heads, 64).float(), torch.empty(tokens, heads, 64)
             keys = k_pool[table].reshape(-1, kv_heads, 64)[:start + tokens].transpose(0, 1)[None].float()
             vals = v_pool[table].reshape(-1, kv_heads, 64)[:start + tokens].transpose(0, 1)[None].float()
             positions = torch.arange(start + tokens)
@@ -384,7 +387,7 @@ def self_check(kernels, dtype: torch.dtype = torch.float32) -> str:
                 kernels.paged_prefill_attention(query, k_pool, v_pool, torch.tensor(table), start, window, 0.3, out)
                 expected = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys, vals, attn_mask=mask,
                                                           scale=0.3, enable_gqa=True)[0].transpose(0, 1)
-                if not _close(expected, out):
+                if not _close(expected.to(dtype), out):
                     return "paged_prefill_attention"
         # LoRA's per-row term (engine/lora/layers.py): three resident slots of a fused layer of two projections
         # (rank 4), five rows of slots 2, 0, 1, 3, 2, against each row's own products.

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -87,6 +88,62 @@ inline void value_rows(const float* p, const float* v, int64_t n, float* o) {
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * DV + 16 * c, acc[r][c]);
 }
 
+// The bfloat16 forms, for a bfloat16 model (bfloat16 cache, queries that are bfloat16 values): VDPBF16PS takes
+// two products a lane, twice float32's multiply-adds an instruction. Scores: q [R][D / 2] pairs of the unscaled
+// query, kt [D / 2][ldk][2] (key j's dims 2e and 2e + 1 side by side), sums scaled once at the end. Values: the
+// weights rounded to bfloat16 pairs along the keys (as the reference model's bfloat16 attention rounds them), v
+// [ldk / 2][DV][2] (keys 2i and 2i + 1 of each dim side by side), sums in float32.
+template <int R, int D>
+__attribute__((target("avx512f,avx512bw,avx512bf16"), noinline))
+void score_rows_bf16(const uint32_t* q, const uint16_t* kt, int64_t ldk, float scale, float* s) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int e = 0; e < D / 2; ++e) {
+    const uint16_t* k = kt + e * ldk * 2;
+    __m512bh kv[4];
+    for (int c = 0; c < 4; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(k + 32 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(q[r * (D / 2) + e]));
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], b, kv[c]);
+    }
+  }
+  const __m512 f = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kKeyTile + 16 * c, _mm512_mul_ps(acc[r][c], f));
+}
+
+template <int R, int DV>
+__attribute__((target("avx512f,avx512bw,avx512bf16"), noinline))
+void value_rows_bf16(const float* p, const uint16_t* v, int64_t n, float* o) {
+  constexpr int C = DV / 16;
+  uint32_t pairs[R][kKeyTile / 2];  // each row's weights as bfloat16 pairs (past n they are 0)
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2; ++c) {
+      const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + r * kKeyTile + 32 * c + 16),
+                                             _mm512_loadu_ps(p + r * kKeyTile + 32 * c));
+      _mm512_storeu_si512(pairs[r] + 16 * c, (__m512i)w);
+    }
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(o + r * DV + 16 * c);
+  for (int64_t i = 0; i < (n + 1) / 2; ++i) {
+    __m512bh vi[C];
+    for (int c = 0; c < C; ++c) vi[c] = (__m512bh)_mm512_loadu_si512(v + i * DV * 2 + 32 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pairs[r][i]));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], b, vi[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * DV + 16 * c, acc[r][c]);
+}
+
+bool cpu_has_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16");
+}
+
 // tile.template operator()<N>(r) over rows [r, rows) in register tiles of N = R rows, the remainder through
 // smaller tiles.
 template <int R, typename Tile>
@@ -100,10 +157,12 @@ inline void in_row_tiles(int64_t r, int64_t rows, const Tile& tile) {
 // One key head's share of the chunk: tokens [t0, t1) of the chunk with their `group` query heads as rows (row
 // (i - t0) * group + g), against the keys gathered for this head (kt transposed, v [keys][DV]; gathered key 0
 // sits at position `base`). Token i sits at position start + i and reads positions (pos - window, pos].
-template <int D>
-void attend_tile(const float* q_scaled, int64_t t0, int64_t t1, int64_t group, int64_t start, int64_t window,
-                 int64_t base, const float* kt, int64_t ldk, const float* v, float* top, float* total, float* o,
-                 float* s) {
+// B16: q is bfloat16 pairs (unscaled, `scale` applied to the scores), kt and v the bfloat16 layouts above;
+// else q is float32 (scaled), kt [D][ldk] and v [keys][D] float32.
+template <int D, bool B16>
+void attend_tile(const void* q_rows, float scale, int64_t t0, int64_t t1, int64_t group, int64_t start,
+                 int64_t window, int64_t base, const void* kt_any, int64_t ldk, const void* v_any, float* top,
+                 float* total, float* o, float* s) {
   const int64_t rows = (t1 - t0) * group;
   std::fill(top, top + rows, -INFINITY);
   std::fill(total, total + rows, 0.f);
@@ -114,7 +173,12 @@ void attend_tile(const float* q_scaled, int64_t t0, int64_t t1, int64_t group, i
   for (int64_t k0 = first_pos - base; k0 < end_pos - base; k0 += kKeyTile) {
     const int64_t n = std::min(kKeyTile, end_pos - base - k0);
     in_row_tiles<4>(0, rows, [&]<int N>(int64_t r) {
-      score_rows<N, D>(q_scaled + r * D, kt + k0, ldk, s + r * kKeyTile);
+      if constexpr (B16)
+        score_rows_bf16<N, D>(static_cast<const uint32_t*>(q_rows) + r * (D / 2),
+                              static_cast<const uint16_t*>(kt_any) + k0 * 2, ldk, scale, s + r * kKeyTile);
+      else
+        score_rows<N, D>(static_cast<const float*>(q_rows) + r * D, static_cast<const float*>(kt_any) + k0, ldk,
+                         s + r * kKeyTile);
     });
     // The online softmax: masked lanes (after a row's position, before its window, past n) weigh nothing.
     for (int64_t r = 0; r < rows; ++r) {
@@ -156,7 +220,10 @@ void attend_tile(const float* q_scaled, int64_t t0, int64_t t1, int64_t group, i
     }
     // As many rows as keep their sums in registers: 6 x 4 vectors of 64 values, 3 x 8 of 128.
     in_row_tiles<D == 64 ? 6 : 3>(0, rows, [&]<int N>(int64_t r) {
-      value_rows<N, D>(s + r * kKeyTile, v + k0 * D, n, o + r * D);
+      if constexpr (B16)
+        value_rows_bf16<N, D>(s + r * kKeyTile, static_cast<const uint16_t*>(v_any) + k0 * D, n, o + r * D);
+      else
+        value_rows<N, D>(s + r * kKeyTile, static_cast<const float*>(v_any) + k0 * D, n, o + r * D);
     });
   }
 }
@@ -169,6 +236,27 @@ inline void widen(const P* key, const P* value, int64_t dim, int64_t ldk, float*
   for (int64_t d = 0; d < dim; ++d) key_column[d * ldk] = static_cast<float>(key[d]);
   for (int64_t d = 0; d < dim; ++d) value_row[d] = static_cast<float>(value[d]);
 }
+
+#if defined(__AVX512F__)
+inline uint32_t bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+// Whether every query value is a bfloat16 value (its float32 bits' lower half zero): a bfloat16 model's queries
+// widened for this kernel, as opposed to a float32 model's over a bfloat16 cache (KV_CACHE_DTYPE).
+bool bfloat16_values(const at::Tensor& query) {
+  const float* qp = query.data_ptr<float>();
+  for (int64_t i = 0; i < query.size(0); ++i)
+    for (int64_t h = 0; h < query.size(1); ++h) {
+      const float* row = qp + i * query.stride(0) + h * query.stride(1);
+      for (int64_t d = 0; d < query.size(2); ++d)
+        if (bits(row[d]) & 0xFFFFu) return false;
+    }
+  return true;
+}
+#endif
 
 }  // namespace
 
@@ -225,11 +313,16 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, 
   const int64_t tiles = (tokens + kTokenTile - 1) / kTokenTile;
   // Keys transposed ([dim, ldk]) and values packed ([ldk, dim]) per key head, for as many key heads at a time as
   // fit kScratchBytes, about a core's L2 (a gathered head is used while it is still there).
+  // A bfloat16 model (bfloat16 cache, every query a bfloat16 value widened) multiplies in bfloat16 where the CPU
+  // has AVX512_BF16: the keys and values are gathered as bfloat16 pairs instead of float32.
+  const bool b16 = pool_type == at::kBFloat16 && cpu_has_bf16() && bfloat16_values(query);
   constexpr int64_t kScratchBytes = 1 << 20;
   const int64_t per_head = 2 * ldk * dim;
-  const int64_t heads_per_pass = std::clamp<int64_t>(kScratchBytes / (per_head * 4), 1, kv_heads);
-  std::vector<float> scratch(heads_per_pass * per_head);
-  const auto attend = dim == 64 ? &attend_tile<64> : &attend_tile<128>;
+  const int64_t heads_per_pass = std::clamp<int64_t>(kScratchBytes / (per_head * (b16 ? 2 : 4)), 1, kv_heads);
+  std::vector<float> scratch(b16 ? 0 : heads_per_pass * per_head);
+  std::vector<uint16_t> scratch16(b16 ? heads_per_pass * per_head : 0);
+  const auto attend = b16 ? (dim == 64 ? &attend_tile<64, true> : &attend_tile<128, true>)
+                          : (dim == 64 ? &attend_tile<64, false> : &attend_tile<128, false>);
   for (int64_t h0 = 0; h0 < kv_heads; h0 += heads_per_pass) {
     const int64_t pass = std::min(heads_per_pass, kv_heads - h0);
     at::parallel_for(0, pass * keys, 64, [&](int64_t begin, int64_t stop) {
@@ -237,6 +330,15 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, 
         const int64_t h = task / keys, k = task % keys;
         const int64_t pos = base + k, slot = bp[pos / block_size] * block_size + pos % block_size;
         const int64_t at = ((slot * kv_heads + h0 + h) * dim) * element;
+        if (b16) {  // keys [dim / 2][ldk][2], values [ldk / 2][dim][2]
+          const uint16_t* ks = reinterpret_cast<const uint16_t*>(kp + at);
+          const uint16_t* vs = reinterpret_cast<const uint16_t*>(vp + at);
+          uint16_t* kt = scratch16.data() + h * per_head;
+          uint16_t* vt = kt + ldk * dim + (k / 2) * dim * 2 + (k & 1);
+          for (int64_t d = 0; d < dim; ++d) kt[(d / 2) * ldk * 2 + k * 2 + (d & 1)] = ks[d];
+          for (int64_t d = 0; d < dim; ++d) vt[d * 2] = vs[d];
+          continue;
+        }
         float* kt = scratch.data() + h * per_head;
         float* vt = kt + ldk * dim + k * dim;
         if (pool_type == at::kFloat) {
@@ -252,11 +354,19 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, 
         }
       }
     });
-    for (int64_t h = 0; h < pass; ++h)
+    for (int64_t h = 0; h < pass; ++h) {
+      if (b16) {  // past the last key: zero keys and values (an odd last key pairs with a zero weight)
+        uint16_t* kt = scratch16.data() + h * per_head;
+        for (int64_t e = 0; e < dim / 2; ++e) std::fill(kt + (e * ldk + keys) * 2, kt + (e + 1) * ldk * 2, 0);
+        for (int64_t k = keys; k < ldk; ++k)
+          for (int64_t d = 0; d < dim; ++d) kt[ldk * dim + (k / 2) * dim * 2 + d * 2 + (k & 1)] = 0;
+        continue;
+      }
       for (int64_t d = 0; d < dim; ++d) {
         float* row = scratch.data() + h * per_head + d * ldk;
         std::fill(row + keys, row + ldk, 0.f);
       }
+    }
     // (key head, token tile) tasks handed out one at a time, a key head at a time (its keys stay
     // in cache), within it the last tiles (the most keys) first.
     std::atomic<int64_t> next{0};
@@ -264,18 +374,30 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, 
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
       const int64_t most = kTokenTile * group;
       std::vector<float> q(most * dim), top(most), total(most), o(most * dim), s(most * kKeyTile);
+      std::vector<uint32_t> q16(b16 ? most * dim / 2 : 0);
       for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
         const int64_t h = t / tiles, kh = h0 + h, tile = tiles - 1 - t % tiles;
         const int64_t t0 = tile * kTokenTile, t1 = std::min(tokens, t0 + kTokenTile);
         for (int64_t i = t0; i < t1; ++i)
           for (int64_t g = 0; g < group; ++g) {
             const float* src = qp + i * q_token + (kh * group + g) * q_head;
-            float* dst = q.data() + ((i - t0) * group + g) * dim;
-            for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * static_cast<float>(scale);
+            const int64_t row = (i - t0) * group + g;
+            if (b16) {  // the bfloat16 value's bits are the float32's upper half
+              for (int64_t e = 0; e < dim / 2; ++e)
+                q16[row * (dim / 2) + e] = (bits(src[2 * e]) >> 16) | (bits(src[2 * e + 1]) & 0xFFFF0000u);
+              continue;
+            }
+            for (int64_t d = 0; d < dim; ++d) q[row * dim + d] = src[d] * static_cast<float>(scale);
           }
-        const float* kt = scratch.data() + h * per_head;
-        attend(q.data(), t0, t1, group, start, window, base, kt, ldk, kt + ldk * dim, top.data(), total.data(),
-               o.data(), s.data());
+        if (b16) {
+          const uint16_t* kt = scratch16.data() + h * per_head;
+          attend(q16.data(), static_cast<float>(scale), t0, t1, group, start, window, base, kt, ldk, kt + ldk * dim,
+                 top.data(), total.data(), o.data(), s.data());
+        } else {
+          const float* kt = scratch.data() + h * per_head;
+          attend(q.data(), 1.f, t0, t1, group, start, window, base, kt, ldk, kt + ldk * dim, top.data(),
+                 total.data(), o.data(), s.data());
+        }
         for (int64_t i = t0; i < t1; ++i)
           for (int64_t g = 0; g < group; ++g) {
             const int64_t r = (i - t0) * group + g;
