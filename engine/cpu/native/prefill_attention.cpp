@@ -22,6 +22,8 @@
 #include <immintrin.h>
 #endif
 
+bool bf16_linear_supported();  // bf16_linear.cpp: this build and CPU have AVX512_BF16
+
 namespace {
 
 #if defined(__AVX512F__)
@@ -137,11 +139,6 @@ void value_rows_bf16(const float* p, const uint16_t* v, int64_t n, float* o) {
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * DV + 16 * c, acc[r][c]);
-}
-
-bool cpu_has_bf16() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16");
 }
 
 // tile.template operator()<N>(r) over rows [r, rows) in register tiles of N = R rows, the remainder through
@@ -315,7 +312,7 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, 
   // fit kScratchBytes, about a core's L2 (a gathered head is used while it is still there).
   // A bfloat16 model (bfloat16 cache, every query a bfloat16 value widened) multiplies in bfloat16 where the CPU
   // has AVX512_BF16: the keys and values are gathered as bfloat16 pairs instead of float32.
-  const bool b16 = pool_type == at::kBFloat16 && cpu_has_bf16() && bfloat16_values(query);
+  const bool b16 = pool_type == at::kBFloat16 && bf16_linear_supported() && bfloat16_values(query);
   constexpr int64_t kScratchBytes = 1 << 20;
   const int64_t per_head = 2 * ldk * dim;
   const int64_t heads_per_pass = std::clamp<int64_t>(kScratchBytes / (per_head * (b16 ? 2 : 4)), 1, kv_heads);
