@@ -400,6 +400,27 @@ def _k_quant_blocks(w: np.ndarray, bits: int) -> np.ndarray:
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
+def _q6_k_blocks(w: np.ndarray) -> np.ndarray:
+    """Rows of float32 weights (a multiple of 256 wide) as Q6_K super-blocks, laid out as ggml's block_q6_K:
+    128 bytes of low nibbles, 64 bytes of high bit pairs, 16 signed scales (one per 16 weights), half d. In each
+    half of 128 weights, weight 32t + l has its low nibble in byte l (t = 0, 2) or 32 + l (t = 1, 3) of the half's
+    64, low nibble for t < 2, high for t >= 2, and its two high bits at bits 2t of the half's byte l of 32; q is
+    stored + 32. Round to nearest, no search."""
+    rows = w.shape[0]
+    sub = w.reshape(rows, -1, 16, 16)
+    step = np.abs(sub).max(-1) / 31
+    d = (step.max(-1) / 127).astype(np.float16)
+    sc = np.clip(np.round(step / np.maximum(d.astype(np.float32)[..., None], 1e-12)), 1, 127).astype(np.int8)
+    scale = d.astype(np.float32)[..., None] * sc
+    q = (np.clip(np.round(sub / scale[..., None]), -32, 31) + 32).astype(np.uint8).reshape(rows, -1, 2, 4, 32)
+    ql = np.concatenate([(q[:, :, :, 0] & 0xF) | ((q[:, :, :, 2] & 0xF) << 4),
+                         (q[:, :, :, 1] & 0xF) | ((q[:, :, :, 3] & 0xF) << 4)], axis=-1)  # [rows, blocks, 2, 64]
+    qh = sum(((q[:, :, :, t] >> 4) & 3) << (2 * t) for t in range(4)).astype(np.uint8)  # [rows, blocks, 2, 32]
+    parts = [ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64), sc.view(np.uint8),
+             d.reshape(rows, -1, 1).view(np.uint8)]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
 def _copy_tokenizer(writer, source) -> None:
     import gguf
 
@@ -426,10 +447,10 @@ def _copy_tokenizer(writer, source) -> None:
 G_HIDDEN, G_FF = 256, 512  # K-quants' super-blocks are 256 wide
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_blocks_read_as_ggufs_own_dequantization(kind):
     """The blocks the worker reads from a GGUF tensor give the weights gguf's own dequantization gives, exactly
-    (K-quants: any bytes are valid blocks once d and dmin are finite)."""
+    (K-quants: any bytes are valid blocks once d and dmin are finite; Q6_K's d is its last two bytes)."""
     import gguf
     from gguf import quants
 
@@ -439,18 +460,45 @@ def test_gguf_blocks_read_as_ggufs_own_dequantization(kind):
     qtype = getattr(gguf.GGMLQuantizationType, kind)
     if kind.endswith("_K"):
         raw = rng.integers(0, 256, (48, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
-        raw[:, 0:4] = rng.random((48, 2)).astype(np.float16).view(np.uint8)
+        if kind == "Q6_K":
+            raw[:, 208:210] = rng.random((48, 1)).astype(np.float16).view(np.uint8)
+        else:
+            raw[:, 0:4] = rng.random((48, 2)).astype(np.float16).view(np.uint8)
     else:
         raw = quants.quantize(rng.standard_normal((48, 256)).astype(np.float32), qtype)
     q, d, m, bits = gguf_blocks(kind, raw)
-    weight = (q.float().view(48, -1, 32) * d[..., None] + m[..., None]).view(48, -1)
+    group = 16 if kind == "Q6_K" else 32  # inputs a scale
+    assert d.shape == m.shape == (48, 256 // group)
+    weight = (q.float().view(48, -1, group) * d[..., None] + m[..., None]).view(48, -1)
     assert torch.equal(weight, torch.from_numpy(quants.dequantize(raw, qtype)))
     assert bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8)
 
 
-# Each decoder projection in its own block type; attn_v stays float16 (a dense layer beside packed ones).
+def test_a_scale_per_16_inputs_multiplies_exactly_at_every_row_count():
+    """Q6_K's form (8-bit q, a scale per 16 inputs, no minimum) packed for the kernel: every tile shape of rows
+    and panels gives x W^T within the 16-bit activations' rounding, and each half block takes its own scale."""
+    native_kernels.load("auto")
+    kernels = native_kernels.active()
+    if kernels is None or not kernels.word_blocks_supported():
+        pytest.skip("no packed product on this CPU")
+    torch.manual_seed(3)
+    q = torch.randint(-32, 32, (48, 96), dtype=torch.int8)
+    scale = torch.rand(48, 6) * 0.1
+    scale[:, 1::2] *= 50  # the second half of each block of 32 weighs far more than the first
+    layer = packed_linear.PackedLinear(q, scale, torch.zeros_like(scale), 8)
+    weight = (q.double().view(48, -1, 16) * scale.double()[..., None]).view(48, 96)
+    assert packed_linear.apply(torch.nn.Sequential(layer), kernels) == 1 and layer.block_format == 7
+    for rows in range(1, 41):
+        x = torch.randn(rows, 96)
+        bound = 1e-4 * (x.double().abs() @ weight.abs().T) + 1e-6
+        assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
+
+
+# Each decoder projection in its own block type; attn_v stays float16 (a dense layer beside packed ones). The
+# second layer's value and down projections are Q6_K, as a Q4_K_M file holds about half of them.
 GGUF_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "F16", "attn_output": "Q4_0", "ffn_gate": "Q4_K",
               "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
+GGUF_SECOND_LAYER = {"attn_v": "Q6_K", "ffn_down": "Q6_K"}
 
 
 def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatch):
@@ -487,10 +535,12 @@ def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatc
     for index in range(layers):
         writer.add_tensor(f"blk.{index}.attn_norm.weight", np.ones(G_HIDDEN, np.float32))
         writer.add_tensor(f"blk.{index}.ffn_norm.weight", np.ones(G_HIDDEN, np.float32))
-        for name, kind in GGUF_TYPES.items():
+        for name, kind in (GGUF_TYPES | (GGUF_SECOND_LAYER if index == 1 else {})).items():
             w = weight(*shapes[name])
             qtype = getattr(gguf.GGMLQuantizationType, kind)
-            if kind in ("Q4_K", "Q5_K"):
+            if kind == "Q6_K":
+                raw = _q6_k_blocks(w)
+            elif kind in ("Q4_K", "Q5_K"):
                 raw = _k_quant_blocks(w, 4 if kind == "Q4_K" else 5)
             elif kind == "F16":
                 raw = w.astype(np.float16)
@@ -510,8 +560,9 @@ def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatc
     monkeypatch.setenv("NATIVE_KERNELS_DIR", str(native_kernels.build_dir()))
     got, served, layers_served = _serve_batched(_engine(folder, cache_dir=tmp_path / "cache"), rows)
     assert [c[0] for c in got] == expected
-    # Q4_K (query, gate), Q5_K (key), Q4_0 (output) a layer from their blocks, the query and key rows in
-    # transformers' order; Q8_0 and Q4_1 in a float32 model take the exact-block product of their float32 weights.
+    # Q4_K (query, gate), Q5_K (key), Q4_0 (output) a layer and Q6_K (the second layer's value, down) from their
+    # blocks, the query and key rows in transformers' order; Q8_0 and Q4_1 in a float32 model take the exact-block
+    # product of their float32 weights.
     sources = sorted(layer.source.split(" ", 1)[1] for layer in layers_served)
-    assert sources == ["(GGUF Q4_0)"] * 2 + ["(GGUF Q4_K)"] * 4 + ["(GGUF Q5_K)"] * 2, sources
+    assert sources == ["(GGUF Q4_0)"] * 2 + ["(GGUF Q4_K)"] * 4 + ["(GGUF Q5_K)"] * 2 + ["(GGUF Q6_K)"] * 2, sources
     assert served.compact is not None, served.compact_reason

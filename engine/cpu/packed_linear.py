@@ -8,7 +8,8 @@ where every block of 32 has one scale (GPTQ's act-order groups are gathered once
 columns are gathered to match at each product). `apply` packs the blocks into the native kernel's layout
 (engine/cpu/native/quantized_linear.cpp, formats 5 and 6: d and m in float32, so m = -d * z is exact), checks
 the product against the dequantized weights, and from then on the layer reads 4.5 (4-bit) or 8.5 (8-bit) bits a
-weight. The product takes 16-bit integer activations (each row's block of 32 inputs in steps of 2^-15 of its
+weight. GGUF Q6_K's scale per 16 inputs (w = d * q, q in -32..31) is the one other grouping: 8-bit q, scales
+[out, in / 16], no minimum (format 7, 10 bits a weight). The product takes 16-bit integer activations (each row's block of 32 inputs in steps of 2^-15 of its
 largest magnitude), as the GGUF blocks do under DTYPE=auto (docs/cpu-kernels.md).
 
 Without the kernel (a CPU without AVX512_VNNI, NATIVE_KERNELS=off) the layers expand their weights once to
@@ -30,8 +31,8 @@ _FORMATS = {4: 5, 8: 6}  # bits -> the kernel's format number (quantized_linear.
 
 class PackedLinear(torch.nn.Module):
     """y = x W^T (+ bias) with W [out, in] held as w = scale * q + minimum per block of 32 inputs: q int8
-    [out, in] (0..15 for 4 bits), scale and minimum float32 [out, in / 32], over the inputs gathered by `order`
-    (None: their own order). Not a torch.nn.Linear, so that no rewrite made for dense weights (fusion's
+    [out, in] (0..15 for 4 bits), scale and minimum float32 [out, in / 32] (or, 8-bit with zero minimums, both
+    [out, in / 16]: a scale per 16 inputs), over the inputs gathered by `order` (None: their own order). Not a torch.nn.Linear, so that no rewrite made for dense weights (fusion's
     concatenation, layouts, GGUF block recovery) touches it."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
@@ -44,6 +45,11 @@ class PackedLinear(torch.nn.Module):
             raise ValueError(f"a {self.out_features}x{self.in_features} weight does not divide into the kernel's "
                              f"blocks of {PANEL} outputs by {BLOCK} inputs")
         self.bits, self.source = bits, source
+        self.group = self.in_features // scale.shape[1]  # inputs a scale: 32, or 16 (GGUF Q6_K)
+        if scale.shape != minimum.shape or self.group not in (BLOCK, BLOCK // 2) or (
+                self.group != BLOCK and (bits != 8 or bool(minimum.any()))):
+            raise ValueError(f"scales of {tuple(scale.shape)} and minimums of {tuple(minimum.shape)} for a "
+                             f"{self.out_features}x{self.in_features} {bits}-bit weight have no packed product")
         self.q, self.scale, self.minimum = q, scale.float().contiguous(), minimum.float().contiguous()
         self.order = order
         self.bias = bias
@@ -60,7 +66,7 @@ class PackedLinear(torch.nn.Module):
 
     def weight_float(self) -> torch.Tensor:
         """The dequantized weights [out, in] in float32, columns in the layer's order (`order`)."""
-        q = self.q.float().view(self.out_features, -1, BLOCK)
+        q = self.q.float().view(self.out_features, -1, self.group)
         return (q * self.scale.unsqueeze(-1) + self.minimum.unsqueeze(-1)).view(self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
@@ -95,7 +101,7 @@ class PackedLinear(torch.nn.Module):
                 for p in parts):
             return None
         if not all(isinstance(p, cls) for p in parts) or any(
-                p.bits != first.bits or (p.bias is None) != (first.bias is None)
+                p.bits != first.bits or p.group != first.group or (p.bias is None) != (first.bias is None)
                 or (p.order is None) != (first.order is None)
                 or (p.order is not None and not torch.equal(p.order, first.order)) for p in parts):
             return SideBySide(parts)
@@ -133,6 +139,8 @@ def _half_exact(layer: PackedLinear) -> bool:
     points, bitsandbytes' int8 rows often do), half a bit a weight less than float32 headers."""
     def exact(t: torch.Tensor) -> bool:
         return bool((t.half().float() == t).all())
+    if layer.group != BLOCK:
+        return False  # format 7 keeps float32 headers
     if layer.bits == 8:
         return exact(layer.scale) and not bool(layer.minimum.any())
     return exact(layer.scale) and exact(layer.minimum)

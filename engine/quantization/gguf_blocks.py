@@ -1,4 +1,4 @@
-"""A GGUF file's Q4_0 / Q4_K / Q5_K layers multiplied from the file's own blocks."""
+"""A GGUF file's Q4_0 / Q4_K / Q5_K / Q6_K layers multiplied from the file's own blocks."""
 from __future__ import annotations
 
 import logging
@@ -14,9 +14,10 @@ log = logging.getLogger("engine.quantization")
 # GGUF block types whose weights are w = d * q + m per 32 weights of one row (K-quants: sub-blocks of 32 with
 # 6-bit scales and minimums times the super-block's half-precision d and dmin, exact in float32), served from
 # their blocks. Q4_1 / Q8_0 (readable too) keep engine/cpu/quantized_weights.py's product, which a probe weighs
-# against bfloat16. Q6_K's sub-blocks are 16 wide (two scales a block of 32) and Q5_0 / Q5_1 / Q2_K / Q3_K are not
-# read here: such layers keep the dense weights transformers expanded from the file.
-GGUF_BLOCK_TYPES = ("Q4_0", "Q4_K", "Q5_K")
+# against bfloat16. Q6_K (w = d * s * q per 16 weights, q in -32..31; Q4_K_M files hold their output head and about
+# half the value and down projections in it) takes the product's scale-per-16 form. Q5_0 / Q5_1 / Q2_K / Q3_K are
+# not read here: such layers keep the dense weights transformers expanded from the file.
+GGUF_BLOCK_TYPES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _halves(raw, start: int):
@@ -36,7 +37,8 @@ def _k_scales(s):
 
 def gguf_blocks(kind: str, raw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """A GGUF tensor's raw rows (uint8 [rows, bytes]) of a type in GGUF_BLOCK_TYPES -> (q int8 [rows, in],
-    d [rows, in / 32], m [rows, in / 32], bits): w = d * q + m, as ggml's dequantization computes it."""
+    d [rows, in / 32], m [rows, in / 32], bits): w = d * q + m, as ggml's dequantization computes it. Q6_K gives
+    d and m [rows, in / 16] (m zero)."""
     import numpy as np
 
     rows = raw.shape[0]
@@ -66,6 +68,19 @@ def gguf_blocks(kind: str, raw) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
             qh = b[..., 16:48]
             q = q + 16 * ((qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1)
         bits = 4 if kind == "Q4_K" else 8
+    elif kind == "Q6_K":
+        # block_q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 signed sub-block scales, half d. Each half
+        # of 128 weights: quarter t (32 weights) has nibbles from bytes 0..31 (t even) or 32..63 (t odd) of its 64,
+        # low (t < 2) or high, and bits 2t, 2t + 1 of its 32 high bytes.
+        b = raw.reshape(rows, -1, 210)
+        ql = b[..., 0:128].reshape(rows, -1, 2, 2, 32)  # [.., half, bytes 0..31 / 32..63, l]
+        qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+        low = np.stack([ql[:, :, :, 0] & 0xF, ql[:, :, :, 1] & 0xF, ql[:, :, :, 0] >> 4, ql[:, :, :, 1] >> 4], axis=3)
+        high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, None, :, None]) & 3
+        q = (low | (high << 4)).astype(np.int16) - 32
+        d = _halves(b, 208)[..., None] * b[..., 192:208].copy().view(np.int8).astype(np.float32)
+        m = np.zeros_like(d)
+        bits = 8
     else:
         raise QuantizationError(f"GGUF type {kind} has no packed form here")
     q = torch.from_numpy(np.ascontiguousarray(q.reshape(rows, -1).astype(np.int8)))

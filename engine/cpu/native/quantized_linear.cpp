@@ -46,11 +46,15 @@ constexpr int64_t kBlock = 32;  // weights per block, along the input dimension
 //    GGUF k-quants; engine/cpu/quantized_checkpoint.py), w = d * q + m with q in 0..15 (5) or -128..127 (6), in
 //    the arrangement of formats 3 and 4 but d and m in float32: a checkpoint's zero point makes m = -d * z, which
 //    half precision does not hold exactly, and float32 does (d half precision or bfloat16, z at most 8 bits).
-enum Format : int64_t { kNone = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_1Words = 3, kQ8_0Words = 4, kQ4Scaled = 5, kQ8Scaled = 6 };
+//  - Format 7 is format 6 with a scale per 16 inputs and no minimum (GGUF Q6_K: w = d * s * q per 16 weights,
+//    q in -32..31): the header holds the 16 outputs' scales of inputs 0..15, then those of inputs 16..31.
+enum Format : int64_t {
+  kNone = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_1Words = 3, kQ8_0Words = 4, kQ4Scaled = 5, kQ8Scaled = 6, kQ8Halves = 7
+};
 
 constexpr bool four_bit(Format f) { return f == kQ4_1 || f == kQ4Scaled; }
-constexpr bool float_header(Format f) { return f == kQ4Scaled || f == kQ8Scaled; }
-constexpr bool has_minimum(Format f) { return f != kQ8_0; }
+constexpr bool float_header(Format f) { return f == kQ4Scaled || f == kQ8Scaled || f == kQ8Halves; }
+constexpr bool has_minimum(Format f) { return f != kQ8_0 && f != kQ8Halves; }
 constexpr int64_t header_bytes(Format f) { return (f == kQ4_1 ? 2 : 1) * kPanel * 4; }
 constexpr int64_t input_bytes(Format f) { return four_bit(f) ? kPanel / 2 : kPanel; }
 constexpr int64_t block_bytes(Format f) { return header_bytes(f) + kBlock * input_bytes(f); }
@@ -409,11 +413,28 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
         const __m512i xv = _mm512_set1_epi32(xb[g * R + r]);
         for (int p = 0; p < P; ++p) acc[g % A][r][p] = _mm512_dpwssd_epi32(acc[g % A][r][p], xv, wg[p]);
       }
+      if constexpr (F == kQ8Halves) {
+        if (g == 7) {  // inputs 0..15 done: their sums take the first scales, and the sums start again
+          for (int p = 0; p < P; ++p) {
+            const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(headers + p * panel_bytes +
+                                                                            b * word_block_bytes(F)));
+            for (int r = 0; r < R; ++r) {
+              __m512i total = acc[0][r][p];
+              if constexpr (A == 2) total = _mm512_add_epi32(total, acc[1][r][p]);
+              sums[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total),
+                                           _mm512_mul_ps(d, _mm512_set1_ps(x_scale[b * R + r])), sums[r][p]);
+              for (int a = 0; a < A; ++a) acc[a][r][p] = _mm512_setzero_si512();
+            }
+          }
+        }
+      }
     }
     for (int p = 0; p < P; ++p) {
       const uint8_t* header = headers + p * panel_bytes + b * word_block_bytes(F);
       __m512 d, m = _mm512_setzero_ps();
-      if constexpr (float_header(F)) {
+      if constexpr (F == kQ8Halves) {
+        d = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);  // inputs 16..31's scales
+      } else if constexpr (float_header(F)) {
         d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
         m = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
       } else {
@@ -529,6 +550,7 @@ int64_t packed_block_bytes(int64_t format) {
     case kQ4_1Words: return word_block_bytes(kQ4_1);
     case kQ8_0Words: return word_block_bytes(kQ8_0);
     case kQ4Scaled: return word_block_bytes(kQ4Scaled);
+    case kQ8Halves: return word_block_bytes(kQ8Halves);
     default: return word_block_bytes(kQ8Scaled);
   }
 }
@@ -565,7 +587,8 @@ std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words
 // blocks): 5 or 6 and the blocks in the product's layout for 16-bit integer activations. The product multiplies
 // by exactly these weights (d * q + m in real numbers; float32 rounds only the sums). With `half` (the caller
 // found every scale and minimum exact in half precision, and for 8 bits every minimum zero) the blocks are
-// formats 3 and 4 instead: the same product with half-precision headers, a bit less per weight.
+// formats 3 and 4 instead: the same product with half-precision headers, a bit less per weight. A scale per 16
+// inputs ([out, in / 16], 8 bits, every minimum zero: GGUF Q6_K) gives format 7.
 std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
                                             int64_t bits, bool half) {
   TORCH_CHECK(word_blocks_supported(), "pack_scaled: this build has no product for 16-bit activations (it needs "
@@ -576,13 +599,17 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
   const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock;
   TORCH_CHECK(n % kPanel == 0 && k % kBlock == 0 && n > 0 && k > 0, "pack_scaled: the weight's shape must divide "
               "into 16 outputs by 32 inputs");
+  const bool per_16 = scale.dim() == 2 && scale.size(1) == 2 * blocks;
   for (const at::Tensor* t : {&scale, &minimum})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == n &&
-                    t->size(1) == blocks, "pack_scaled: scale and minimum must be float32 [out, in / 32]");
+                    t->size(1) == (per_16 ? 2 : 1) * blocks, "pack_scaled: scale and minimum must be float32 "
+                    "[out, in / 32] (or both [out, in / 16])");
   const at::Tensor qc = q.contiguous(), sc = scale.contiguous(), mc = minimum.contiguous();
   if (bits == 4)
     TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() <= 15, "pack_scaled: 4-bit q must be in 0..15");
-  const Format f = half ? (bits == 4 ? kQ4_1Words : kQ8_0Words) : (bits == 4 ? kQ4Scaled : kQ8Scaled);
+  TORCH_CHECK(!per_16 || (bits == 8 && !half && !mc.any().item<bool>()), "pack_scaled: a scale per 16 inputs needs "
+              "8-bit q, float32 headers and zero minimums");
+  const Format f = per_16 ? kQ8Halves : half ? (bits == 4 ? kQ4_1Words : kQ8_0Words) : (bits == 4 ? kQ4Scaled : kQ8Scaled);
   const int64_t block = packed_block_bytes(f), panels = n / kPanel, panel_bytes = blocks * block;
   const int64_t header_size = half ? word_header_bytes(bits == 4 ? kQ4_1 : kQ8_0) : 2 * kPanel * 4;
   auto packed = at::empty({panels, panel_bytes}, at::kByte);
@@ -599,7 +626,10 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
         uint8_t* dst = out + p * panel_bytes + b * block;
         for (int64_t i = 0; i < kPanel; ++i) {
           const int64_t row = p * kPanel + i;
-          header[i] = ss[row * blocks + b], header[kPanel + i] = ms[row * blocks + b];
+          if (per_16)
+            header[i] = ss[row * 2 * blocks + 2 * b], header[kPanel + i] = ss[row * 2 * blocks + 2 * b + 1];
+          else
+            header[i] = ss[row * blocks + b], header[kPanel + i] = ms[row * blocks + b];
           halves[i] = at::Half(header[i]).x, halves[kPanel + i] = at::Half(header[kPanel + i]).x;
           std::memcpy(tile[i], qs + row * k + b * kBlock, kBlock);
         }
@@ -616,8 +646,8 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
 // x float32 [rows, in] (contiguous) times the weight `pack_blocks` packed as `format`, [out, in] -> [rows, out].
 at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features) {
   TORCH_CHECK(blocks_supported(), "blocks_linear: this build has no block product (it needs AVX-512)");
-  TORCH_CHECK(format >= kQ4_1 && format <= kQ8Scaled, "blocks_linear: unknown format");
-  TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 to 6 "
+  TORCH_CHECK(format >= kQ4_1 && format <= kQ8Halves, "blocks_linear: unknown format");
+  TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 to 7 "
               "(it needs AVX512_VNNI)");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "blocks_linear: x must be a contiguous float32 CPU matrix [rows, in]");
@@ -639,6 +669,7 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     if (format == kQ8_0Words) word_product<kQ8_0>(xs, rows, k, blocks, o, n);
     if (format == kQ4Scaled) word_product<kQ4Scaled>(xs, rows, k, blocks, o, n);
     if (format == kQ8Scaled) word_product<kQ8Scaled>(xs, rows, k, blocks, o, n);
+    if (format == kQ8Halves) word_product<kQ8Halves>(xs, rows, k, blocks, o, n);
 #endif
   }
 #endif
