@@ -527,7 +527,9 @@ def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatc
 
     def weight(rows, cols):
         return (rng.standard_normal((rows, cols)) / cols ** 0.5).astype(np.float32)
-    writer.add_tensor("token_embd.weight", weight(VOCAB, G_HIDDEN))
+    # The head is tied to the embeddings, which a Q4_K_M file holds as Q6_K.
+    embeddings = _q6_k_blocks(weight(VOCAB, G_HIDDEN))
+    writer.add_tensor("token_embd.weight", embeddings, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
     writer.add_tensor("output_norm.weight", np.ones(G_HIDDEN, np.float32))
     shapes = {"attn_q": (G_HIDDEN, G_HIDDEN), "attn_k": (G_HIDDEN // 2, G_HIDDEN), "attn_v": (G_HIDDEN // 2, G_HIDDEN),
               "attn_output": (G_HIDDEN, G_HIDDEN), "ffn_gate": (G_FF, G_HIDDEN), "ffn_up": (G_FF, G_HIDDEN),
@@ -560,9 +562,12 @@ def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatc
     monkeypatch.setenv("NATIVE_KERNELS_DIR", str(native_kernels.build_dir()))
     got, served, layers_served = _serve_batched(_engine(folder, cache_dir=tmp_path / "cache"), rows)
     assert [c[0] for c in got] == expected
-    # Q4_K (query, gate), Q5_K (key), Q4_0 (output) a layer and Q6_K (the second layer's value, down) from their
-    # blocks, the query and key rows in transformers' order; Q8_0 and Q4_1 in a float32 model take the exact-block
-    # product of their float32 weights.
+    # Q4_K (query, gate), Q5_K (key), Q4_0 (output) a layer and Q6_K (the second layer's value, down; the tied
+    # head) from their blocks, the query and key rows in transformers' order; Q8_0 and Q4_1 in a float32 model take
+    # the exact-block product of their float32 weights.
     sources = sorted(layer.source.split(" ", 1)[1] for layer in layers_served)
-    assert sources == ["(GGUF Q4_0)"] * 2 + ["(GGUF Q4_K)"] * 4 + ["(GGUF Q5_K)"] * 2 + ["(GGUF Q6_K)"] * 2, sources
+    assert sources == ["(GGUF Q4_0)"] * 2 + ["(GGUF Q4_K)"] * 4 + ["(GGUF Q5_K)"] * 2 + ["(GGUF Q6_K)"] * 3, sources
+    model = served.model
+    assert isinstance(model.lm_head, packed_linear.PackedLinear) and model.lm_head.source == "lm_head (GGUF Q6_K)"
+    assert type(model.get_input_embeddings()) is torch.nn.Embedding  # the rows a prompt looks up stay dense
     assert served.compact is not None, served.compact_reason

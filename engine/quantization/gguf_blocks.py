@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu.packed_linear import PackedLinear, parent_module as _parent
+from engine.cpu.packed_linear import PANEL, PackedLinear, parent_module as _parent
 from engine.quantization.methods import QuantizationError
 
 log = logging.getLogger("engine.quantization")
@@ -111,9 +111,12 @@ def gguf_layers(model: torch.nn.Module, path: Path, types: tuple[str, ...]) -> i
     tied = head is not None and head.weight is model.get_input_embeddings().weight
     replaced, kept = 0, {}
     for name, module in list(model.named_modules()):
-        if type(module) is not torch.nn.Linear or (module is head and tied):
+        if type(module) is not torch.nn.Linear:
             continue
-        file_name = names.get_name(f"{name}.weight", try_suffixes=(".weight",))
+        # A tied head is the file's token embeddings (a Q4_K_M file holds them as Q6_K): the head multiplies from
+        # their blocks and the embedding keeps its rows, so the two are untied below.
+        file_name = "token_embd.weight" if module is head and tied else names.get_name(
+            f"{name}.weight", try_suffixes=(".weight",))
         tensor = tensors.get(file_name or "")
         if tensor is None or tensor.tensor_type.name not in types:
             if tensor is not None:
@@ -121,7 +124,8 @@ def gguf_layers(model: torch.nn.Module, path: Path, types: tuple[str, ...]) -> i
             continue
         q, d, m, bits = gguf_blocks(tensor.tensor_type.name, tensor.data)
         dense = module.weight.detach().float()
-        if q.shape != dense.shape:
+        if q.shape != dense.shape or q.shape[0] % PANEL:  # (a vocabulary not a multiple of the kernel's panel)
+            kept[tensor.tensor_type.name] = kept.get(tensor.tensor_type.name, 0) + 1
             continue
         layer = PackedLinear(q, d, m, bits, None if module.bias is None else module.bias.detach().float(), None,
                              f"{name} (GGUF {tensor.tensor_type.name})")
@@ -139,6 +143,9 @@ def gguf_layers(model: torch.nn.Module, path: Path, types: tuple[str, ...]) -> i
                                  layer.bias, None, layer.source)
         parent, child = _parent(model, name)
         setattr(parent, child, layer)
+        if module is head and tied:
+            model.config.tie_word_embeddings = False  # nothing may tie the embedding's weight back onto the head
+            model.config.get_text_config().tie_word_embeddings = False
         replaced += 1
     log.info("GGUF: %d linear layers from their file's blocks (%s); %s", replaced, ", ".join(types),
              ", ".join(f"{n} {t} layers keep dense weights" for t, n in kept.items()) or "no others")
