@@ -165,6 +165,10 @@ def load(config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, platform, verdicts)
     gguf = source.path / source.gguf_file if source.gguf_file else None
     gguf_blocks = platform.cpu_fast_paths and cpu_plan.try_gguf_blocks(config, dtype, gguf, verdicts)
+    # Q4_1 / Q8_0 layers take the block product that recovers them from float32 weights on that path (and in an
+    # explicitly float32 model); elsewhere they are read from the file's blocks as the other types are.
+    gguf_types = quantized_checkpoint.GGUF_BLOCK_TYPES + (
+        () if gguf_blocks or dtype == torch.float32 else quantized_checkpoint.GGUF_RECOVERED_TYPES)
     if gguf_blocks:
         dtype = torch.float32
     if config.tokenizer:
@@ -207,9 +211,9 @@ def load(config: EngineConfig) -> LoadedModel:
                 if quantization in quantized_checkpoint.LOAD_TIME_METHODS:
                     quantized_checkpoint.quantize_at_load(model, quantization)
                 if gguf is not None and device.type == "cpu" and config.native_kernels != "off":
-                    # Q4_0 and K-quant layers multiply from their file's blocks; Q4_1 / Q8_0 ones keep the product
-                    # that recovers them from float32 weights where a probe finds it faster (engine/cpu/plan.py).
-                    quantized_checkpoint.gguf_layers(model, gguf, quantized_checkpoint.GGUF_BLOCK_TYPES)
+                    # Q4_0, Q5_0 / Q5_1 and K-quant layers multiply from their file's blocks; Q4_1 / Q8_0 ones too
+                    # unless they keep the product that recovers them from float32 weights (engine/cpu/plan.py).
+                    quantized_checkpoint.gguf_layers(model, gguf, gguf_types)
                 if not fallback_reason:  # faster decode steps; the rewrites target decoder layers
                     windows.mark_windows(model)
                 fusion.apply(model, verdicts)

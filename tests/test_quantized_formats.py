@@ -24,7 +24,7 @@ from engine import AsyncEngine, EngineConfig
 from engine.cpu import fusion, native_kernels, packed_linear
 from engine.loader import ModelLoadError
 from engine_helpers import choice_ids
-from tiny_models import VOCAB, family_greedy, prompts, reference
+from tiny_models import NEW_TOKENS, VOCAB, family_greedy, prompts, reference
 
 HIDDEN, INTERMEDIATE = 128, 256
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -213,8 +213,8 @@ FORMATS = {
 }
 
 
-def _engine(folder, **kw) -> AsyncEngine:
-    return AsyncEngine(EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=32,
+def _engine(folder, dtype: str = "float32", **kw) -> AsyncEngine:
+    return AsyncEngine(EngineConfig(model=str(folder), dtype=dtype, max_num_batched_tokens=32,
                                     kv_cache_memory=8 * 2**20, max_num_seqs=8, **kw))
 
 
@@ -447,7 +447,7 @@ def _copy_tokenizer(writer, source) -> None:
 G_HIDDEN, G_FF = 256, 512  # K-quants' super-blocks are 256 wide
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_blocks_read_as_ggufs_own_dequantization(kind):
     """The blocks the worker reads from a GGUF tensor give the weights gguf's own dequantization gives, exactly
     (K-quants: any bytes are valid blocks once d and dmin are finite; Q6_K's d is its last two bytes)."""
@@ -495,16 +495,19 @@ def test_a_scale_per_16_inputs_multiplies_exactly_at_every_row_count():
 
 
 # Each decoder projection in its own block type; attn_v stays float16 (a dense layer beside packed ones). The
-# second layer's value and down projections are Q6_K, as a Q4_K_M file holds about half of them.
+# second layer's value and down projections are Q6_K, as a Q4_K_M file holds about half of them, and its output and
+# gate projections Q5_0 / Q5_1, as llama.cpp writes them where a row does not divide into K-quants' 256.
 GGUF_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "F16", "attn_output": "Q4_0", "ffn_gate": "Q4_K",
               "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
-GGUF_SECOND_LAYER = {"attn_v": "Q6_K", "ffn_down": "Q6_K"}
+GGUF_SECOND_LAYER = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q5_1"}
 
 
-def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatch):
+def _write_gguf(tmp_path, types: dict, second_layer: dict, embeddings: str = "Q6_K"):
+    """A 2-layer GGUF llama file in tmp_path/gguf/tiny.gguf with the embedded model's tokenizer: each decoder
+    projection of the first layer in `types`' block type (the second layer's in `second_layer` where it names
+    one), the tied embeddings in `embeddings`. Returns the folder."""
     import gguf
     from gguf import quants
-    from transformers import AutoModelForCausalLM
 
     from engine.sources.store import resolve
 
@@ -527,9 +530,18 @@ def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatc
 
     def weight(rows, cols):
         return (rng.standard_normal((rows, cols)) / cols ** 0.5).astype(np.float32)
-    # The head is tied to the embeddings, which a Q4_K_M file holds as Q6_K.
-    embeddings = _q6_k_blocks(weight(VOCAB, G_HIDDEN))
-    writer.add_tensor("token_embd.weight", embeddings, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+
+    def blocks(w, kind):
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        if kind == "Q6_K":
+            return _q6_k_blocks(w), qtype
+        if kind in ("Q4_K", "Q5_K"):
+            return _k_quant_blocks(w, 4 if kind == "Q4_K" else 5), qtype
+        if kind == "F16":
+            return w.astype(np.float16), qtype
+        return quants.quantize(w, qtype), qtype
+    raw, qtype = blocks(weight(VOCAB, G_HIDDEN), embeddings)
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=qtype)
     writer.add_tensor("output_norm.weight", np.ones(G_HIDDEN, np.float32))
     shapes = {"attn_q": (G_HIDDEN, G_HIDDEN), "attn_k": (G_HIDDEN // 2, G_HIDDEN), "attn_v": (G_HIDDEN // 2, G_HIDDEN),
               "attn_output": (G_HIDDEN, G_HIDDEN), "ffn_gate": (G_FF, G_HIDDEN), "ffn_up": (G_FF, G_HIDDEN),
@@ -537,23 +549,21 @@ def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatc
     for index in range(layers):
         writer.add_tensor(f"blk.{index}.attn_norm.weight", np.ones(G_HIDDEN, np.float32))
         writer.add_tensor(f"blk.{index}.ffn_norm.weight", np.ones(G_HIDDEN, np.float32))
-        for name, kind in (GGUF_TYPES | (GGUF_SECOND_LAYER if index == 1 else {})).items():
-            w = weight(*shapes[name])
-            qtype = getattr(gguf.GGMLQuantizationType, kind)
-            if kind == "Q6_K":
-                raw = _q6_k_blocks(w)
-            elif kind in ("Q4_K", "Q5_K"):
-                raw = _k_quant_blocks(w, 4 if kind == "Q4_K" else 5)
-            elif kind == "F16":
-                raw = w.astype(np.float16)
-            else:
-                raw = quants.quantize(w, qtype)
+        for name, kind in (types | (second_layer if index == 1 else {})).items():
+            raw, qtype = blocks(weight(*shapes[name]), kind)
             writer.add_tensor(f"blk.{index}.{name}.weight", raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return folder
 
+
+def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    # The head is tied to the embeddings, which a Q4_K_M file holds as Q6_K.
+    folder = _write_gguf(tmp_path, GGUF_TYPES, GGUF_SECOND_LAYER)
     expected_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.float32).eval()
     expected_model.generation_config.eos_token_id = None
     rows = prompts(9)
@@ -562,12 +572,44 @@ def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatc
     monkeypatch.setenv("NATIVE_KERNELS_DIR", str(native_kernels.build_dir()))
     got, served, layers_served = _serve_batched(_engine(folder, cache_dir=tmp_path / "cache"), rows)
     assert [c[0] for c in got] == expected
-    # Q4_K (query, gate), Q5_K (key), Q4_0 (output) a layer and Q6_K (the second layer's value, down; the tied
-    # head) from their blocks, the query and key rows in transformers' order; Q8_0 and Q4_1 in a float32 model take
-    # the exact-block product of their float32 weights.
+    # Q4_K (query, gate), Q5_K (key), Q4_0 (output) a layer, the second layer's Q6_K (value, down), Q5_0 (output)
+    # and Q5_1 (gate), and the tied Q6_K head from their blocks, the query and key rows in transformers' order;
+    # Q8_0 and Q4_1 in a float32 model take the exact-block product of their float32 weights.
     sources = sorted(layer.source.split(" ", 1)[1] for layer in layers_served)
-    assert sources == ["(GGUF Q4_0)"] * 2 + ["(GGUF Q4_K)"] * 4 + ["(GGUF Q5_K)"] * 2 + ["(GGUF Q6_K)"] * 3, sources
+    assert sources == ["(GGUF Q4_0)", "(GGUF Q4_K)", "(GGUF Q4_K)", "(GGUF Q4_K)", "(GGUF Q5_0)", "(GGUF Q5_1)",
+                       "(GGUF Q5_K)", "(GGUF Q5_K)", "(GGUF Q6_K)", "(GGUF Q6_K)", "(GGUF Q6_K)"], sources
     model = served.model
     assert isinstance(model.lm_head, packed_linear.PackedLinear) and model.lm_head.source == "lm_head (GGUF Q6_K)"
     assert type(model.get_input_embeddings()) is torch.nn.Embedding  # the rows a prompt looks up stay dense
     assert served.compact is not None, served.compact_reason
+
+
+def test_a_bfloat16_gguf_model_reads_every_block_type_from_the_file(tmp_path, monkeypatch):
+    """A file like llama.cpp's Q4_K_M of a model whose rows do not divide into 256 (mostly Q5_0, Q8_0 where it
+    keeps more bits, Q8_0 tied embeddings) loads as bfloat16: every one of its layers, Q4_1 / Q8_0 included,
+    multiplies from the file's blocks, and every greedy token the worker picks is transformers' own pick for the
+    same text, or within bfloat16's rounding of it (teacher-forced: a near tie may fall either way, and the tokens
+    after it then differ; a misread block would be off by far more)."""
+    from transformers import AutoModelForCausalLM
+
+    types = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q5_1",
+             "ffn_up": "Q4_1", "ffn_down": "Q8_0"}
+    folder = _write_gguf(tmp_path, types, {"attn_v": "Q6_K", "ffn_down": "Q6_K"}, embeddings="Q8_0")
+    expected_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.bfloat16).eval()
+    expected_model.generation_config.eos_token_id = None
+    rows = prompts(9)
+    monkeypatch.setenv("NATIVE_KERNELS_DIR", str(native_kernels.build_dir()))
+    got, served, layers_served = _serve_batched(_engine(folder, cache_dir=tmp_path / "cache", dtype="bfloat16"), rows)
+    for ids, choices in zip(rows, got):
+        tokens = choices[0]
+        assert len(tokens) == NEW_TOKENS
+        with torch.inference_mode():
+            logits = expected_model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float()
+        behind = logits.max(1).values - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert (behind <= 2**-4).all(), behind  # logits up to ~5: bfloat16 steps of 2^-6 there
+    sources = sorted(layer.source.split(" ", 1)[1] for layer in layers_served)
+    # The first layer's query, key and value (Q5_0, Q5_0, Q8_0: 8-bit blocks of 32 alike) share one product under
+    # the query's name; the second's Q6_K value stands beside them. The first layer's down and the head are Q8_0.
+    assert sources == ["(GGUF Q4_1)"] * 2 + ["(GGUF Q5_0)"] * 5 + ["(GGUF Q5_1)"] * 2 + ["(GGUF Q6_K)"] * 2 + [
+        "(GGUF Q8_0)"] * 2, sources
+    assert served.model.lm_head.source == "lm_head (GGUF Q8_0)"

@@ -1,4 +1,5 @@
-"""A GGUF file's Q4_0 / Q4_K / Q5_K / Q6_K layers multiplied from the file's own blocks."""
+"""A GGUF file's Q4_0 / Q5_0 / Q5_1 / K-quant layers (and Q4_1 / Q8_0 ones outside the float32 block path)
+multiplied from the file's own blocks."""
 from __future__ import annotations
 
 import logging
@@ -14,10 +15,14 @@ log = logging.getLogger("engine.quantization")
 # GGUF block types whose weights are w = d * q + m per 32 weights of one row (K-quants: sub-blocks of 32 with
 # 6-bit scales and minimums times the super-block's half-precision d and dmin, exact in float32), served from
 # their blocks. Q4_1 / Q8_0 (readable too) keep engine/cpu/quantized_weights.py's product, which a probe weighs
-# against bfloat16. Q6_K (w = d * s * q per 16 weights, q in -32..31; Q4_K_M files hold their output head and about
-# half the value and down projections in it) takes the product's scale-per-16 form. Q5_0 / Q5_1 / Q2_K / Q3_K are
-# not read here: such layers keep the dense weights transformers expanded from the file.
-GGUF_BLOCK_TYPES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# against bfloat16; a file mostly of other types loads as bfloat16, and there its Q4_1 / Q8_0 layers are read from
+# their blocks too (GGUF_RECOVERED_TYPES). Q6_K (w = d * s * q per 16 weights, q in -32..31; Q4_K_M files hold their
+# output head and about half the value and down projections in it) takes the product's scale-per-16 form. Q5_0 /
+# Q5_1 (q 0..31) are 8-bit blocks: llama.cpp writes them wherever a K-quant's 256 does not divide a row (a 960-wide
+# model's Q4_K_M file is mostly Q5_0). Q2_K / Q3_K / IQ types are not read here: such layers keep the dense weights
+# transformers expanded from the file.
+GGUF_BLOCK_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+GGUF_RECOVERED_TYPES = ("Q4_1", "Q8_0")
 
 
 def _halves(raw, start: int):
@@ -50,6 +55,20 @@ def gguf_blocks(kind: str, raw) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         qs = b[..., size - 16:]
         q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # weights 0..15 low nibbles, 16..31 high
         bits = 4
+    elif kind in ("Q5_0", "Q5_1"):
+        # d (and Q5_1's m) half, 4 bytes whose bit j is weight j's fifth bit, then nibbles as Q4_0's
+        size = 22 if kind == "Q5_0" else 24
+        b = raw.reshape(rows, -1, size)
+        d = _halves(b, 0)
+        qh = b[..., size - 20:size - 16].copy().view(np.uint32)  # [rows, blocks, 1], little-endian as ggml's
+        qs = b[..., size - 16:]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int16)
+        q = q + 16 * ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
+        if kind == "Q5_0":
+            q, m = q - 16, np.zeros_like(d)  # -16..15: the 8-bit block needs no minimum
+        else:
+            m = _halves(b, 2)
+        bits = 8
     elif kind == "Q8_0":
         b = raw.reshape(rows, -1, 34)
         d = _halves(b, 0)
