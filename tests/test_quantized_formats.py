@@ -471,7 +471,7 @@ def test_gguf_blocks_read_as_ggufs_own_dequantization(kind):
     assert d.shape == m.shape == (48, 256 // group)
     weight = (q.float().view(48, -1, group) * d[..., None] + m[..., None]).view(48, -1)
     assert torch.equal(weight, torch.from_numpy(quants.dequantize(raw, qtype)))
-    assert bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    assert bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 5 if kind.startswith("Q5") else 8)
 
 
 def test_a_scale_per_16_inputs_multiplies_exactly_at_every_row_count():
@@ -488,6 +488,34 @@ def test_a_scale_per_16_inputs_multiplies_exactly_at_every_row_count():
     layer = packed_linear.PackedLinear(q, scale, torch.zeros_like(scale), 8)
     weight = (q.double().view(48, -1, 16) * scale.double()[..., None]).view(48, 96)
     assert packed_linear.apply(torch.nn.Sequential(layer), kernels) == 1 and layer.block_format == 7
+    for rows in range(1, 41):
+        x = torch.randn(rows, 96)
+        bound = 1e-4 * (x.double().abs() @ weight.abs().T) + 1e-6
+        assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
+
+
+@pytest.mark.parametrize("half", [True, False])
+def test_five_bit_blocks_multiply_exactly_at_every_row_count(half):
+    """GGUF Q5 types' form (q 0..31: nibbles and a word of fifth bits per pair of inputs) with half-precision
+    headers (format 8) or float32 ones (9): every tile shape gives x W^T within the 16-bit activations' rounding,
+    each fifth bit counted where its weight is."""
+    native_kernels.load("auto")
+    kernels = native_kernels.active()
+    if kernels is None or not kernels.word_blocks_supported():
+        pytest.skip("no packed product on this CPU")
+    torch.manual_seed(4)
+    q = torch.randint(0, 32, (48, 96), dtype=torch.int8)
+    scale = torch.rand(48, 3) * 0.1
+    minimum = -16 * scale
+    if half:
+        scale, minimum = scale.half().float(), minimum.half().float()
+    else:
+        minimum += 1e-3  # not a half-precision value
+    layer = packed_linear.PackedLinear(q, scale, minimum, 5)
+    weight = (q.double().view(48, -1, 32) * scale.double()[..., None] + minimum.double()[..., None]).view(48, 96)
+    assert packed_linear.apply(torch.nn.Sequential(layer), kernels) == 1
+    assert layer.block_format == (8 if half else 9)
+    assert layer.packed.numel() == 48 * 96 * (5 / 8) + 48 * 3 * (4 if half else 8)  # 5 bits a weight + headers
     for rows in range(1, 41):
         x = torch.randn(rows, 96)
         bound = 1e-4 * (x.double().abs() @ weight.abs().T) + 1e-6
@@ -608,8 +636,7 @@ def test_a_bfloat16_gguf_model_reads_every_block_type_from_the_file(tmp_path, mo
         behind = logits.max(1).values - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert (behind <= 2**-4).all(), behind  # logits up to ~5: bfloat16 steps of 2^-6 there
     sources = sorted(layer.source.split(" ", 1)[1] for layer in layers_served)
-    # The first layer's query, key and value (Q5_0, Q5_0, Q8_0: 8-bit blocks of 32 alike) share one product under
-    # the query's name; the second's Q6_K value stands beside them. The first layer's down and the head are Q8_0.
-    assert sources == ["(GGUF Q4_1)"] * 2 + ["(GGUF Q5_0)"] * 5 + ["(GGUF Q5_1)"] * 2 + ["(GGUF Q6_K)"] * 2 + [
-        "(GGUF Q8_0)"] * 2, sources
+    # Q5_0 query, key and output in both layers (5-bit blocks); the first layer's value and down and the head Q8_0.
+    assert sources == ["(GGUF Q4_1)"] * 2 + ["(GGUF Q5_0)"] * 6 + ["(GGUF Q5_1)"] * 2 + ["(GGUF Q6_K)"] * 2 + [
+        "(GGUF Q8_0)"] * 3, sources
     assert served.model.lm_head.source == "lm_head (GGUF Q8_0)"

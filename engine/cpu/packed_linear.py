@@ -2,7 +2,7 @@
 
 Every integer format a checkpoint brings (GPTQ, AWQ, compressed-tensors' int formats, bitsandbytes int8, GGUF
 blocks, the load-time int8 / int4 of QUANTIZATION) is, per block of 32 inputs of one output, w = d * q + m: q a
-4-bit (0..15) or 8-bit (-128..127) integer, d a scale and m a minimum (a zero point z gives m = -d * z). The
+4-bit (0..15), 5-bit (0..31: GGUF's Q5 types) or 8-bit (-128..127) integer, d a scale and m a minimum (a zero point z gives m = -d * z). The
 readers (engine/quantization/checkpoint.py) bring each layer to that form, with its input channels in an order
 where every block of 32 has one scale (GPTQ's act-order groups are gathered once at load; the activations'
 columns are gathered to match at each product). `apply` packs the blocks into the native kernel's layout
@@ -26,7 +26,7 @@ log = logging.getLogger("engine.cpu.packed_linear")
 
 BLOCK = 32  # inputs per scale: the kernel's block
 PANEL = 16  # outputs per panel of the kernel's layout
-_FORMATS = {4: 5, 8: 6}  # bits -> the kernel's format number (quantized_linear.cpp)
+_FORMATS = {4: 5, 5: 9, 8: 6}  # bits -> the kernel's format number (quantized_linear.cpp)
 
 
 class PackedLinear(torch.nn.Module):

@@ -18,8 +18,8 @@ log = logging.getLogger("engine.quantization")
 # against bfloat16; a file mostly of other types loads as bfloat16, and there its Q4_1 / Q8_0 layers are read from
 # their blocks too (GGUF_RECOVERED_TYPES). Q6_K (w = d * s * q per 16 weights, q in -32..31; Q4_K_M files hold their
 # output head and about half the value and down projections in it) takes the product's scale-per-16 form. Q5_0 /
-# Q5_1 (q 0..31) are 8-bit blocks: llama.cpp writes them wherever a K-quant's 256 does not divide a row (a 960-wide
-# model's Q4_K_M file is mostly Q5_0). Q2_K / Q3_K / IQ types are not read here: such layers keep the dense weights
+# Q5_1 / Q5_K (q 0..31) take its 5-bit form; llama.cpp writes Q5_0 wherever a K-quant's 256 does not divide a row
+# (a 960-wide model's Q4_K_M file is mostly Q5_0). Q2_K / Q3_K / IQ types are not read here: such layers keep the dense weights
 # transformers expanded from the file.
 GGUF_BLOCK_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 GGUF_RECOVERED_TYPES = ("Q4_1", "Q8_0")
@@ -64,11 +64,8 @@ def gguf_blocks(kind: str, raw) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         qs = b[..., size - 16:]
         q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int16)
         q = q + 16 * ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
-        if kind == "Q5_0":
-            q, m = q - 16, np.zeros_like(d)  # -16..15: the 8-bit block needs no minimum
-        else:
-            m = _halves(b, 2)
-        bits = 8
+        m = -16 * d if kind == "Q5_0" else _halves(b, 2)
+        bits = 5
     elif kind == "Q8_0":
         b = raw.reshape(rows, -1, 34)
         d = _halves(b, 0)
@@ -86,7 +83,7 @@ def gguf_blocks(kind: str, raw) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         if kind == "Q5_K":  # bit j of qh[l] is the fifth bit of sub-block j's weight l
             qh = b[..., 16:48]
             q = q + 16 * ((qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1)
-        bits = 4 if kind == "Q4_K" else 8
+        bits = 4 if kind == "Q4_K" else 5
     elif kind == "Q6_K":
         # block_q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 signed sub-block scales, half d. Each half
         # of 128 weights: quarter t (32 weights) has nibbles from bytes 0..31 (t even) or 32..63 (t odd) of its 64,

@@ -48,19 +48,24 @@ constexpr int64_t kBlock = 32;  // weights per block, along the input dimension
 //    half precision does not hold exactly, and float32 does (d half precision or bfloat16, z at most 8 bits).
 //  - Format 7 is format 6 with a scale per 16 inputs and no minimum (GGUF Q6_K: w = d * s * q per 16 weights,
 //    q in -32..31): the header holds the 16 outputs' scales of inputs 0..15, then those of inputs 16..31.
+//  - Formats 8 (d and m in half precision) and 9 (float32) hold q in 0..31 (GGUF Q5_0 / Q5_1 / Q5_K): the
+//    nibbles as formats 3 and 5 hold them, then per group of 32 pairs a 32-bit word whose bit t is the fifth bit
+//    of the group's q at position t: 0.625 or 0.75 bytes a weight, against 1.06 or 1.25 as 8-bit blocks.
 enum Format : int64_t {
-  kNone = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_1Words = 3, kQ8_0Words = 4, kQ4Scaled = 5, kQ8Scaled = 6, kQ8Halves = 7
+  kNone = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_1Words = 3, kQ8_0Words = 4, kQ4Scaled = 5, kQ8Scaled = 6, kQ8Halves = 7,
+  kQ5Words = 8, kQ5Scaled = 9
 };
 
 constexpr bool four_bit(Format f) { return f == kQ4_1 || f == kQ4Scaled; }
-constexpr bool float_header(Format f) { return f == kQ4Scaled || f == kQ8Scaled || f == kQ8Halves; }
+constexpr bool five_bit(Format f) { return f == kQ5Words || f == kQ5Scaled; }
+constexpr bool float_header(Format f) { return f == kQ4Scaled || f == kQ8Scaled || f == kQ8Halves || f == kQ5Scaled; }
 constexpr bool has_minimum(Format f) { return f != kQ8_0 && f != kQ8Halves; }
 constexpr int64_t header_bytes(Format f) { return (f == kQ4_1 ? 2 : 1) * kPanel * 4; }
-constexpr int64_t input_bytes(Format f) { return four_bit(f) ? kPanel / 2 : kPanel; }
+constexpr int64_t input_bytes(Format f) { return four_bit(f) ? kPanel / 2 : five_bit(f) ? kPanel / 2 + kPanel / 8 : kPanel; }
 constexpr int64_t block_bytes(Format f) { return header_bytes(f) + kBlock * input_bytes(f); }
 // Formats 3 and 4 keep d (and m) in half precision, as the GGUF file does: 5 bits a Q4_1 weight, not 6.
 constexpr int64_t word_header_bytes(Format f) {
-  return float_header(f) ? 2 * kPanel * 4 : (f == kQ4_1 ? 2 : 1) * kPanel * 2;
+  return float_header(f) ? 2 * kPanel * 4 : (f == kQ4_1 || f == kQ5Words ? 2 : 1) * kPanel * 2;
 }
 constexpr int64_t word_block_bytes(Format f) { return word_header_bytes(f) + kBlock * input_bytes(f); }
 constexpr int64_t layout_block_bytes(Format f, bool words) { return words ? word_block_bytes(f) : block_bytes(f); }
@@ -353,7 +358,12 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
 // block's q (`qs`, past its header).
 template <Format F>
 inline __m512i block_group(const uint8_t* qs, int g) {
-  if constexpr (four_bit(F)) {
+  if constexpr (five_bit(F)) {  // the nibbles, plus 16 where the group's word of fifth bits says so
+    const __m512i low = block_group<kQ4Scaled>(qs, g);
+    uint32_t high;
+    std::memcpy(&high, qs + kBlock * kPanel / 2 + 4 * g, 4);
+    return _mm512_mask_add_epi16(low, static_cast<__mmask32>(high), low, _mm512_set1_epi16(16));
+  } else if constexpr (four_bit(F)) {
     const __m512i packed = _mm512_loadu_si512(qs + 64 * (g / 4));
     const __m512i nibbles = _mm512_and_si512(g % 4 < 2 ? packed : _mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));
     return _mm512_cvtepu8_epi16(g % 2 == 0 ? _mm512_castsi512_si256(nibbles) : _mm512_extracti64x4_epi64(nibbles, 1));
@@ -439,7 +449,8 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
         m = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
       } else {
         d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
-        if constexpr (F == kQ4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
+        if constexpr (F == kQ4_1 || F == kQ5Words)
+          m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
       }
       for (int r = 0; r < R; ++r) {
         __m512i total = acc[0][r][p];
@@ -551,6 +562,8 @@ int64_t packed_block_bytes(int64_t format) {
     case kQ8_0Words: return word_block_bytes(kQ8_0);
     case kQ4Scaled: return word_block_bytes(kQ4Scaled);
     case kQ8Halves: return word_block_bytes(kQ8Halves);
+    case kQ5Words: return word_block_bytes(kQ5Words);
+    case kQ5Scaled: return word_block_bytes(kQ5Scaled);
     default: return word_block_bytes(kQ8Scaled);
   }
 }
@@ -593,7 +606,7 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
                                             int64_t bits, bool half) {
   TORCH_CHECK(word_blocks_supported(), "pack_scaled: this build has no product for 16-bit activations (it needs "
               "AVX512_VNNI)");
-  TORCH_CHECK(bits == 4 || bits == 8, "pack_scaled: bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "pack_scaled: bits must be 4, 5 or 8");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar, "pack_scaled: q must be an int8 "
               "CPU matrix");
   const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock;
@@ -607,11 +620,15 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
   const at::Tensor qc = q.contiguous(), sc = scale.contiguous(), mc = minimum.contiguous();
   if (bits == 4)
     TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() <= 15, "pack_scaled: 4-bit q must be in 0..15");
+  if (bits == 5)
+    TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() <= 31, "pack_scaled: 5-bit q must be in 0..31");
   TORCH_CHECK(!per_16 || (bits == 8 && !half && !mc.any().item<bool>()), "pack_scaled: a scale per 16 inputs needs "
               "8-bit q, float32 headers and zero minimums");
-  const Format f = per_16 ? kQ8Halves : half ? (bits == 4 ? kQ4_1Words : kQ8_0Words) : (bits == 4 ? kQ4Scaled : kQ8Scaled);
+  const Format f = per_16 ? kQ8Halves
+                  : bits == 5 ? (half ? kQ5Words : kQ5Scaled)
+                  : half ? (bits == 4 ? kQ4_1Words : kQ8_0Words) : (bits == 4 ? kQ4Scaled : kQ8Scaled);
   const int64_t block = packed_block_bytes(f), panels = n / kPanel, panel_bytes = blocks * block;
-  const int64_t header_size = half ? word_header_bytes(bits == 4 ? kQ4_1 : kQ8_0) : 2 * kPanel * 4;
+  const int64_t header_size = half ? word_header_bytes(bits == 4 ? kQ4_1 : bits == 5 ? kQ5Words : kQ8_0) : 2 * kPanel * 4;
   auto packed = at::empty({panels, panel_bytes}, at::kByte);
   uint8_t* out = packed.data_ptr<uint8_t>();
   const int8_t* qs = qc.data_ptr<int8_t>();
@@ -634,10 +651,21 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
           std::memcpy(tile[i], qs + row * k + b * kBlock, kBlock);
         }
         std::memcpy(dst, half ? static_cast<const void*>(halves) : static_cast<const void*>(header), header_size);
-        if (bits == 4)
+        if (bits == 4) {
           arrange_words<true>(tile, dst + header_size);
-        else
+        } else if (bits == 5) {
+          int8_t low[kPanel][kBlock];
+          for (int64_t i = 0; i < kPanel; ++i)
+            for (int64_t j = 0; j < kBlock; ++j) low[i][j] = static_cast<int8_t>(tile[i][j] & 15);
+          arrange_words<true>(low, dst + header_size);
+          for (int g = 0; g < 16; ++g) {
+            uint32_t high = 0;
+            for (int t = 0; t < 32; ++t) high |= static_cast<uint32_t>((word_q(tile, g, t) >> 4) & 1) << t;
+            std::memcpy(dst + header_size + kBlock * kPanel / 2 + 4 * g, &high, 4);
+          }
+        } else {
           arrange_words<false>(tile, dst + header_size);
+        }
       }
   });
   return {f, packed};
@@ -646,8 +674,8 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
 // x float32 [rows, in] (contiguous) times the weight `pack_blocks` packed as `format`, [out, in] -> [rows, out].
 at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features) {
   TORCH_CHECK(blocks_supported(), "blocks_linear: this build has no block product (it needs AVX-512)");
-  TORCH_CHECK(format >= kQ4_1 && format <= kQ8Halves, "blocks_linear: unknown format");
-  TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 to 7 "
+  TORCH_CHECK(format >= kQ4_1 && format <= kQ5Scaled, "blocks_linear: unknown format");
+  TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 to 9 "
               "(it needs AVX512_VNNI)");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "blocks_linear: x must be a contiguous float32 CPU matrix [rows, in]");
@@ -670,6 +698,8 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     if (format == kQ4Scaled) word_product<kQ4Scaled>(xs, rows, k, blocks, o, n);
     if (format == kQ8Scaled) word_product<kQ8Scaled>(xs, rows, k, blocks, o, n);
     if (format == kQ8Halves) word_product<kQ8Halves>(xs, rows, k, blocks, o, n);
+    if (format == kQ5Words) word_product<kQ5Words>(xs, rows, k, blocks, o, n);
+    if (format == kQ5Scaled) word_product<kQ5Scaled>(xs, rows, k, blocks, o, n);
 #endif
   }
 #endif
