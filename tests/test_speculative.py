@@ -156,8 +156,10 @@ def test_load_switch_keeps_the_faster_mode_and_rarely_retries_the_slower():
     assert _drive(switch, 1, 400, spec_cost=1.0, plain_cost=1.3) >= 392
     # Eight streams: speculating is 0.68x; after the first trials it runs on few steps (a retry now and then).
     assert _drive(switch, 8, 400, spec_cost=1.47, plain_cost=1.0) <= 6
-    # Sixteen streams, never seen: borrows eight's verdict instead of trying speculation first.
+    # Sixteen streams, never seen: borrows eight's verdict instead of trying speculation first, and tries it once
+    # at most in a burst of 60 steps (a loser's trial costs a step's worth).
     assert _drive(switch, 16, 15, spec_cost=1.47, plain_cost=1.0) == 0
+    assert _drive(switch, 16, 60, spec_cost=1.47, plain_cost=1.0) <= 1
     # Thirty-two streams, first thing after start: speculation loses; as the streams finish the batch shrinks
     # (31, 30, ... 17) and keeps that verdict rather than trying speculation again at each new size.
     shrinking = LoadSwitch()

@@ -22,6 +22,7 @@ import math
 _SMOOTHING = 0.25  # weight of a new step time in its moving average
 _FIRST_TRIALS = 1  # steps of each mode before a batch size has a verdict (later steps refine it)
 _RETRY_FIRST, _RETRY_MAX = 16, 512  # steps between trials of the slower mode: doubles while it keeps losing
+_BORROWED_RETRY = 64  # steps before the first trial of speculation at a size whose smaller neighbour lost
 _MAX_BATCH_KEY = 64  # larger batches share one entry
 
 
@@ -83,14 +84,19 @@ class LoadSwitch:
             borrowed = self._borrowed(_key(batch))
             spec, plain = size.modes[True].samples, size.modes[False].samples
             if borrowed is False and plain >= spec:
-                # A smaller batch already lost with speculation: this one will too; keep measuring plain steps
-                # and try speculation on the usual retry schedule.
+                # A smaller batch already lost with speculation: this one will too. Keep measuring plain steps
+                # and try speculation only after a while (a trial at 16 streams cost a third of a step more for
+                # each of its tokens; two in a 48-step burst were 1.5% of it).
+                if not spec:
+                    size.retry_every = max(size.retry_every, _BORROWED_RETRY)
                 choice = self._retry_due(size, loser=True)
             else:
                 choice = spec <= plain  # alternate until both have their first trials
         else:
             if verdict != size.winner:
-                size.winner, size.retry_every, size.since_retry = verdict, _RETRY_FIRST, 0
+                if size.winner is not None:  # the verdict turned: the new loser is retried soon
+                    size.retry_every, size.since_retry = _RETRY_FIRST, 0
+                size.winner = verdict
             choice = self._retry_due(size, loser=not verdict)
         if not choice:
             self.switched_off_steps += 1
