@@ -168,6 +168,10 @@ def test_load_switch_keeps_the_faster_mode_and_rarely_retries_the_slower():
     # The machine changes (another load goes away): retries notice and the verdict turns.
     _drive(switch, 8, 600, spec_cost=0.5, plain_cost=1.0)
     assert _drive(switch, 8, 100, spec_cost=0.5, plain_cost=1.0) >= 95
+    # A draft that costs 6 times plain a token (a model drafting for itself): after its first trial, the next
+    # waits until it would cost under 2% of the steps between.
+    costly = LoadSwitch()
+    assert _drive(costly, 1, 200, spec_cost=6.0, plain_cost=1.0) == 1
     # vLLM's switch wins over measurements; without adaptation every step below it speculates.
     fixed = LoadSwitch(disable_by_batch_size=4, adaptive=False)
     assert _drive(fixed, 3, 50, spec_cost=9.0, plain_cost=1.0) == 50

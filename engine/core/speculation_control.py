@@ -24,6 +24,7 @@ _FIRST_TRIALS = 1  # steps of each mode before a batch size has a verdict (later
 _RETRY_FIRST, _RETRY_MAX = 16, 512  # steps between trials of the slower mode: doubles while it keeps losing
 _BORROWED_RETRY = 64  # steps before the first trial of speculation at a size whose smaller neighbour lost
 _MARGIN = 0.95  # speculation must cost less than this share of plain's time per token to be chosen
+_TRIAL_BUDGET = 50  # a loser slower by a factor r is retried at most every 50 (r - 1) steps: its trials cost <= 2%
 _MAX_BATCH_KEY = 64  # larger batches share one entry
 
 
@@ -112,12 +113,14 @@ class LoadSwitch:
         """The winning mode, except for one step of `loser` every `retry_every` steps; the interval doubles (or,
         where the loser loses by more than a quarter, quadruples) each time the trial confirms the verdict."""
         size.since_retry += 1
-        if size.since_retry >= size.retry_every:
+        spec, plain = size.modes[True].time_per_token, size.modes[False].time_per_token
+        ratio = max(spec, plain) / min(spec, plain) if min(spec, plain) > 0 else 1.0
+        # A trial costs what the loser loses on it: a draft model drafting for itself spent 6 plain steps' time a
+        # token on its first trials at one stream, and a trial every 16 or 64 steps would cost a tenth of the time.
+        if size.since_retry >= max(size.retry_every, min(int(_TRIAL_BUDGET * (ratio - 1)), _RETRY_MAX)):
             size.since_retry = 0
             # A trial of a mode that loses by much costs much (a speculating step at 32 streams took 4.7 plain
             # steps' time for 3 steps' tokens): space those out faster.
-            spec, plain = size.modes[True].time_per_token, size.modes[False].time_per_token
-            ratio = max(spec, plain) / min(spec, plain) if min(spec, plain) > 0 else 1.0
             size.retry_every = min(size.retry_every * (4 if ratio > 1.25 else 2), _RETRY_MAX)
             return loser
         return not loser
