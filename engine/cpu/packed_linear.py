@@ -2,15 +2,16 @@
 
 Every integer format a checkpoint brings (GPTQ, AWQ, compressed-tensors' int formats, bitsandbytes int8, GGUF
 blocks, the load-time int8 / int4 of QUANTIZATION) is, per block of 32 inputs of one output, w = d * q + m: q a
-4-bit (0..15), 5-bit (0..31: GGUF's Q5 types) or 8-bit (-128..127) integer, d a scale and m a minimum (a zero point z gives m = -d * z). The
-readers (engine/quantization/checkpoint.py) bring each layer to that form, with its input channels in an order
-where every block of 32 has one scale (GPTQ's act-order groups are gathered once at load; the activations'
-columns are gathered to match at each product). `apply` packs the blocks into the native kernel's layout
-(engine/cpu/native/quantized_linear.cpp, formats 5 and 6: d and m in float32, so m = -d * z is exact), checks
-the product against the dequantized weights, and from then on the layer reads 4.5 (4-bit) or 8.5 (8-bit) bits a
-weight. GGUF Q6_K's scale per 16 inputs (w = d * q, q in -32..31) is the one other grouping: 8-bit q, scales
-[out, in / 16], no minimum (format 7, 10 bits a weight). The product takes 16-bit integer activations (each row's block of 32 inputs in steps of 2^-15 of its
-largest magnitude), as the GGUF blocks do under DTYPE=auto (docs/cpu-kernels.md).
+4-bit (0..15), 5-bit (0..31: GGUF's Q5 types) or 8-bit (-128..127) integer, d a scale and m a minimum (a zero
+point z gives m = -d * z). The readers (engine/quantization/checkpoint.py) bring each layer to that form, with its
+input channels in an order where every block of 32 has one scale (GPTQ's act-order groups are gathered once at
+load; the activations' columns are gathered to match at each product). `apply` packs the blocks into the native
+kernel's layout (engine/cpu/native/quantized_linear.cpp, formats 5, 6 and 9: d and m in float32, so m = -d * z is
+exact; 3, 4 and 8 where both are half-precision values), checks the product against the dequantized weights, and
+from then on the layer reads 4.5 (4-bit), 5.5 (5-bit) or 8.5 (8-bit) bits a weight plus its headers. GGUF Q6_K's
+scale per 16 inputs (w = d * q, q in -32..31) is the one other grouping: 8-bit q, scales [out, in / 16], no
+minimum (format 7, 10 bits a weight). The product takes 16-bit integer activations (each row's block of 32 inputs
+in steps of 2^-15 of its largest magnitude), as the GGUF blocks do under DTYPE=auto (docs/cpu-kernels.md).
 
 Without the kernel (a CPU without AVX512_VNNI, NATIVE_KERNELS=off) the layers expand their weights once to
 float32 and multiply those: the same weights, logged as the slower path it is.
@@ -31,9 +32,10 @@ _FORMATS = {4: 5, 5: 9, 8: 6}  # bits -> the kernel's format number (quantized_l
 
 class PackedLinear(torch.nn.Module):
     """y = x W^T (+ bias) with W [out, in] held as w = scale * q + minimum per block of 32 inputs: q int8
-    [out, in] (0..15 for 4 bits), scale and minimum float32 [out, in / 32] (or, 8-bit with zero minimums, both
-    [out, in / 16]: a scale per 16 inputs), over the inputs gathered by `order` (None: their own order). Not a torch.nn.Linear, so that no rewrite made for dense weights (fusion's
-    concatenation, layouts, GGUF block recovery) touches it."""
+    [out, in] (0..15 for 4 bits, 0..31 for 5), scale and minimum float32 [out, in / 32] (or, 8-bit with zero
+    minimums, both [out, in / 16]: a scale per 16 inputs), over the inputs gathered by `order` (None: their own
+    order). Not a torch.nn.Linear, so that no rewrite made for dense weights (fusion's concatenation, layouts, GGUF
+    block recovery) touches it."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
                  bias: torch.Tensor | None = None, order: torch.Tensor | None = None, source: str = ""):

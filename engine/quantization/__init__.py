@@ -8,6 +8,6 @@ from engine.quantization.gguf_blocks import GGUF_BLOCK_TYPES, GGUF_RECOVERED_TYP
 from engine.quantization.methods import (CHECKPOINT_METHODS, LOAD_TIME_METHODS, METHODS, QuantizationError,
                                          checkpoint_method, quantization_config, resolve, setting)
 
-__all__ = ["CHECKPOINT_METHODS", "GGUF_BLOCK_TYPES", "GGUF_RECOVERED_TYPES", "LOAD_TIME_METHODS", "METHODS", "QuantizationError",
-           "READ_ON_CPU", "checkpoint_method", "describe", "gguf_blocks", "gguf_layers", "load",
+__all__ = ["CHECKPOINT_METHODS", "GGUF_BLOCK_TYPES", "GGUF_RECOVERED_TYPES", "LOAD_TIME_METHODS", "METHODS",
+           "QuantizationError", "READ_ON_CPU", "checkpoint_method", "describe", "gguf_blocks", "gguf_layers", "load",
            "quantization_config", "quantize_at_load", "resolve", "setting"]

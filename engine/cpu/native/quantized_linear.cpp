@@ -61,7 +61,9 @@ constexpr bool five_bit(Format f) { return f == kQ5Words || f == kQ5Scaled; }
 constexpr bool float_header(Format f) { return f == kQ4Scaled || f == kQ8Scaled || f == kQ8Halves || f == kQ5Scaled; }
 constexpr bool has_minimum(Format f) { return f != kQ8_0 && f != kQ8Halves; }
 constexpr int64_t header_bytes(Format f) { return (f == kQ4_1 ? 2 : 1) * kPanel * 4; }
-constexpr int64_t input_bytes(Format f) { return four_bit(f) ? kPanel / 2 : five_bit(f) ? kPanel / 2 + kPanel / 8 : kPanel; }
+constexpr int64_t input_bytes(Format f) {
+  return four_bit(f) ? kPanel / 2 : five_bit(f) ? kPanel / 2 + kPanel / 8 : kPanel;
+}
 constexpr int64_t block_bytes(Format f) { return header_bytes(f) + kBlock * input_bytes(f); }
 // Formats 3 and 4 keep d (and m) in half precision, as the GGUF file does: 5 bits a Q4_1 weight, not 6.
 constexpr int64_t word_header_bytes(Format f) {
@@ -628,7 +630,8 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
                   : bits == 5 ? (half ? kQ5Words : kQ5Scaled)
                   : half ? (bits == 4 ? kQ4_1Words : kQ8_0Words) : (bits == 4 ? kQ4Scaled : kQ8Scaled);
   const int64_t block = packed_block_bytes(f), panels = n / kPanel, panel_bytes = blocks * block;
-  const int64_t header_size = half ? word_header_bytes(bits == 4 ? kQ4_1 : bits == 5 ? kQ5Words : kQ8_0) : 2 * kPanel * 4;
+  const int64_t header_size =
+      half ? word_header_bytes(bits == 4 ? kQ4_1 : bits == 5 ? kQ5Words : kQ8_0) : 2 * kPanel * 4;
   auto packed = at::empty({panels, panel_bytes}, at::kByte);
   uint8_t* out = packed.data_ptr<uint8_t>();
   const int8_t* qs = qc.data_ptr<int8_t>();
