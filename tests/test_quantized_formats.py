@@ -522,6 +522,26 @@ def test_five_bit_blocks_multiply_exactly_at_every_row_count(half):
         assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
 
 
+def test_every_integer_activation_format_is_known_to_round_activations():
+    """Start-up checks allow for 16-bit activations' rounding where a model has such layers: Q6_K's scale-per-16
+    form and the Q5 types' 5-bit forms (formats 7-9) too, so a file of only those keeps its checks' tolerance."""
+    from engine.cpu import quantized_weights
+
+    native_kernels.load("auto")
+    kernels = native_kernels.active()
+    if kernels is None or not kernels.word_blocks_supported():
+        pytest.skip("no packed product on this CPU")
+    forms = {7: (torch.randint(-32, 32, (16, 64), dtype=torch.int8), torch.rand(16, 4), torch.zeros(16, 4), 8),
+             8: (torch.randint(0, 32, (16, 64), dtype=torch.int8), torch.ones(16, 2), -16 * torch.ones(16, 2), 5),
+             9: (torch.randint(0, 32, (16, 64), dtype=torch.int8), torch.rand(16, 2), torch.rand(16, 2), 5)}
+    for block_format, (q, scale, minimum, bits) in forms.items():
+        model = torch.nn.Sequential(packed_linear.PackedLinear(q, scale, minimum, bits))
+        packed_linear.apply(model, kernels)
+        assert model[0].block_format == block_format
+        assert quantized_weights.rounds_activations(model), block_format
+    assert not quantized_weights.rounds_activations(torch.nn.Sequential(torch.nn.Linear(64, 16)))
+
+
 # Each decoder projection in its own block type; attn_v stays float16 (a dense layer beside packed ones). The
 # second layer's value and down projections are Q6_K, as a Q4_K_M file holds about half of them, and its output and
 # gate projections Q5_0 / Q5_1, as llama.cpp writes them where a row does not divide into K-quants' 256.

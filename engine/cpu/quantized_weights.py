@@ -54,7 +54,7 @@ def rounds_activations(model: torch.nn.Module) -> bool:
     """Whether linear layers of `model` multiply 16-bit integer activations: start-up checks that compare two
     forwards then allow for their rounding (on the embedded model the logits move by about 3e-4 of the largest,
     where float32 differs by 2e-6), since an input one ulp away may round to the next step."""
-    return any(getattr(m, "block_format", 0) in _ROUNDING_FORMATS for m in model.modules())
+    return any(getattr(m, "block_format", 0) not in _FLOAT_ACTIVATION_FORMATS for m in model.modules())
 
 
 def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -67,7 +67,9 @@ def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 _FORMATS = {1: "Q4_1", 2: "Q8_0", 3: "Q4_1", 4: "Q8_0"}  # 3 and 4: arranged for 16-bit integer activations
 WORD_FORMATS = (3, 4)
-_ROUNDING_FORMATS = (3, 4, 5, 6)  # 5, 6: quantized checkpoints' blocks (engine/cpu/packed_linear.py)
+# Every other block format (3 and up: GGUF blocks arranged for words, quantized checkpoints' blocks of
+# engine/cpu/packed_linear.py) multiplies 16-bit integer activations; 0 is no blocks.
+_FLOAT_ACTIVATION_FORMATS = (0, 1, 2)
 
 
 def _agrees(module: torch.nn.Linear, kernels, blocks: tuple[int, torch.Tensor]) -> bool:
