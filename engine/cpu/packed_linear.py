@@ -27,7 +27,7 @@ log = logging.getLogger("engine.cpu.packed_linear")
 
 BLOCK = 32  # inputs per scale: the kernel's block
 PANEL = 16  # outputs per panel of the kernel's layout
-_FORMATS = {4: 5, 5: 9, 8: 6}  # bits -> the kernel's format number (quantized_linear.cpp)
+_BITS = (4, 5, 8)  # the widths the kernel's formats hold (quantized_linear.cpp chooses the format at packing)
 
 
 class PackedLinear(torch.nn.Module):
@@ -41,7 +41,7 @@ class PackedLinear(torch.nn.Module):
                  bias: torch.Tensor | None = None, order: torch.Tensor | None = None, source: str = ""):
         super().__init__()
         self.out_features, self.in_features = q.shape
-        if bits not in _FORMATS:
+        if bits not in _BITS:
             raise ValueError(f"{bits}-bit weights have no packed product")
         if self.in_features % BLOCK or self.out_features % PANEL:
             raise ValueError(f"a {self.out_features}x{self.in_features} weight does not divide into the kernel's "

@@ -19,8 +19,8 @@ log = logging.getLogger("engine.quantization")
 # their blocks too (GGUF_RECOVERED_TYPES). Q6_K (w = d * s * q per 16 weights, q in -32..31; Q4_K_M files hold their
 # output head and about half the value and down projections in it) takes the product's scale-per-16 form. Q5_0 /
 # Q5_1 / Q5_K (q 0..31) take its 5-bit form; llama.cpp writes Q5_0 wherever a K-quant's 256 does not divide a row
-# (a 960-wide model's Q4_K_M file is mostly Q5_0). Q2_K / Q3_K / IQ types are not read here: such layers keep the dense weights
-# transformers expanded from the file.
+# (a 960-wide model's Q4_K_M file is mostly Q5_0). Q2_K / Q3_K / IQ types are not read here: such layers keep the
+# dense weights transformers expanded from the file.
 GGUF_BLOCK_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 GGUF_RECOVERED_TYPES = ("Q4_1", "Q8_0")
 

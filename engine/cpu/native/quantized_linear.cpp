@@ -398,6 +398,16 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
     for (int a = 0; a < A; ++a)
       for (int r = 0; r < R; ++r)
         for (int p = 0; p < P; ++p) acc[a][r][p] = _mm512_setzero_si512();
+    // Panel p's integer sums of this block (or its first half), times the scales d and each row's activation
+    // scale, into the rows' float32 sums.
+    auto add_scaled = [&](int p, __m512 d) {
+      for (int r = 0; r < R; ++r) {
+        __m512i total = acc[0][r][p];
+        if constexpr (A == 2) total = _mm512_add_epi32(total, acc[1][r][p]);
+        sums[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(x_scale[b * R + r])),
+                                     sums[r][p]);
+      }
+    };
     int16_t* wb = w + b * 16 * P * 32;
     const int32_t* xb = x_pairs + b * 16 * R;
     const uint8_t* qs[P];
@@ -428,15 +438,10 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
       if constexpr (F == kQ8Halves) {
         if (g == 7) {  // inputs 0..15 done: their sums take the first scales, and the sums start again
           for (int p = 0; p < P; ++p) {
-            const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(headers + p * panel_bytes +
-                                                                            b * word_block_bytes(F)));
-            for (int r = 0; r < R; ++r) {
-              __m512i total = acc[0][r][p];
-              if constexpr (A == 2) total = _mm512_add_epi32(total, acc[1][r][p]);
-              sums[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total),
-                                           _mm512_mul_ps(d, _mm512_set1_ps(x_scale[b * R + r])), sums[r][p]);
-              for (int a = 0; a < A; ++a) acc[a][r][p] = _mm512_setzero_si512();
-            }
+            add_scaled(p, _mm512_loadu_ps(reinterpret_cast<const float*>(headers + p * panel_bytes +
+                                                                          b * word_block_bytes(F))));
+            for (int a = 0; a < A; ++a)
+              for (int r = 0; r < R; ++r) acc[a][r][p] = _mm512_setzero_si512();
           }
         }
       }
@@ -454,13 +459,9 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
         if constexpr (F == kQ4_1 || F == kQ5Words)
           m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
       }
-      for (int r = 0; r < R; ++r) {
-        __m512i total = acc[0][r][p];
-        if constexpr (A == 2) total = _mm512_add_epi32(total, acc[1][r][p]);
-        sums[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(x_scale[b * R + r])),
-                                     sums[r][p]);
-        if constexpr (has_minimum(F)) sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
-      }
+      add_scaled(p, d);
+      if constexpr (has_minimum(F))
+        for (int r = 0; r < R; ++r) sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
     }
   }
   for (int r = 0; r < R; ++r)
