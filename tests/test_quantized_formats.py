@@ -24,7 +24,7 @@ from engine import AsyncEngine, EngineConfig
 from engine.cpu import fusion, native_kernels, packed_linear
 from engine.loader import ModelLoadError
 from engine_helpers import choice_ids
-from tiny_models import NEW_TOKENS, VOCAB, family_greedy, prompts, reference
+from tiny_models import NEW_TOKENS, VOCAB, family_greedy, prompts, q4_1_weight, reference
 
 HIDDEN, INTERMEDIATE = 128, 256
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -520,6 +520,80 @@ def test_five_bit_blocks_multiply_exactly_at_every_row_count(half):
         x = torch.randn(rows, 96)
         bound = 1e-4 * (x.double().abs() @ weight.abs().T) + 1e-6
         assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
+
+
+def _packed_layers(kernels, bits_list, in_features=96, bias=False):
+    """One PackedLinear per entry of bits_list (4, 5, 8, or "per16": Q6_K's form), packed, random weights."""
+    layers = []
+    for bits in bits_list:
+        out = 32 if bits == "per16" else 48  # 2 and 3 panels: an odd panel count ends a part with one panel
+        group = 16 if bits == "per16" else 32
+        lo, hi = {4: (0, 16), 5: (0, 32), 8: (-128, 128), "per16": (-32, 32)}[bits]
+        q = torch.randint(lo, hi, (out, in_features), dtype=torch.int8)
+        scale = torch.rand(out, in_features // group) * 0.1
+        minimum = torch.zeros_like(scale) if bits in (8, "per16") else -scale * 8 + 1e-3
+        layers.append(packed_linear.PackedLinear(q, scale, minimum, 8 if bits == "per16" else bits,
+                                                 torch.randn(out) if bias else None))
+    assert packed_linear.apply(torch.nn.Sequential(*layers), kernels) == len(layers)
+    return layers
+
+
+def _word_kernels():
+    native_kernels.load("auto")
+    kernels = native_kernels.active()
+    if kernels is None or not kernels.word_blocks_supported():
+        pytest.skip("no packed product on this CPU")
+    return kernels
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_rows_are_multiplied_as_they_are_and_rounded_once(bias):
+    """A bfloat16 model's activations go to the kernel as they are and come back in bfloat16 with the bias added
+    before the one rounding: exactly the float32 product of the same rows, plus the bias, rounded to bfloat16."""
+    kernels = _word_kernels()
+    torch.manual_seed(5)
+    for layer in _packed_layers(kernels, [4, 5, 8, "per16"], bias=bias):
+        for rows in (1, 7, 13, 40):
+            x = torch.randn(rows, 96).bfloat16()
+            got = layer(x)
+            expected = kernels.blocks_linear(x.float(), layer.packed, layer.block_format, layer.out_features)
+            if bias:
+                expected += layer.bias
+            assert got.dtype == torch.bfloat16 and torch.equal(got, expected.bfloat16()), (layer.block_format, rows)
+    x = torch.randn(3, 96).bfloat16()
+    x[1, 40] = float("nan")
+    out = layer(x)
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+
+
+def test_layers_of_different_formats_side_by_side_share_one_product():
+    """A fused projection whose parts are packed in different formats (a GGUF file's Q5_0 keys beside Q8_0
+    values) is one kernel call: each part's columns equal that layer's own product, biases included."""
+    kernels = _word_kernels()
+    torch.manual_seed(6)
+    parts = _packed_layers(kernels, [5, 8, "per16", 4], bias=True)
+    parts[1].bias = None  # a part without a bias beside ones with
+    fused = packed_linear.SideBySide(parts)
+    fused.share_product()
+    assert fused.together is not None
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 6, 17):
+            x = torch.randn(1, rows, 96).to(dtype)
+            got = fused(x)
+            assert got.shape == (1, rows, sum(p.out_features for p in parts)) and got.dtype == dtype
+            assert torch.equal(got, torch.cat([p(x) for p in parts], dim=-1)), (dtype, rows)
+
+
+def test_a_bfloat16_row_only_goes_to_the_integer_activation_formats():
+    """Formats 1 and 2 (float32 activations) refuse bfloat16 rows with an error, not a wrong product."""
+    kernels = _word_kernels()
+    block_format, packed = kernels.pack_blocks(q4_1_weight(32, 64))
+    assert block_format == 1
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.blocks_linear(torch.randn(2, 64).bfloat16(), packed, block_format, 32)
+    layer = _packed_layers(kernels, [4])[0]
+    with pytest.raises(RuntimeError, match="bias"):
+        kernels.blocks_linear(torch.randn(2, 96), layer.packed, layer.block_format, 48, torch.randn(47))
 
 
 def test_every_integer_activation_format_is_known_to_round_activations():

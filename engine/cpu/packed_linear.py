@@ -28,6 +28,7 @@ log = logging.getLogger("engine.cpu.packed_linear")
 BLOCK = 32  # inputs per scale: the kernel's block
 PANEL = 16  # outputs per panel of the kernel's layout
 _BITS = (4, 5, 8)  # the widths the kernel's formats hold (quantized_linear.cpp chooses the format at packing)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the kernel reads and writes as they are
 
 
 class PackedLinear(torch.nn.Module):
@@ -54,7 +55,7 @@ class PackedLinear(torch.nn.Module):
                              f"{self.out_features}x{self.in_features} {bits}-bit weight have no packed product")
         self.q, self.scale, self.minimum = q, scale.float().contiguous(), minimum.float().contiguous()
         self.order = order
-        self.bias = bias
+        self.bias = None if bias is None else bias.float().contiguous()  # added to float32 sums, as the kernel does
         self.packed = None  # the kernel's blocks, once `apply` packed them
         self.block_format = 0
         self.kernels = None
@@ -82,6 +83,12 @@ class PackedLinear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.order is not None:
             rows = rows.index_select(1, self.order)
+        if self.packed is not None and x.dtype in _KERNEL_DTYPES:
+            # The kernel reads bfloat16 rows as they are, adds the bias and rounds to x's dtype itself: a decode
+            # step's two conversions and the add cost more than a small layer's product.
+            out = self.kernels.blocks_linear(rows.contiguous(), self.packed, self.block_format, self.out_features,
+                                             self.bias)
+            return out.view(*shape[:-1], self.out_features)
         rows = rows.float().contiguous()
         if self.packed is not None:
             out = self.kernels.blocks_linear(rows, self.packed, self.block_format, self.out_features)
@@ -121,12 +128,30 @@ class SideBySide(torch.nn.Module):
         self.parts = torch.nn.ModuleList(parts)
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
+        self.together = None  # (blocks, formats, outputs, bias) once every part is packed in one input order
 
     def become_part_of(self, *_):
         raise AssertionError("a SideBySide is never a part")
 
+    def share_product(self) -> None:
+        """Multiply every part in one kernel call where all are packed word blocks over their inputs in their own
+        order (a GGUF file's Q5_0 keys beside Q8_0 values): the activations are quantized once and no
+        concatenation follows."""
+        parts = list(self.parts)
+        if all(isinstance(p, PackedLinear) and p.packed is not None and p.order is None
+               and p.block_format not in (1, 2) for p in parts):
+            bias = None
+            if any(p.bias is not None for p in parts):
+                bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts])
+            self.together = ([p.packed for p in parts], [p.block_format for p in parts],
+                             [p.out_features for p in parts], bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The class's own forward: fusion may point a part's instance forward at this module (q/k/v sharing).
+        if self.together is not None and x.dtype in _KERNEL_DTYPES:
+            rows = x.reshape(-1, self.in_features).contiguous()
+            out = self.parts[0].kernels.blocks_linear_parts(rows, *self.together)
+            return out.view(*x.shape[:-1], self.out_features)
         return torch.cat([type(part).forward(part, x) for part in self.parts], dim=-1)
 
 
@@ -186,6 +211,9 @@ def apply(model: torch.nn.Module, kernels) -> int:
             layer.dense = weight
             dense_bytes += weight.numel() * 4
         layer.q = layer.scale = layer.minimum = None  # the packed blocks (or the float32 copy) replace them
+    for module in model.modules():
+        if isinstance(module, SideBySide):
+            module.share_product()
     if usable:
         weights = sum(layer.in_features * layer.out_features for layer in found)
         log.info("quantized checkpoint: %d linear layers multiply from packed %s-bit blocks (%.0f MB, %.2f bits a "

@@ -563,7 +563,11 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
 bool blocks_supported();
 bool word_blocks_supported();
 std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words);
-at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features);
+at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias);
+at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& packed,
+                               const std::vector<int64_t>& formats, const std::vector<int64_t>& outs,
+                               const c10::optional<at::Tensor>& bias);
 std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
                                             int64_t bits, bool half);
 // engine/native/prefill_attention.cpp
@@ -593,7 +597,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("word_blocks_supported", &word_blocks_supported, "whether this build has the product for 16-bit activations");
   m.def("pack_blocks", &pack_blocks, "(format, blocks): a float32 weight's exact Q4_1 or Q8_0 blocks, or (0, empty)",
         py::arg("weight"), py::arg("words") = false);
-  m.def("blocks_linear", &blocks_linear, "x times a weight packed by pack_blocks or pack_scaled");
+  m.def("blocks_linear", &blocks_linear, "x times a weight packed by pack_blocks or pack_scaled (+ bias), in x's dtype",
+        py::arg("x"), py::arg("packed"), py::arg("format"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.def("blocks_linear_parts", &blocks_linear_parts, "x times several packed weights, their outputs side by side "
+        "(+ bias), in x's dtype", py::arg("x"), py::arg("packed"), py::arg("formats"), py::arg("outs"),
+        py::arg("bias") = py::none());
   m.def("pack_scaled", &pack_scaled, "(format, blocks): a quantized checkpoint's w = scale * q + minimum per 32 inputs",
         py::arg("q"), py::arg("scale"), py::arg("minimum"), py::arg("bits"), py::arg("half") = false);
   m.def("bf16_linear_supported", &bf16_linear_supported, "whether this build and CPU have the AVX512_BF16 product");

@@ -320,7 +320,15 @@ struct QuantizedRows {
   std::vector<float> scale, sum;  // [rows * k / 32]
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
+// 16 inputs as float32, from float32 or bfloat16 rows (a bfloat16 value is the top half of its float32).
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
   const int64_t blocks = k / kBlock;
   const RowTiles tiles(rows);
   QuantizedRows out{std::vector<int16_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
@@ -328,9 +336,9 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / blocks, b = i % blocks, tile = tiles.of_row(row);
       const int64_t row0 = tiles.first_row(tile), tile_rows = tiles.size(tile), r = row - row0;
-      const float* xb = x + row * k + b * kBlock;
+      const T* xb = x + row * k + b * kBlock;
       alignas(64) int16_t qb[kBlock];
-      const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+      const __m512 a = load16(xb), c = load16(xb + 16);
       const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
       const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
       // NaN or infinity in x: the row's outputs become NaN, as a float32 product's would not be finite.
@@ -341,7 +349,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
         // Inputs near the bottom of float32's range, where 32767 / largest overflows: rounded in double.
         const double to_q = 32767.0 / largest;
         for (int j = 0; j < kBlock; ++j)
-          qb[j] = static_cast<int16_t>(std::clamp(std::nearbyint(xb[j] * to_q), -32767.0, 32767.0));
+          qb[j] = static_cast<int16_t>(std::clamp(std::nearbyint(static_cast<float>(xb[j]) * to_q), -32767.0, 32767.0));
       } else {
         const __m512 to_q = _mm512_set1_ps(finite && largest > 0.f ? 32767.f / largest : 0.f);
         _mm256_store_si256(reinterpret_cast<__m256i*>(qb), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, to_q))));
@@ -484,22 +492,82 @@ WordFn word_tile(int64_t rows, int64_t tile, int64_t tiles) {
   return (tiles > 1 ? words_for<F, P, Weights::kWidenAndKeep>() : words_for<F, P, Weights::kWiden>())[rows - 1];
 }
 
+// 16 float32 values rounded to bfloat16 as c10::BFloat16 rounds one (to nearest, ties to even; NaN to 0x7FC0),
+// without AVX512_BF16, which the build does not assume.
+inline __m256i round_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+}
+
+// One part of a product (a layer, or one of the layers whose outputs a fused projection puts side by side): its
+// blocks, format and outputs, which start at column `col` of the result.
+struct Part {
+  const uint8_t* blocks;
+  Format format;
+  int64_t n, col;
+};
+
+// Every row tile times the panel pair starting at panel `first` of a part (`width` panels: 2, or 1 at a part's
+// odd end), into out (the part's first column of row 0, rows `stride` apart).
 template <Format F>
-void word_product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, float* out, int64_t n) {
-  const int64_t panels = n / kPanel, panel_bytes = (k / kBlock) * word_block_bytes(F);
+void pair_by_tiles(const QuantizedRows& xq, const RowTiles& tiles, int64_t k, int16_t* w, const uint8_t* blocks,
+                   int64_t first, int64_t width, float* out, int64_t stride) {
+  const int64_t panel_bytes = (k / kBlock) * word_block_bytes(F);
+  for (int64_t t = 0; t < tiles.count; ++t) {
+    const int64_t r0 = tiles.first_row(t), r = tiles.size(t);
+    (width == 2 ? word_tile<F, 2> : word_tile<F, 1>)(r, t, tiles.count)(
+        xq, r0, k, w, blocks + first * panel_bytes, panel_bytes, out + r0 * stride + first * kPanel, stride);
+  }
+}
+
+using PairFn = void (*)(const QuantizedRows&, const RowTiles&, int64_t, int16_t*, const uint8_t*, int64_t, int64_t,
+                        float*, int64_t);
+PairFn pair_fn(Format f) {
+  switch (f) {
+    case kQ4_1Words: return &pair_by_tiles<kQ4_1>;
+    case kQ8_0Words: return &pair_by_tiles<kQ8_0>;
+    case kQ4Scaled: return &pair_by_tiles<kQ4Scaled>;
+    case kQ8Scaled: return &pair_by_tiles<kQ8Scaled>;
+    case kQ8Halves: return &pair_by_tiles<kQ8Halves>;
+    case kQ5Words: return &pair_by_tiles<kQ5Words>;
+    default: return &pair_by_tiles<kQ5Scaled>;
+  }
+}
+
+// x [rows, k] (float32 or bfloat16) times every part, the parts' outputs side by side in [rows, n]: the rows are
+// quantized once for all of them and every part's panel pairs share one parallel loop. Each pair's columns are
+// finished as soon as its tiles are done (bias added, rounded to bfloat16 where `out16` is given) while they are
+// in cache; `out` holds the float32 sums (the result itself where out16 is null).
+template <typename T>
+void word_products(const T* x, int64_t rows, int64_t k, const std::vector<Part>& parts, int64_t n, float* out,
+                   c10::BFloat16* out16, const float* bias) {
   const QuantizedRows xq = quantize_rows(x, rows, k);
   const RowTiles tiles(rows);
+  std::vector<std::pair<int64_t, int64_t>> pairs;  // (part, first panel)
+  for (int64_t i = 0; i < static_cast<int64_t>(parts.size()); ++i)
+    for (int64_t first = 0; first < parts[i].n / kPanel; first += 2) pairs.emplace_back(i, first);
   // Pairs of panels, each widened once (by its first tile of rows) into a buffer the later tiles read from cache.
-  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(pairs.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<int16_t> storage(k * 2 * kPanel + 32);  // aligned below: split stores cost two
     int16_t* w = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t first = 2 * pair, width = std::min<int64_t>(2, panels - first);
-      for (int64_t t = 0; t < tiles.count; ++t) {
-        const int64_t r0 = tiles.first_row(t), r = tiles.size(t);
-        (width == 2 ? word_tile<F, 2> : word_tile<F, 1>)(r, t, tiles.count)(
-            xq, r0, k, w, packed + first * panel_bytes, panel_bytes, out + r0 * n + first * kPanel, n);
-      }
+    for (int64_t i = begin; i < end; ++i) {
+      const Part& part = parts[pairs[i].first];
+      const int64_t first = pairs[i].second, width = std::min<int64_t>(2, part.n / kPanel - first);
+      pair_fn(part.format)(xq, tiles, k, w, part.blocks, first, width, out + part.col, n);
+      if (bias == nullptr && out16 == nullptr) continue;
+      const int64_t col = part.col + first * kPanel;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = col; c < col + width * kPanel; c += kPanel) {
+          __m512 v = _mm512_loadu_ps(out + r * n + c);
+          if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c));
+          if (out16 != nullptr)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16 + r * n + c), round_to_bf16(v));
+          else
+            _mm512_storeu_ps(out + r * n + c, v);
+        }
     }
   });
 }
@@ -675,37 +743,69 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
   return {f, packed};
 }
 
-// x float32 [rows, in] (contiguous) times the weight `pack_blocks` packed as `format`, [out, in] -> [rows, out].
-at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features) {
+// x [rows, in] (contiguous; float32, or bfloat16 for formats 3 to 9) times each weight `pack_blocks` or
+// `pack_scaled` packed (`packed[i]` in `formats[i]`, outs[i] outputs), the outputs side by side, [rows, sum of
+// outs], in x's dtype, plus `bias` (float32 [sum of outs]) before any rounding to bfloat16. Formats 1 and 2 (float32
+// activations) take one weight at a time.
+at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& packed,
+                               const std::vector<int64_t>& formats, const std::vector<int64_t>& outs,
+                               const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(blocks_supported(), "blocks_linear: this build has no block product (it needs AVX-512)");
-  TORCH_CHECK(format >= kQ4_1 && format <= kQ5Scaled, "blocks_linear: unknown format");
-  TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 to 9 "
-              "(it needs AVX512_VNNI)");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "blocks_linear: x must be a contiguous float32 CPU matrix [rows, in]");
-  const int64_t rows = x.size(0), k = x.size(1), n = out_features;
-  const int64_t bytes = packed_block_bytes(format);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 && k % kBlock == 0 &&
-                  n % kPanel == 0 && packed.size(0) == n / kPanel && packed.size(1) == (k / kBlock) * bytes,
-              "blocks_linear: packed weight does not match x, format and out_features");
+  TORCH_CHECK(!packed.empty() && packed.size() == formats.size() && packed.size() == outs.size(),
+              "blocks_linear: one format and output count per packed weight");
+  const bool words = formats[0] >= kQ4_1Words;
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || (words && x.scalar_type() == at::kBFloat16)),
+              "blocks_linear: x must be a contiguous float32 CPU matrix [rows, in] (or bfloat16, for formats 3 to 9)");
+  const int64_t rows = x.size(0), k = x.size(1);
+  int64_t n = 0;
+  std::vector<Part> parts;
+  for (size_t i = 0; i < packed.size(); ++i) {
+    const int64_t format = formats[i], out_features = outs[i];
+    TORCH_CHECK(format >= kQ4_1 && format <= kQ5Scaled, "blocks_linear: unknown format");
+    TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 "
+                "to 9 (it needs AVX512_VNNI)");
+    TORCH_CHECK((format >= kQ4_1Words) == words && (words || packed.size() == 1), "blocks_linear: formats 1 and 2 "
+                "take one weight at a time");
+    const int64_t bytes = packed_block_bytes(format);
+    const at::Tensor& p = packed[i];
+    TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 2 && k % kBlock == 0 &&
+                    out_features % kPanel == 0 && p.size(0) == out_features / kPanel && p.size(1) == (k / kBlock) * bytes,
+                "blocks_linear: packed weight does not match x, format and out_features");
+    parts.push_back(Part{p.data_ptr<uint8_t>(), static_cast<Format>(format), out_features, n});
+    n += out_features;
+  }
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == n,
+                "blocks_linear: bias must be a contiguous float32 vector of the outputs");
+    b = bias->data_ptr<float>();
+  }
   auto out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
 #if defined(__AVX512F__)
-  if (rows > 0) {
+  if (!words) {
     const float* xs = x.data_ptr<float>();
-    const uint8_t* blocks = packed.data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();
-    if (format == kQ4_1) product<kQ4_1>(xs, rows, k, blocks, o, n);
-    if (format == kQ8_0) product<kQ8_0>(xs, rows, k, blocks, o, n);
+    if (formats[0] == kQ4_1) product<kQ4_1>(xs, rows, k, parts[0].blocks, o, n);
+    if (formats[0] == kQ8_0) product<kQ8_0>(xs, rows, k, parts[0].blocks, o, n);
+    if (b != nullptr) out.add_(*bias);
+    return out;
+  }
 #if defined(LLM_WORD_PRODUCT)
-    if (format == kQ4_1Words) word_product<kQ4_1>(xs, rows, k, blocks, o, n);
-    if (format == kQ8_0Words) word_product<kQ8_0>(xs, rows, k, blocks, o, n);
-    if (format == kQ4Scaled) word_product<kQ4Scaled>(xs, rows, k, blocks, o, n);
-    if (format == kQ8Scaled) word_product<kQ8Scaled>(xs, rows, k, blocks, o, n);
-    if (format == kQ8Halves) word_product<kQ8Halves>(xs, rows, k, blocks, o, n);
-    if (format == kQ5Words) word_product<kQ5Words>(xs, rows, k, blocks, o, n);
-    if (format == kQ5Scaled) word_product<kQ5Scaled>(xs, rows, k, blocks, o, n);
-#endif
+  if (x.scalar_type() == at::kFloat) {
+    word_products(x.data_ptr<float>(), rows, k, parts, n, out.data_ptr<float>(), nullptr, b);
+  } else {
+    std::vector<float> sums(rows * n);
+    word_products(x.data_ptr<c10::BFloat16>(), rows, k, parts, n, sums.data(), out.data_ptr<c10::BFloat16>(), b);
   }
 #endif
+#endif
   return out;
+}
+
+// One weight: blocks_linear_parts with one part.
+at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias) {
+  return blocks_linear_parts(x, {packed}, {format}, {out_features}, bias);
 }
