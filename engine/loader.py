@@ -245,6 +245,14 @@ def load(config: EngineConfig) -> LoadedModel:
         invariant = cpu_plan.apply(model, dtype, config, from_gguf=gguf is not None, verdicts=verdicts)
     elif packed_linear.layers(model):  # no native kernels on this path: the same weights, expanded
         packed_linear.apply(model, None)
+    if config.quantized_activations not in packed_linear.ACTIVATIONS:
+        raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: int16 or int8")
+    if config.quantized_activations != "int16" and not any(
+            layer.block_format in packed_linear.QUAD_FORMATS for layer in packed_linear.layers(model)):
+        # Never a setting that silently does nothing.
+        raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: this model has no 4- or 5-bit "
+                             "layers multiplied by the CPU kernels (a quantized checkpoint's, QUANTIZATION=int4's "
+                             "or a GGUF file's served from its blocks), which are all it changes; unset it")
     attention.set_batch_invariant(invariant)
     log.info("batch invariance: %s (BATCH_INVARIANT=%s)", "on" if invariant else "off",
              str(config.batch_invariant).lower())

@@ -256,6 +256,75 @@ def test_a_quantized_checkpoint_serves_the_dequantized_models_tokens(fmt, tmp_pa
     assert served.compact is not None, served.compact_reason
 
 
+def round_activations_to_bytes(x: torch.Tensor) -> torch.Tensor:
+    """QUANTIZED_ACTIVATIONS=int8's rounding of each block of 32 inputs, as the kernel defines it: steps of
+    s = largest |x| / 127, q = round(x * (127 / largest)) in float32."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    largest = blocks.abs().amax(-1, keepdim=True)
+    q = torch.round(blocks * torch.where(largest > 0, 127 / largest, torch.zeros_like(largest)))
+    return (q.double() * (largest.double() / 127)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["symmetric", "zero-points"])
+def test_eight_bit_activations_serve_the_tokens_of_their_arithmetic(sym, tmp_path, tokenizer_folder):
+    """QUANTIZED_ACTIVATIONS=int8 on a GPTQ 4-bit checkpoint: every layer multiplies 8-bit activations (formats
+    10-13, as llama.cpp does), and the greedy tokens, rows decoding together, are transformers' on the
+    dequantized model with each layer computing what the kernel defines: the block's d q times the rounded
+    inputs, plus its minimum m = -d z times the exact ones (up to near ties, below)."""
+    from transformers import AutoModelForCausalLM
+
+    quantization_config = dict(_GPTQ, bits=4, group_size=32, desc_act=False, sym=sym)
+    minimums = {}
+
+    def layer(name, w):
+        groups = torch.arange(w.shape[1]) // 32
+        tensors, weight = gptq_layer(4, 32, sym, False, 1)(name, w)
+        _q, zero, scale = quantize_groups(w, groups, 4, sym)
+        minimums[name] = (-zero * scale)[:, groups].double()
+        return tensors, weight
+
+    folder, reference_folder = tmp_path / "quantized", tmp_path / "reference"
+    write_quantized(folder, reference_folder, dense_llama(folder, tokenizer_folder), quantization_config, layer)
+    expected_model = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
+    for name, minimum in minimums.items():
+        module = expected_model.get_submodule(name)
+        scaled = module.weight.detach().double() - minimum  # d q
+
+        def forward(x, scaled=scaled, minimum=minimum):
+            return (round_activations_to_bytes(x) @ scaled.T + x.double() @ minimum.T).to(x.dtype)
+        module.forward = forward
+    rows = prompts(7) + prompts(8) + prompts(9)
+    expected = [reference(expected_model, ids) for ids in rows]
+    got, served, layers = _serve_batched(_engine(folder, quantized_activations="int8"), rows)
+    # An input one ulp away can round to the next 8-bit step (1/254 of its block's largest), which moves logits by
+    # about 1e-3 of the largest: where the arithmetic's own top two are that close, either may come first. Each
+    # row matches until such a near tie, if any, and most rows match throughout.
+    ties = 0
+    for choices, want, ids in zip(got, expected, rows):
+        k = next((i for i, (a, b) in enumerate(zip(choices[0], want)) if a != b), None)
+        if k is None:
+            continue
+        with torch.inference_mode():
+            logits = expected_model(torch.tensor([ids + want[:k]])).logits[0, -1]
+        assert logits[want[k]] - logits[choices[0][k]] <= 1e-2 * logits.abs().max(), (ids, k)
+        ties += 1
+    assert ties <= len(rows) // 3, ties
+    assert len(layers) == 2 * 4 and all(layer.block_format in packed_linear.QUAD_FORMATS for layer in layers)
+    assert served.compact is not None, served.compact_reason
+
+
+def test_eight_bit_activations_where_nothing_takes_them_are_refused(tmp_path, tokenizer_folder):
+    """A setting that would change nothing (a dense model, 8-bit weights only) or an unknown value stops the start
+    with one line naming it."""
+    folder = tmp_path / "quantized"
+    model = dense_llama(folder, tokenizer_folder)
+    write_quantized(folder, tmp_path / "reference", model, *FORMATS["gptq-8bit-g32"])
+    _refused(folder, "QUANTIZED_ACTIVATIONS=int8: this model has no 4- or 5-bit layers", quantized_activations="int8")
+    _refused(tmp_path / "reference", "QUANTIZED_ACTIVATIONS=int8: this model has no 4- or 5-bit layers",
+             quantized_activations="int8")
+    _refused(folder, "QUANTIZED_ACTIVATIONS=int4: int16 or int8", quantized_activations="int4")
+
+
 def round_to_nearest(w: torch.Tensor, method: str) -> torch.Tensor:
     """QUANTIZATION=int8: one symmetric scale per output, q in -127..127; int4: per 32 inputs a scale
     (max - min) / 15 and the minimum, q in 0..15. The dequantized weight."""
@@ -337,6 +406,11 @@ def test_an_unknown_quantization_setting_is_a_start_up_error(monkeypatch):
         load_settings()
     monkeypatch.setenv("QUANTIZATION", "GPTQ_Marlin")  # vLLM's kernel-specific name for the same checkpoints
     assert load_settings().quantization == "gptq"
+    monkeypatch.setenv("QUANTIZED_ACTIVATIONS", "fp8")
+    with pytest.raises(SettingsError, match="QUANTIZED_ACTIVATIONS"):
+        load_settings()
+    monkeypatch.setenv("QUANTIZED_ACTIVATIONS", "int8")
+    assert load_settings().engine_config().quantized_activations == "int8"
 
 
 class Linear4bit(torch.nn.Linear):
@@ -594,6 +668,64 @@ def test_a_bfloat16_row_only_goes_to_the_integer_activation_formats():
     layer = _packed_layers(kernels, [4])[0]
     with pytest.raises(RuntimeError, match="bias"):
         kernels.blocks_linear(torch.randn(2, 96), layer.packed, layer.block_format, 48, torch.randn(47))
+
+
+@pytest.mark.parametrize("bits,half", [(4, True), (4, False), (5, True), (5, False)])
+def test_eight_bit_activations_stay_within_their_rounding_at_every_row_count(bits, half):
+    """Formats 10-13 (4- and 5-bit blocks, half or float32 headers, for 8-bit activations): every tile shape of
+    rows gives x W^T within half an activation step (1/254 of each block's largest input) times the block's
+    |d q|, float32 and bfloat16 rows; a row's result does not depend on the rows beside it."""
+    kernels = _word_kernels()
+    torch.manual_seed(7)
+    q = torch.randint(0, 2**bits, (48, 96), dtype=torch.int8)
+    scale = torch.rand(48, 3) * 0.1
+    minimum = -8 * scale
+    if half:
+        scale, minimum = scale.half().float(), minimum.half().float()
+    else:
+        minimum += 1e-3
+    layer = packed_linear.PackedLinear(q, scale, minimum, bits)
+    words = packed_linear.PackedLinear(q, scale, minimum, bits)
+    assert packed_linear.apply(torch.nn.Sequential(layer), kernels, activation_bits=8) == 1
+    assert packed_linear.apply(torch.nn.Sequential(words), kernels) == 1
+    assert layer.block_format == {(4, True): 10, (4, False): 11, (5, True): 12, (5, False): 13}[bits, half]
+    assert layer.packed.numel() == words.packed.numel()  # the same bytes, arranged by quads
+    dq = (q.double().view(48, -1, 32) * scale.double()[..., None])  # d q per block
+    weight = (dq + minimum.double()[..., None]).view(48, 96)
+    for rows in range(1, 41):
+        x = torch.randn(rows, 96)
+        step = x.double().abs().view(rows, -1, 32).amax(-1) / 254
+        bound = step @ dq.abs().sum(-1).T + 1e-4 * (x.double().abs() @ weight.abs().T) + 1e-6
+        assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
+        x16 = x.bfloat16()
+        assert torch.equal(layer(x16), (kernels.blocks_linear(x16.float(), layer.packed, layer.block_format, 48))
+                           .bfloat16())
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
+        assert torch.equal(alone, layer(x)), rows
+
+
+def test_eight_bit_weights_keep_sixteen_bit_activations_beside_eight_bit_ones():
+    """Under QUANTIZED_ACTIVATIONS=int8 an 8-bit part (a GGUF file's Q8_0 values, Q6_K) keeps 16-bit activations,
+    and a fused projection of both kinds is still one call whose columns are each part's own product."""
+    kernels = _word_kernels()
+    torch.manual_seed(8)
+    fresh = []
+    for bits in (5, 8, "per16", 4):
+        out = 32 if bits == "per16" else 48
+        group = 16 if bits == "per16" else 32
+        lo, hi = {4: (0, 16), 5: (0, 32), 8: (-128, 128), "per16": (-32, 32)}[bits]
+        q = torch.randint(lo, hi, (out, 96), dtype=torch.int8)
+        scale = torch.rand(out, 96 // group) * 0.1
+        minimum = torch.zeros_like(scale) if bits in (8, "per16") else -scale * 8 + 1e-3
+        fresh.append(packed_linear.PackedLinear(q, scale, minimum, 8 if bits == "per16" else bits, torch.randn(out)))
+    assert packed_linear.apply(torch.nn.Sequential(*fresh), kernels, activation_bits=8) == 4
+    assert [p.block_format in packed_linear.QUAD_FORMATS for p in fresh] == [True, False, False, True]
+    fused = packed_linear.SideBySide(fresh)
+    fused.share_product()
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 6, 17):
+            x = torch.randn(1, rows, 96).to(dtype)
+            assert torch.equal(fused(x), torch.cat([p(x) for p in fresh], dim=-1)), (dtype, rows)
 
 
 def test_every_integer_activation_format_is_known_to_round_activations():

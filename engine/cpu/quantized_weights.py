@@ -57,6 +57,13 @@ def rounds_activations(model: torch.nn.Module) -> bool:
     return any(getattr(m, "block_format", 0) not in _FLOAT_ACTIVATION_FORMATS for m in model.modules())
 
 
+def eight_bit_activations(model: torch.nn.Module) -> bool:
+    """Whether some linear layer of `model` multiplies 8-bit integer activations (QUANTIZED_ACTIVATIONS=int8):
+    a one-ulp change of an input there moves an output by up to 1/254 of its block's largest input times the
+    weights, and over a deep model that reaches a few hundredths of the largest logit."""
+    return any(getattr(m, "block_format", 0) in _BYTE_ACTIVATION_FORMATS for m in model.modules())
+
+
 def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """Linear layers in step order (fused projections' parts, which run only when the fused product cannot, left
     out) with float32 CPU weights."""
@@ -70,6 +77,7 @@ WORD_FORMATS = (3, 4)
 # Every other block format (3 and up: GGUF blocks arranged for words, quantized checkpoints' blocks of
 # engine/cpu/packed_linear.py) multiplies 16-bit integer activations; 0 is no blocks.
 _FLOAT_ACTIVATION_FORMATS = (0, 1, 2)
+_BYTE_ACTIVATION_FORMATS = (10, 11, 12, 13)  # quantized_linear.cpp's quad formats
 
 
 def _agrees(module: torch.nn.Linear, kernels, blocks: tuple[int, torch.Tensor]) -> bool:

@@ -569,7 +569,7 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
                                const std::vector<int64_t>& formats, const std::vector<int64_t>& outs,
                                const c10::optional<at::Tensor>& bias);
 std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
-                                            int64_t bits, bool half);
+                                            int64_t bits, bool half, bool quads);
 // engine/native/prefill_attention.cpp
 bool prefill_attention_supported();
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -603,7 +603,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(+ bias), in x's dtype", py::arg("x"), py::arg("packed"), py::arg("formats"), py::arg("outs"),
         py::arg("bias") = py::none());
   m.def("pack_scaled", &pack_scaled, "(format, blocks): a quantized checkpoint's w = scale * q + minimum per 32 inputs",
-        py::arg("q"), py::arg("scale"), py::arg("minimum"), py::arg("bits"), py::arg("half") = false);
+        py::arg("q"), py::arg("scale"), py::arg("minimum"), py::arg("bits"), py::arg("half") = false,
+        py::arg("quads") = false);
   m.def("bf16_linear_supported", &bf16_linear_supported, "whether this build and CPU have the AVX512_BF16 product");
   m.def("bf16_peak_gflops", &bf16_peak_gflops, "VDPBF16PS's rate on every thread for about `seconds` (0: none)",
         py::arg("seconds") = 0.2);

@@ -53,8 +53,16 @@ constexpr int64_t kBlock = 32;  // weights per block, along the input dimension
 //    of the group's q at position t: 0.625 or 0.75 bytes a weight, against 1.06 or 1.25 as 8-bit blocks.
 enum Format : int64_t {
   kNone = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_1Words = 3, kQ8_0Words = 4, kQ4Scaled = 5, kQ8Scaled = 6, kQ8Halves = 7,
-  kQ5Words = 8, kQ5Scaled = 9
+  kQ5Words = 8, kQ5Scaled = 9,
+  // Formats 3, 5, 8 and 9 arranged for 8-bit integer activations (QUANTIZED_ACTIVATIONS=int8): the same headers,
+  // bytes and bits, the q in quads (see arrange_quads) that VPDPBUSD multiplies four inputs a lane at a time.
+  kQ4_1Quads = 10, kQ4ScaledQuads = 11, kQ5WordsQuads = 12, kQ5ScaledQuads = 13
 };
+// The format whose headers and q bytes a quad format shares.
+constexpr Format word_base(int64_t f) {
+  return f == kQ4_1Quads ? kQ4_1Words : f == kQ4ScaledQuads ? kQ4Scaled : f == kQ5WordsQuads ? kQ5Words
+         : f == kQ5ScaledQuads ? kQ5Scaled : static_cast<Format>(f);
+}
 
 constexpr bool four_bit(Format f) { return f == kQ4_1 || f == kQ4Scaled; }
 constexpr bool five_bit(Format f) { return f == kQ5Words || f == kQ5Scaled; }
@@ -124,6 +132,25 @@ void arrange_words(const int8_t (*q)[kBlock], uint8_t* qs) {
     for (int g = 0; g < 16; ++g)
       for (int t = 0; t < 32; ++t) qs[32 * g + t] = static_cast<uint8_t>(word_q(q, g, t));
   }
+}
+
+// A panel's block of 4- or 5-bit q in the arrangement for 8-bit activations: quad j (inputs 4j..4j+3) as 64
+// bytes, byte 4i + t = q of output i at input 4j + t; quads 2v and 2v + 1 share 64 bytes (low and high nibbles).
+// 5-bit q add, per quad, a 64-bit word whose bit 4i + t is that q's fifth bit. The sizes are those of the
+// arrangement for 16-bit activations.
+template <bool Five>
+void arrange_quads(const int8_t (*q)[kBlock], uint8_t* qs) {
+  for (int v = 0; v < 4; ++v)
+    for (int i = 0; i < kPanel; ++i)
+      for (int t = 0; t < 4; ++t)
+        qs[64 * v + 4 * i + t] = static_cast<uint8_t>((q[i][8 * v + t] & 15) | ((q[i][8 * v + 4 + t] & 15) << 4));
+  if constexpr (Five)
+    for (int j = 0; j < 8; ++j) {
+      uint64_t high = 0;
+      for (int i = 0; i < kPanel; ++i)
+        for (int t = 0; t < 4; ++t) high |= static_cast<uint64_t>((q[i][4 * j + t] >> 4) & 1) << (4 * i + t);
+      std::memcpy(qs + kBlock * kPanel / 2 + 8 * j, &high, 8);
+    }
 }
 
 template <Format F>
@@ -492,6 +519,136 @@ WordFn word_tile(int64_t rows, int64_t tile, int64_t tiles) {
   return (tiles > 1 ? words_for<F, P, Weights::kWidenAndKeep>() : words_for<F, P, Weights::kWiden>())[rows - 1];
 }
 
+// Rows as 8-bit integers for the quad formats (10-13): each row's block of 32 inputs becomes x ~ s * qx with qx in
+// -127..127 (s = its largest magnitude / 127), as llama.cpp's Q8 activations; an output's block term is
+// d * s * sum(q * qx) + m * sum(x). Stored as QuantizedRows's pairs are, by quads: the tile of R rows at row0 holds
+// quad j of block b of its row r at byte row0 * k + ((b * 8 + j) * R + r) * 4.
+struct ByteRows {
+  std::vector<int8_t> q;  // [rows * k]
+  std::vector<float> scale, sum;  // [rows * k / 32]
+};
+
+template <typename T>
+ByteRows quantize_rows_to_bytes(const T* x, int64_t rows, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  const RowTiles tiles(rows);
+  ByteRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
+  at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = i / blocks, b = i % blocks, tile = tiles.of_row(row);
+      const int64_t row0 = tiles.first_row(tile), tile_rows = tiles.size(tile), r = row - row0;
+      const T* xb = x + row * k + b * kBlock;
+      alignas(64) int8_t qb[kBlock];
+      const __m512 a = load16(xb), c = load16(xb + 16);
+      const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
+      const bool finite = std::isfinite(sum) && std::isfinite(largest);
+      const int64_t at = row0 * blocks + b * tile_rows + r;
+      out.scale[at] = finite ? largest / 127.f : std::numeric_limits<float>::quiet_NaN();
+      if (finite && largest > 0.f && largest < 1e-30f) {
+        const double to_q = 127.0 / largest;
+        for (int j = 0; j < kBlock; ++j)
+          qb[j] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(xb[j]) * to_q), -127.0, 127.0));
+      } else {
+        const __m512 to_q = _mm512_set1_ps(finite && largest > 0.f ? 127.f / largest : 0.f);
+        _mm_store_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, to_q))));
+        _mm_store_si128(reinterpret_cast<__m128i*>(qb + 16),
+                        _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(c, to_q))));
+      }
+      out.sum[at] = sum;
+      int8_t* quads = out.q.data() + row0 * k + (b * 8 * tile_rows + r) * 4;
+      for (int j = 0; j < 8; ++j) std::memcpy(quads + j * tile_rows * 4, qb + 4 * j, 4);
+    }
+  });
+  return out;
+}
+
+// The two quads (2v, 2v + 1) of a panel's block as the unsigned bytes VPDPBUSD takes, from its q (`qs`).
+template <Format F>
+inline void block_quads(const uint8_t* qs, int v, __m512i& low, __m512i& high) {
+  const __m512i packed = _mm512_loadu_si512(qs + 64 * v);
+  low = _mm512_and_si512(packed, _mm512_set1_epi8(0x0F));
+  high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));
+  if constexpr (five_bit(F)) {
+    uint64_t bits[2];
+    std::memcpy(bits, qs + kBlock * kPanel / 2 + 16 * v, 16);
+    low = _mm512_mask_add_epi8(low, bits[0], low, _mm512_set1_epi8(16));
+    high = _mm512_mask_add_epi8(high, bits[1], high, _mm512_set1_epi8(16));
+  }
+}
+
+// R rows times P panels from 8-bit activations (F: the word format whose headers the quads share). The weights
+// need no widening, so every tile reads them from the blocks (a pair's blocks stay in L1/L2 across its tiles).
+template <Format F, int R, int P>
+void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* headers, int64_t panel_bytes,
+                   float* out, int64_t n) {
+  constexpr int A = R * P <= 2 ? 2 : 1;  // split short chains of dependent VPDPBUSD in two
+  const int64_t blocks = k / kBlock;
+  const int32_t* x_quads = reinterpret_cast<const int32_t*>(xq.q.data() + row0 * k);
+  const float* x_scale = xq.scale.data() + row0 * blocks;
+  const float* x_sum = xq.sum.data() + row0 * blocks;
+  __m512 sums[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) sums[r][p] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i acc[A][R][P];
+    for (int a = 0; a < A; ++a)
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) acc[a][r][p] = _mm512_setzero_si512();
+    const int32_t* xb = x_quads + b * 8 * R;
+    const uint8_t* qs[P];
+    for (int p = 0; p < P; ++p) {
+      qs[p] = headers + p * panel_bytes + b * word_block_bytes(F) + word_header_bytes(F);
+      for (int64_t line = 0; line < word_block_bytes(F); line += 64)  // the next panel pair's block, as the words do
+        _mm_prefetch(reinterpret_cast<const char*>(headers + (P + p) * panel_bytes + b * word_block_bytes(F) + line),
+                     _MM_HINT_T0);
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) {
+      __m512i low[P], high[P];
+      for (int p = 0; p < P; ++p) block_quads<F>(qs[p], v, low[p], high[p]);
+      for (int r = 0; r < R; ++r) {
+        const __m512i x_low = _mm512_set1_epi32(xb[(2 * v) * R + r]), x_high = _mm512_set1_epi32(xb[(2 * v + 1) * R + r]);
+        for (int p = 0; p < P; ++p) {
+          acc[0][r][p] = _mm512_dpbusd_epi32(acc[0][r][p], low[p], x_low);
+          acc[A - 1][r][p] = _mm512_dpbusd_epi32(acc[A - 1][r][p], high[p], x_high);
+        }
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* header = headers + p * panel_bytes + b * word_block_bytes(F);
+      __m512 d, m;
+      if constexpr (float_header(F)) {
+        d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
+        m = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
+      } else {
+        d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
+        m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
+      }
+      for (int r = 0; r < R; ++r) {
+        __m512i total = acc[0][r][p];
+        if constexpr (A == 2) total = _mm512_add_epi32(total, acc[1][r][p]);
+        sums[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(x_scale[b * R + r])),
+                                     sums[r][p]);
+        sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(out + r * n + p * kPanel, sums[r][p]);
+}
+
+using QuadFn = void (*)(const ByteRows&, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t);
+template <Format F, int P, int... I>
+constexpr std::array<QuadFn, sizeof...(I)> quad_table(std::integer_sequence<int, I...>) {
+  return {&rows_by_quads<F, I + 1, P>...};
+}
+template <Format F, int P>
+QuadFn quad_tile(int64_t rows) {
+  static const auto table = quad_table<F, P>(std::make_integer_sequence<int, kWordRows>{});
+  return table[rows - 1];
+}
+
 // 16 float32 values rounded to bfloat16 as c10::BFloat16 rounds one (to nearest, ties to even; NaN to 0x7FC0),
 // without AVX512_BF16, which the build does not assume.
 inline __m256i round_to_bf16(__m512 v) {
@@ -512,21 +669,42 @@ struct Part {
 
 // Every row tile times the panel pair starting at panel `first` of a part (`width` panels: 2, or 1 at a part's
 // odd end), into out (the part's first column of row 0, rows `stride` apart).
+// A call's rows quantized for the parts that take them: 16-bit pairs (formats 3-9), 8-bit quads (10-13).
+struct Activations {
+  QuantizedRows words;
+  ByteRows bytes;
+};
+
 template <Format F>
-void pair_by_tiles(const QuantizedRows& xq, const RowTiles& tiles, int64_t k, int16_t* w, const uint8_t* blocks,
+void pair_by_tiles(const Activations& xq, const RowTiles& tiles, int64_t k, int16_t* w, const uint8_t* blocks,
                    int64_t first, int64_t width, float* out, int64_t stride) {
   const int64_t panel_bytes = (k / kBlock) * word_block_bytes(F);
   for (int64_t t = 0; t < tiles.count; ++t) {
     const int64_t r0 = tiles.first_row(t), r = tiles.size(t);
     (width == 2 ? word_tile<F, 2> : word_tile<F, 1>)(r, t, tiles.count)(
-        xq, r0, k, w, blocks + first * panel_bytes, panel_bytes, out + r0 * stride + first * kPanel, stride);
+        xq.words, r0, k, w, blocks + first * panel_bytes, panel_bytes, out + r0 * stride + first * kPanel, stride);
   }
 }
 
-using PairFn = void (*)(const QuantizedRows&, const RowTiles&, int64_t, int16_t*, const uint8_t*, int64_t, int64_t,
+template <Format F>
+void pair_by_quads(const Activations& xq, const RowTiles& tiles, int64_t k, int16_t*, const uint8_t* blocks,
+                   int64_t first, int64_t width, float* out, int64_t stride) {
+  const int64_t panel_bytes = (k / kBlock) * word_block_bytes(F);
+  for (int64_t t = 0; t < tiles.count; ++t) {
+    const int64_t r0 = tiles.first_row(t), r = tiles.size(t);
+    (width == 2 ? quad_tile<F, 2> : quad_tile<F, 1>)(r)(xq.bytes, r0, k, blocks + first * panel_bytes, panel_bytes,
+                                                        out + r0 * stride + first * kPanel, stride);
+  }
+}
+
+using PairFn = void (*)(const Activations&, const RowTiles&, int64_t, int16_t*, const uint8_t*, int64_t, int64_t,
                         float*, int64_t);
 PairFn pair_fn(Format f) {
   switch (f) {
+    case kQ4_1Quads: return &pair_by_quads<kQ4_1>;
+    case kQ4ScaledQuads: return &pair_by_quads<kQ4Scaled>;
+    case kQ5WordsQuads: return &pair_by_quads<kQ5Words>;
+    case kQ5ScaledQuads: return &pair_by_quads<kQ5Scaled>;
     case kQ4_1Words: return &pair_by_tiles<kQ4_1>;
     case kQ8_0Words: return &pair_by_tiles<kQ8_0>;
     case kQ4Scaled: return &pair_by_tiles<kQ4Scaled>;
@@ -544,7 +722,11 @@ PairFn pair_fn(Format f) {
 template <typename T>
 void word_products(const T* x, int64_t rows, int64_t k, const std::vector<Part>& parts, int64_t n, float* out,
                    c10::BFloat16* out16, const float* bias) {
-  const QuantizedRows xq = quantize_rows(x, rows, k);
+  bool words = false, quads = false;
+  for (const Part& part : parts) (part.format >= kQ4_1Quads ? quads : words) = true;
+  Activations xq;
+  if (words) xq.words = quantize_rows(x, rows, k);
+  if (quads) xq.bytes = quantize_rows_to_bytes(x, rows, k);
   const RowTiles tiles(rows);
   std::vector<std::pair<int64_t, int64_t>> pairs;  // (part, first panel)
   for (int64_t i = 0; i < static_cast<int64_t>(parts.size()); ++i)
@@ -626,7 +808,7 @@ at::Tensor pack_as(const float* w, int64_t n, int64_t k, bool words) {
 
 // The bytes of one panel's block of 32 inputs in `format`.
 int64_t packed_block_bytes(int64_t format) {
-  switch (format) {
+  switch (word_base(format)) {
     case kQ4_1: return block_bytes(kQ4_1);
     case kQ8_0: return block_bytes(kQ8_0);
     case kQ4_1Words: return word_block_bytes(kQ4_1);
@@ -672,9 +854,10 @@ std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words
 // by exactly these weights (d * q + m in real numbers; float32 rounds only the sums). With `half` (the caller
 // found every scale and minimum exact in half precision, and for 8 bits every minimum zero) the blocks are
 // formats 3 and 4 instead: the same product with half-precision headers, a bit less per weight. A scale per 16
-// inputs ([out, in / 16], 8 bits, every minimum zero: GGUF Q6_K) gives format 7.
+// inputs ([out, in / 16], 8 bits, every minimum zero: GGUF Q6_K) gives format 7. With `quads`, 4- and 5-bit
+// weights take the arrangement for 8-bit activations (formats 10-13); 8-bit ones keep 16-bit activations.
 std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
-                                            int64_t bits, bool half) {
+                                            int64_t bits, bool half, bool quads) {
   TORCH_CHECK(word_blocks_supported(), "pack_scaled: this build has no product for 16-bit activations (it needs "
               "AVX512_VNNI)");
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "pack_scaled: bits must be 4, 5 or 8");
@@ -695,9 +878,11 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
     TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() <= 31, "pack_scaled: 5-bit q must be in 0..31");
   TORCH_CHECK(!per_16 || (bits == 8 && !half && !mc.any().item<bool>()), "pack_scaled: a scale per 16 inputs needs "
               "8-bit q, float32 headers and zero minimums");
+  quads = quads && bits != 8;
   const Format f = per_16 ? kQ8Halves
-                  : bits == 5 ? (half ? kQ5Words : kQ5Scaled)
-                  : half ? (bits == 4 ? kQ4_1Words : kQ8_0Words) : (bits == 4 ? kQ4Scaled : kQ8Scaled);
+                  : bits == 5 ? (half ? (quads ? kQ5WordsQuads : kQ5Words) : (quads ? kQ5ScaledQuads : kQ5Scaled))
+                  : bits == 8 ? (half ? kQ8_0Words : kQ8Scaled)
+                  : half ? (quads ? kQ4_1Quads : kQ4_1Words) : (quads ? kQ4ScaledQuads : kQ4Scaled);
   const int64_t block = packed_block_bytes(f), panels = n / kPanel, panel_bytes = blocks * block;
   const int64_t header_size =
       half ? word_header_bytes(bits == 4 ? kQ4_1 : bits == 5 ? kQ5Words : kQ8_0) : 2 * kPanel * 4;
@@ -723,7 +908,10 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
           std::memcpy(tile[i], qs + row * k + b * kBlock, kBlock);
         }
         std::memcpy(dst, half ? static_cast<const void*>(halves) : static_cast<const void*>(header), header_size);
-        if (bits == 4) {
+        if (quads) {
+          if (bits == 5) arrange_quads<true>(tile, dst + header_size);
+          else arrange_quads<false>(tile, dst + header_size);
+        } else if (bits == 4) {
           arrange_words<true>(tile, dst + header_size);
         } else if (bits == 5) {
           int8_t low[kPanel][kBlock];
@@ -743,7 +931,7 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
   return {f, packed};
 }
 
-// x [rows, in] (contiguous; float32, or bfloat16 for formats 3 to 9) times each weight `pack_blocks` or
+// x [rows, in] (contiguous; float32, or bfloat16 for formats 3 to 13) times each weight `pack_blocks` or
 // `pack_scaled` packed (`packed[i]` in `formats[i]`, outs[i] outputs), the outputs side by side, [rows, sum of
 // outs], in x's dtype, plus `bias` (float32 [sum of outs]) before any rounding to bfloat16. Formats 1 and 2 (float32
 // activations) take one weight at a time.
@@ -756,15 +944,15 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
   const bool words = formats[0] >= kQ4_1Words;
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == at::kFloat || (words && x.scalar_type() == at::kBFloat16)),
-              "blocks_linear: x must be a contiguous float32 CPU matrix [rows, in] (or bfloat16, for formats 3 to 9)");
+              "blocks_linear: x must be a contiguous float32 CPU matrix [rows, in] (or bfloat16, for formats 3 to 13)");
   const int64_t rows = x.size(0), k = x.size(1);
   int64_t n = 0;
   std::vector<Part> parts;
   for (size_t i = 0; i < packed.size(); ++i) {
     const int64_t format = formats[i], out_features = outs[i];
-    TORCH_CHECK(format >= kQ4_1 && format <= kQ5Scaled, "blocks_linear: unknown format");
+    TORCH_CHECK(format >= kQ4_1 && format <= kQ5ScaledQuads, "blocks_linear: unknown format");
     TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 "
-                "to 9 (it needs AVX512_VNNI)");
+                "to 13 (it needs AVX512_VNNI)");
     TORCH_CHECK((format >= kQ4_1Words) == words && (words || packed.size() == 1), "blocks_linear: formats 1 and 2 "
                 "take one weight at a time");
     const int64_t bytes = packed_block_bytes(format);
