@@ -10,7 +10,8 @@
    packed as GPTQ's checkpoint_format "gptq" stores them. The output head is quantized too (GPTQ's
    `lm_head: true`), unless --keep-head leaves it bfloat16; the embeddings stay bfloat16.
 3. Runs bench/throughput.py's streaming loads (greedy, ignore_eos, --max-tokens tokens, the gateway with the
-   official openai client) at each of --levels on each checkpoint in turn, and prints both with the ratio.
+   official openai client) at each of --levels on each checkpoint in turn (the GPTQ one twice: 16-bit and, with
+   QUANTIZED_ACTIVATIONS=int8, 8-bit activations), and prints them with the ratios.
 
     .venv/bin/python bench/quantized.py --agreement [--max-tokens 64]
 
@@ -112,10 +113,11 @@ def build_gptq(source: Path, out: Path, group: int, head: bool) -> Path:
     return out
 
 
-def throughput(folder: Path, args) -> dict:
+def throughput(folder: Path, args, env: tuple[str, ...] = ()) -> dict:
     command = [sys.executable, str(ROOT / "bench" / "throughput.py"), "--no-baseline", "--levels", args.levels,
                "--long-levels", "", "--mixed-levels", "", "--max-tokens", str(args.max_tokens),
-               "--rounds", str(args.rounds), "--env", f"MODEL_NAME={folder}", *sum((["--env", e] for e in args.env), [])]
+               "--rounds", str(args.rounds), "--env", f"MODEL_NAME={folder}",
+               *sum((["--env", e] for e in (*args.env, *env)), [])]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode or not lines:
@@ -199,17 +201,19 @@ def main() -> None:
     gptq = build_gptq(dense, work / f"user-362m-gptq-int4-g{args.group_size}{'' if head else '-bf16-head'}",
                       args.group_size, head)
     speeds = {}
-    for name, folder in (("bfloat16", dense), ("GPTQ int4", gptq)):
-        speeds[name] = throughput(folder, args)
+    cases = (("bfloat16", dense, ()), ("GPTQ int4", gptq, ()),
+             ("GPTQ int4, 8-bit activations", gptq, ("QUANTIZED_ACTIVATIONS=int8",)))
+    for name, folder, env in cases:
+        speeds[name] = throughput(folder, args, env)
         print(f"{name}: " + ", ".join(f"{tok_s:.1f} tok/s at {level}" for level, tok_s in speeds[name].items()),
               flush=True)
     print()
     print(f"| streams | bfloat16 tok/s | GPTQ int4 (group {args.group_size}, head "
-          f"{'int4' if head else 'bfloat16'}) tok/s | ratio |")
-    print("|---:|---:|---:|---:|")
+          f"{'int4' if head else 'bfloat16'}) tok/s | ratio | the same, QUANTIZED_ACTIVATIONS=int8 | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for level in speeds["bfloat16"]:
-        a, b = speeds["bfloat16"][level], speeds["GPTQ int4"][level]
-        print(f"| {level} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+        a, b, c = (speeds[name][level] for name, _, _ in cases)
+        print(f"| {level} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {c:.1f} | {c / a:.2f}x |")
     print(json.dumps({"bench": "quantized", "group_size": args.group_size, "head_quantized": head,
                       "max_tokens": args.max_tokens, "tok_s": speeds}))
 

@@ -10,7 +10,7 @@ import torch
 
 from engine import devices, quantization as quantized_checkpoint, startup_cache
 from engine.core import fallback
-from engine.cpu import fusion, packed_linear
+from engine.cpu import fusion, packed_linear, quantized_weights
 from engine.cpu import plan as cpu_plan
 from engine.executor import attention, windows
 from engine.sources import store
@@ -247,12 +247,12 @@ def load(config: EngineConfig) -> LoadedModel:
         packed_linear.apply(model, None)
     if config.quantized_activations not in packed_linear.ACTIVATIONS:
         raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: int16 or int8")
-    if config.quantized_activations != "int16" and not any(
-            layer.block_format in packed_linear.QUAD_FORMATS for layer in packed_linear.layers(model)):
+    if config.quantized_activations != "int16" and not quantized_weights.eight_bit_activations(model):
         # Never a setting that silently does nothing.
         raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: this model has no 4- or 5-bit "
                              "layers multiplied by the CPU kernels (a quantized checkpoint's, QUANTIZATION=int4's "
-                             "or a GGUF file's served from its blocks), which are all it changes; unset it")
+                             "or a GGUF file's served from its blocks with DTYPE=auto), which are all it changes; "
+                             "unset it")
     attention.set_batch_invariant(invariant)
     log.info("batch invariance: %s (BATCH_INVARIANT=%s)", "on" if invariant else "off",
              str(config.batch_invariant).lower())

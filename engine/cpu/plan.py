@@ -76,7 +76,8 @@ def apply(model: torch.nn.Module, dtype: torch.dtype, config: EngineConfig, *, f
     bf16_weights.apply(model, native_kernels.active(), every_size=invariant, verdicts=verdicts)
     # DTYPE=auto lets GGUF blocks take 16-bit integer activations; an explicit float32 keeps float32 activations.
     quantized_weights.apply(model, native_kernels.active(), integer_activations=config.dtype == "auto",
-                            every_size=invariant, verdicts=verdicts)
+                            every_size=invariant, verdicts=verdicts,
+                            byte_activations=config.quantized_activations == "int8")
     return invariant
 
 

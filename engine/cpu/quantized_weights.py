@@ -72,7 +72,8 @@ def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
             and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
 
 
-_FORMATS = {1: "Q4_1", 2: "Q8_0", 3: "Q4_1", 4: "Q8_0"}  # 3 and 4: arranged for 16-bit integer activations
+# 3 and 4: arranged for 16-bit integer activations; 10: Q4_1 for 8-bit ones (QUANTIZED_ACTIVATIONS=int8)
+_FORMATS = {1: "Q4_1", 2: "Q8_0", 3: "Q4_1", 4: "Q8_0", 10: "Q4_1"}
 WORD_FORMATS = (3, 4)
 # Every other block format (3 and up: GGUF blocks arranged for words, quantized checkpoints' blocks of
 # engine/cpu/packed_linear.py) multiplies 16-bit integer activations; 0 is no blocks.
@@ -84,7 +85,7 @@ def _agrees(module: torch.nn.Linear, kernels, blocks: tuple[int, torch.Tensor]) 
     """The block product against the layer's own on random rows, through each of the kernel's paths: each output
     within float32 rounding (integer activations: within their 2^-16 steps) of the sum of |x| * |w| it adds, |w|
     raised by its block's |minimum| (integer activations meet d * q = w - m)."""
-    tolerance = 1e-4 if blocks[0] in WORD_FORMATS else 1e-5
+    tolerance = 1e-4 if blocks[0] in WORD_FORMATS + _BYTE_ACTIVATION_FORMATS else 1e-5
     weight = module.weight.reshape(module.out_features, -1, 32)
     reach = (weight.abs() + weight.amin(-1, keepdim=True).abs()).reshape(module.out_features, module.in_features)
     for rows in (1, 17):
@@ -92,6 +93,9 @@ def _agrees(module: torch.nn.Linear, kernels, blocks: tuple[int, torch.Tensor]) 
         expected = torch.nn.functional.linear(x, module.weight)
         got = kernels.blocks_linear(x, blocks[1], blocks[0], module.out_features)
         bound = tolerance * torch.nn.functional.linear(x.abs(), reach) + 1e-6
+        if blocks[0] in _BYTE_ACTIVATION_FORMATS:  # half an 8-bit step of each block's largest input, times |d q|
+            step = x.abs().view(rows, -1, 32).amax(-1) / 254
+            bound = bound + step @ reach.view(module.out_features, -1, 32).sum(-1).T
         if not bool(((got - expected).abs() <= bound).all()):
             return False
     return True
@@ -130,14 +134,14 @@ def _gains(modules: list[torch.nn.Linear], blocks: list[tuple[int, torch.Tensor]
     return gains
 
 
-def _exact_blocks(model: torch.nn.Module, kernels, words: bool, limit: int | None = None,
-                  check: bool = True) -> list[tuple[torch.nn.Linear, tuple[int, torch.Tensor]]]:
+def _exact_blocks(model: torch.nn.Module, kernels, words: bool, limit: int | None = None, check: bool = True,
+                  quads: bool = False) -> list[tuple[torch.nn.Linear, tuple[int, torch.Tensor]]]:
     """The candidate layers (up to `limit` bytes of float32 weights, in step order) that hold exact blocks, with their
     packed blocks; [] where the product disagrees with the float32 one on this machine (logged). `check=False`
     skips that comparison, for a verdict an earlier start already reached (engine/startup_cache.py)."""
     found, total = [], 0
     for module in _candidates(model):
-        packed = kernels.pack_blocks(module.weight.detach(), words)
+        packed = kernels.pack_blocks(module.weight.detach(), words, quads)
         if packed[0]:
             found.append((module, packed))
         total += module.weight.numel() * 4
@@ -180,14 +184,14 @@ def beats_bfloat16(model: torch.nn.Module, kernels) -> bool:
     return wins
 
 
-def _verdict_name(model: torch.nn.Module, words: bool) -> str:
+def _verdict_name(model: torch.nn.Module, words: bool, quads: bool) -> str:
     """The stored verdict's name for these candidate layers (their shapes, in order) and activations."""
     shapes = repr([tuple(m.weight.shape) for m in _candidates(model)])
-    return f"gguf_blocks:{int(words)}:" + hashlib.sha256(shapes.encode()).hexdigest()[:16]
+    return f"gguf_blocks:{int(words) + int(quads)}:" + hashlib.sha256(shapes.encode()).hexdigest()[:16]
 
 
 def apply(model: torch.nn.Module, kernels, integer_activations: bool = False, every_size: bool = False,
-          verdicts=None) -> int:
+          verdicts=None, byte_activations: bool = False) -> int:
     """Give every linear layer whose weight is exact Q4_1 or Q8_0 blocks a block product for batches up to the
     size where it wins (`kernels`: native_kernels.active(), or None), with 16-bit integer activations where
     `integer_activations` allows and the CPU has the product. With `every_size` (BATCH_INVARIANT) the blocks serve
@@ -198,15 +202,16 @@ def apply(model: torch.nn.Module, kernels, integer_activations: bool = False, ev
     if kernels is None or not kernels.blocks_supported():
         return 0
     words = integer_activations and kernels.word_blocks_supported()
+    quads = words and byte_activations  # QUANTIZED_ACTIVATIONS=int8: Q4_1 layers take 8-bit activations
     sizes = _WORD_PROBE_ROWS if words else _PROBE_ROWS
-    name = _verdict_name(model, words) if verdicts is not None else ""
+    name = _verdict_name(model, words, quads) if verdicts is not None else ""
     stored, value = verdicts.cached(name) if verdicts is not None else (False, None)
     until, timed = value if stored else (0, "")
     if stored and not until and not every_size:
         return 0  # no exact blocks, a product that differs, or one that is not faster here
     with torch.inference_mode():
         # A stored "no" may have been a product that differs: blocks wanted at every size are checked again.
-        found = _exact_blocks(model, kernels, words, check=not (stored and until))
+        found = _exact_blocks(model, kernels, words, check=not (stored and until), quads=quads)
         if not found:
             if verdicts is not None:
                 verdicts.get(name, lambda: [0, ""])
@@ -245,7 +250,7 @@ def apply(model: torch.nn.Module, kernels, integer_activations: bool = False, ev
     log.info("linear weights: %d layers multiply from their exact GGUF blocks (%s; engine/cpu/native/quantized_linear.cpp"
              ", %.0f MB for %.0f MB of float32) with %s activations %s: %s rows over a step's weights", len(modules),
              formats, sum(b[1].numel() for b in blocks) / 2**20, sum(m.weight.numel() * 4 for m in modules) / 2**20,
-             "16-bit integer" if words else "float32",
+             "8-bit integer (Q4_1; Q8_0 16-bit)" if quads else "16-bit integer" if words else "float32",
              "at every batch size" if until == EVERY_SIZE else f"up to {until} rows", timed)
     if released:
         log.info("linear weights: %.0f MB of packed float32 copies released (engine/cpu/layout.py)", released / 2**20)

@@ -562,7 +562,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
 // engine/native/quantized_linear.cpp
 bool blocks_supported();
 bool word_blocks_supported();
-std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words);
+std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words, bool quads);
 at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features,
                          const c10::optional<at::Tensor>& bias);
 at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& packed,
@@ -596,7 +596,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocks_supported", &blocks_supported, "whether this build has the block product");
   m.def("word_blocks_supported", &word_blocks_supported, "whether this build has the product for 16-bit activations");
   m.def("pack_blocks", &pack_blocks, "(format, blocks): a float32 weight's exact Q4_1 or Q8_0 blocks, or (0, empty)",
-        py::arg("weight"), py::arg("words") = false);
+        py::arg("weight"), py::arg("words") = false, py::arg("quads") = false);
   m.def("blocks_linear", &blocks_linear, "x times a weight packed by pack_blocks or pack_scaled (+ bias), in x's dtype",
         py::arg("x"), py::arg("packed"), py::arg("format"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("blocks_linear_parts", &blocks_linear_parts, "x times several packed weights, their outputs side by side "

@@ -825,9 +825,10 @@ int64_t packed_block_bytes(int64_t format) {
 
 // weight float32 [out, in] (any strides) -> (format, blocks): 1 and the Q4_1 blocks, 2 and the Q8_0 blocks, in
 // the product's layout ([out / 16, bytes per panel]), or with `words` 3 and 4 and the same blocks arranged for
-// 16-bit integer activations; 0 and an empty tensor where the weight is exactly neither, its shape does not
-// divide into panels and blocks, or this build has no such product.
-std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words) {
+// 16-bit integer activations (with `quads` too, Q4_1 as format 10, for 8-bit activations); 0 and an empty
+// tensor where the weight is exactly neither, its shape does not divide into panels and blocks, or this build has
+// no such product.
+std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words, bool quads) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kFloat,
               "pack_blocks: weight must be a float32 CPU matrix");
   const int64_t n = weight.size(0), k = weight.size(1);
@@ -842,6 +843,25 @@ std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words
     return {kNone, at::empty({0}, at::kByte)};
   const at::Tensor w = weight.contiguous();
   at::Tensor packed = pack_as<kQ4_1>(w.data_ptr<float>(), n, k, words);
+  if (packed.defined() && words && quads) {
+    // The checked words rearranged by quads, block by block in place: the same header and bytes (format 10).
+    const int64_t blocks = k / kBlock, bytes = word_block_bytes(kQ4_1);
+    uint8_t* data = packed.data_ptr<uint8_t>();
+    at::parallel_for(0, (n / kPanel) * blocks, 1, [&](int64_t begin, int64_t end) {
+      int8_t q[kPanel][kBlock];
+      for (int64_t i = begin; i < end; ++i) {
+        uint8_t* qs = data + i * bytes + word_header_bytes(kQ4_1);
+        for (int h = 0; h < 4; ++h)
+          for (int t = 0; t < 64; ++t) {
+            const int g = 4 * h + t / 32, u = t % 32;  // the inverse of arrange_words<true>
+            q[u / 2][2 * g + u % 2] = static_cast<int8_t>(qs[64 * h + t] & 15);
+            q[u / 2][2 * (g + 2) + u % 2] = static_cast<int8_t>(qs[64 * h + t] >> 4);
+          }
+        arrange_quads<false>(q, qs);
+      }
+    });
+    return {kQ4_1Quads, packed};
+  }
   if (packed.defined()) return {words ? kQ4_1Words : kQ4_1, packed};
   packed = pack_as<kQ8_0>(w.data_ptr<float>(), n, k, words);
   if (packed.defined()) return {words ? kQ8_0Words : kQ8_0, packed};
