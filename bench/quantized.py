@@ -15,8 +15,9 @@
 
     .venv/bin/python bench/quantized.py --agreement [--max-tokens 64]
 
-instead measures QUANTIZATION=int8 / int4 (quantization at load) against the float32 model they start from, on
-the embedded model's float32 copy, as docs/cpu-kernels.md measures the 16-bit activations: float32's greedy chat
+instead measures QUANTIZATION=int8 / int4 (quantization at load; int4 also with QUANTIZED_ACTIVATIONS=int8)
+against the float32 model they start from, on the embedded model's float32 copy, as docs/cpu-kernels.md measures
+the 16-bit activations: float32's greedy chat
 completions of the 8 benchmark prompts (--max-tokens each) against each quantized model's own (identical or
 not), then teacher-forced over float32's completions: top-1 agreement and the mean KL divergence from float32's
 next-token distribution at every completion position. The quantized models run transformers' forward with the
@@ -142,11 +143,11 @@ def agreement(max_tokens: int) -> None:
     if not native_kernels.load("auto", torch.float32):
         raise SystemExit(f"the native kernels are needed: {native_kernels.reason()}")
 
-    def model(method: str | None):
+    def model(method: str | None, activation_bits: int = 16):
         loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         if method:
             quantize_at_load(loaded, method)
-            packed_linear.apply(loaded, native_kernels.active())
+            packed_linear.apply(loaded, native_kernels.active(), activation_bits)
         return loaded
 
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
@@ -158,8 +159,9 @@ def agreement(max_tokens: int) -> None:
                                         pad_token_id=0)[0] for ids in prompts]
         expected = [F.log_softmax(reference(s[None]).logits[0].float(), -1) for s in sequences]
         del reference
-        for method in ("int8", "int4"):
-            quantized = model(method)
+        for method, bits in (("int8", 16), ("int4", 16), ("int4", 8)):
+            quantized = model(method, bits)
+            method = method if bits == 16 else f"{method}, QUANTIZED_ACTIVATIONS=int{bits}"
             same = top1 = positions = 0
             kl = 0.0
             for ids, sequence, ref in zip(prompts, sequences, expected):
