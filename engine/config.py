@@ -25,8 +25,8 @@ class EngineConfig:
     # (engine/quantization/methods.py METHODS) must match it, or be int8 / int4 to quantize a dense one at load.
     quantization: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA; CPU: README (bfloat16 where native, GGUF blocks 16-bit activations)
-    # The integers a quantized checkpoint's 4- and 5-bit layers multiply activations as on CPU: int16 (steps of 2^-15
-    # of each block of 32 inputs' largest) | int8 (2^-7, as llama.cpp does: about 1.5x the product's rate at 8+ rows).
+    # The integers a quantized checkpoint's packed layers multiply activations as on CPU: int16 (steps of 2^-15 of
+    # each block of 32 inputs' largest) | int8 (2^-7, as llama.cpp does: about 1.5x the product's rate at 8+ rows).
     quantized_activations: str = "int16"
     device: str = "auto"  # auto: cuda when available; cuda-sim: the CUDA path on the CPU (engine/devices.py)
     simulated_device_memory: int | None = None  # cuda-sim: bytes of the simulated device (None: 4 GiB)

@@ -249,10 +249,10 @@ def load(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: int16 or int8")
     if config.quantized_activations != "int16" and not quantized_weights.eight_bit_activations(model):
         # Never a setting that silently does nothing.
-        raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: this model has no 4- or 5-bit "
-                             "layers multiplied by the CPU kernels (a quantized checkpoint's, QUANTIZATION=int4's "
-                             "or a GGUF file's served from its blocks with DTYPE=auto), which are all it changes; "
-                             "unset it")
+        raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: this model has no layers "
+                             "multiplied from packed integers by the CPU kernels (a quantized checkpoint's, "
+                             "QUANTIZATION=int8/int4's, or a GGUF file's served from its blocks with DTYPE=auto), "
+                             "which are all it changes; unset it")
     attention.set_batch_invariant(invariant)
     log.info("batch invariance: %s (BATCH_INVARIANT=%s)", "on" if invariant else "off",
              str(config.batch_invariant).lower())

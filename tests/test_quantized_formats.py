@@ -314,13 +314,12 @@ def test_eight_bit_activations_serve_the_tokens_of_their_arithmetic(sym, tmp_pat
 
 
 def test_eight_bit_activations_where_nothing_takes_them_are_refused(tmp_path, tokenizer_folder):
-    """A setting that would change nothing (a dense model, 8-bit weights only) or an unknown value stops the start
-    with one line naming it."""
+    """A setting that would change nothing (a dense model) or an unknown value stops the start with one line
+    naming it."""
     folder = tmp_path / "quantized"
     model = dense_llama(folder, tokenizer_folder)
     write_quantized(folder, tmp_path / "reference", model, *FORMATS["gptq-8bit-g32"])
-    _refused(folder, "QUANTIZED_ACTIVATIONS=int8: this model has no 4- or 5-bit layers", quantized_activations="int8")
-    _refused(tmp_path / "reference", "QUANTIZED_ACTIVATIONS=int8: this model has no 4- or 5-bit layers",
+    _refused(tmp_path / "reference", "QUANTIZED_ACTIVATIONS=int8: this model has no layers multiplied from packed",
              quantized_activations="int8")
     _refused(folder, "QUANTIZED_ACTIVATIONS=int4: int16 or int8", quantized_activations="int4")
 
@@ -670,28 +669,35 @@ def test_a_bfloat16_row_only_goes_to_the_integer_activation_formats():
         kernels.blocks_linear(torch.randn(2, 96), layer.packed, layer.block_format, 48, torch.randn(47))
 
 
-@pytest.mark.parametrize("bits,half", [(4, True), (4, False), (5, True), (5, False)])
+@pytest.mark.parametrize("bits,half", [(4, True), (4, False), (5, True), (5, False), (8, True), (8, False),
+                                       ("per16", False)])
 def test_eight_bit_activations_stay_within_their_rounding_at_every_row_count(bits, half):
-    """Formats 10-13 (4- and 5-bit blocks, half or float32 headers, for 8-bit activations): every tile shape of
-    rows gives x W^T within half an activation step (1/254 of each block's largest input) times the block's
-    |d q|, float32 and bfloat16 rows; a row's result does not depend on the rows beside it."""
+    """Formats 10-16 (4-, 5- and 8-bit blocks, half or float32 headers, Q6_K's scale per 16, for 8-bit
+    activations): every tile shape of rows gives x W^T within half an activation step (1/254 of each block's
+    largest input) times the block's |d q|, float32 and bfloat16 rows; a row's result does not depend on the rows
+    beside it."""
     kernels = _word_kernels()
     torch.manual_seed(7)
-    q = torch.randint(0, 2**bits, (48, 96), dtype=torch.int8)
-    scale = torch.rand(48, 3) * 0.1
-    minimum = -8 * scale
+    group = 16 if bits == "per16" else 32
+    lo, hi = {4: (0, 16), 5: (0, 32), 8: (-128, 128), "per16": (-32, 32)}[bits]
+    q = torch.randint(lo, hi, (48, 96), dtype=torch.int8)
+    scale = torch.rand(48, 96 // group) * 0.1
+    minimum = -8 * scale if bits in (4, 5) else torch.zeros_like(scale) if half or bits == "per16" else scale / 3
     if half:
         scale, minimum = scale.half().float(), minimum.half().float()
-    else:
+    elif bits in (4, 5):
         minimum += 1e-3
-    layer = packed_linear.PackedLinear(q, scale, minimum, bits)
-    words = packed_linear.PackedLinear(q, scale, minimum, bits)
+    width = 8 if bits == "per16" else bits
+    layer = packed_linear.PackedLinear(q, scale, minimum, width)
+    words = packed_linear.PackedLinear(q, scale, minimum, width)
     assert packed_linear.apply(torch.nn.Sequential(layer), kernels, activation_bits=8) == 1
     assert packed_linear.apply(torch.nn.Sequential(words), kernels) == 1
-    assert layer.block_format == {(4, True): 10, (4, False): 11, (5, True): 12, (5, False): 13}[bits, half]
+    assert layer.block_format == {(4, True): 10, (4, False): 11, (5, True): 12, (5, False): 13, (8, True): 14,
+                                  (8, False): 15, ("per16", False): 16}[bits, half]
     assert layer.packed.numel() == words.packed.numel()  # the same bytes, arranged by quads
-    dq = (q.double().view(48, -1, 32) * scale.double()[..., None])  # d q per block
+    dq = (q.double().view(48, -1, group) * scale.double()[..., None])  # d q per scale's group
     weight = (dq + minimum.double()[..., None]).view(48, 96)
+    dq = dq.reshape(48, -1, 32)  # per block of 32, where the activations' steps are
     for rows in range(1, 41):
         x = torch.randn(rows, 96)
         step = x.double().abs().view(rows, -1, 32).amax(-1) / 254
@@ -704,9 +710,9 @@ def test_eight_bit_activations_stay_within_their_rounding_at_every_row_count(bit
         assert torch.equal(alone, layer(x)), rows
 
 
-def test_eight_bit_weights_keep_sixteen_bit_activations_beside_eight_bit_ones():
-    """Under QUANTIZED_ACTIVATIONS=int8 an 8-bit part (a GGUF file's Q8_0 values, Q6_K) keeps 16-bit activations,
-    and a fused projection of both kinds is still one call whose columns are each part's own product."""
+def test_parts_in_every_format_share_one_product_with_8_bit_activations():
+    """Under QUANTIZED_ACTIVATIONS=int8 a fused projection of parts in different formats (a GGUF file's Q5_0 keys
+    beside Q8_0 values, Q6_K) is one call whose columns are each part's own product."""
     kernels = _word_kernels()
     torch.manual_seed(8)
     fresh = []
@@ -719,7 +725,7 @@ def test_eight_bit_weights_keep_sixteen_bit_activations_beside_eight_bit_ones():
         minimum = torch.zeros_like(scale) if bits in (8, "per16") else -scale * 8 + 1e-3
         fresh.append(packed_linear.PackedLinear(q, scale, minimum, 8 if bits == "per16" else bits, torch.randn(out)))
     assert packed_linear.apply(torch.nn.Sequential(*fresh), kernels, activation_bits=8) == 4
-    assert [p.block_format in packed_linear.QUAD_FORMATS for p in fresh] == [True, False, False, True]
+    assert [p.block_format for p in fresh] == [13, 15, 16, 11]
     fused = packed_linear.SideBySide(fresh)
     fused.share_product()
     for dtype in (torch.float32, torch.bfloat16):

@@ -142,7 +142,7 @@ def test_bad_arguments_are_errors_not_crashes(kernels):
     with pytest.raises(RuntimeError, match="does not match"):
         kernels.blocks_linear(torch.randn(2, 64), packed, 2, 32)  # Q8_0 blocks are larger
     with pytest.raises(RuntimeError, match="unknown format"):
-        kernels.blocks_linear(torch.randn(2, 64), packed, 14, 32)  # formats 1-13 exist
+        kernels.blocks_linear(torch.randn(2, 64), packed, 17, 32)  # formats 1-16 exist
     with pytest.raises(RuntimeError, match="unknown format"):
         kernels.blocks_linear(torch.randn(2, 64), packed, 0, 32)
     with pytest.raises(RuntimeError, match="float32"):
@@ -197,28 +197,33 @@ def test_with_16_bit_activations_a_model_serves_its_blocks_at_every_batch_size(k
     assert calls == [300]
 
 
-def test_with_8_bit_activations_q4_1_layers_take_them_and_q8_0_layers_keep_16_bit_ones(kernels, monkeypatch):
-    """QUANTIZED_ACTIVATIONS=int8 on a GGUF model served from its blocks: Q4_1 layers pack as format 10 (the same
-    bytes, by quads) and multiply 8-bit activations within half a step of each block's largest input times the
-    block's |d q|; Q8_0 layers keep 16-bit ones."""
+def test_with_8_bit_activations_exact_blocks_take_them(kernels, monkeypatch):
+    """QUANTIZED_ACTIVATIONS=int8 on a GGUF model served from its blocks: Q4_1 and Q8_0 layers pack as formats 10
+    and 14 (the same bytes, by quads) and multiply 8-bit activations within half a step of each block's largest
+    input times the block's |d q|."""
     if not kernels.word_blocks_supported():
         pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
     weight = q4_1_weight(48, 96)
     words, quads = kernels.pack_blocks(weight, True), kernels.pack_blocks(weight, True, True)
     assert (words[0], quads[0]) == (3, 10) and words[1].shape == quads[1].shape
-    assert kernels.pack_blocks(q8_0_weight(48, 96), True, True)[0] == 4
+    eight = q8_0_weight(48, 96)
+    eight_quads = kernels.pack_blocks(eight, True, True)
+    assert eight_quads[0] == 14
     blocks = weight.double().view(48, -1, 32)
     dq = (blocks - blocks.amin(-1, keepdim=True)).abs().sum(-1)  # |d q| summed per block (q >= 0, m the minimum)
+    dq8 = eight.double().abs().view(48, -1, 32).sum(-1)
     for rows in range(1, 41):
         x = torch.randn(rows, 96)
         step = x.double().abs().view(rows, -1, 32).amax(-1) / 254
         got = kernels.blocks_linear(x, quads[1], quads[0], 48).double()
         assert ((got - x.double() @ weight.double().T).abs() <= step @ dq.T + 1e-5).all(), rows
+        got = kernels.blocks_linear(x, eight_quads[1], eight_quads[0], 48).double()
+        assert ((got - x.double() @ eight.double().T).abs() <= step @ dq8.T + 1e-5).all(), rows
     model = tiny_llama(exact_blocks=True)
     monkeypatch.setattr(quantized_weights, "_gains", lambda *a: {rows: 2.0 for rows in a[-1]})
     assert quantized_weights.apply(model, kernels, integer_activations=True, byte_activations=True) == 2 * 7 + 1
     formats = {m.block_format for m in model.modules() if hasattr(m, "block_format")}
-    assert 10 in formats and formats <= {4, 10} and quantized_weights.eight_bit_activations(model)
+    assert formats == {10} and quantized_weights.eight_bit_activations(model)
 
 
 def test_16_bit_activations_are_used_only_up_to_the_size_where_they_win(kernels, monkeypatch):

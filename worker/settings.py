@@ -57,7 +57,7 @@ class WorkerSettings(BaseSettings):
     max_model_len: int | None = Field(default=None, gt=0)
     dtype: str = "auto"
     quantization: str | None = None  # unset: the checkpoint's own method (engine/quantization/)
-    quantized_activations: Literal["int16", "int8"] = "int16"  # CPU: 4/5-bit layers' integer activations
+    quantized_activations: Literal["int16", "int8"] = "int16"  # CPU: packed layers' integer activations
     device: str = "auto"
     simulated_device_memory: int | None = Field(default=None, ge=2**20)  # bytes; DEVICE=cuda-sim only
     max_num_seqs: int = Field(default=32, ge=1, le=4096)

@@ -29,7 +29,7 @@ BLOCK = 32  # inputs per scale: the kernel's block
 PANEL = 16  # outputs per panel of the kernel's layout
 _BITS = (4, 5, 8)  # the widths the kernel's formats hold (quantized_linear.cpp chooses the format at packing)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the kernel reads and writes as they are
-QUAD_FORMATS = (10, 11, 12, 13)  # 4- and 5-bit blocks multiplied from 8-bit integer activations (quantized_linear.cpp)
+QUAD_FORMATS = tuple(range(10, 17))  # blocks multiplied from 8-bit integer activations (quantized_linear.cpp)
 ACTIVATIONS = {"int16": 16, "int8": 8}  # QUANTIZED_ACTIVATIONS
 
 
@@ -178,7 +178,7 @@ def _half_exact(layer: PackedLinear) -> bool:
 def _agrees(layer: PackedLinear, weight: torch.Tensor, minimum: torch.Tensor) -> bool:
     """The packed product against the dequantized weights on random rows: each output within the 16-bit
     activations' rounding (2^-15 of each block's largest input, relative 1e-4 with float32's sums) of the sum
-    of |x| |w| it adds; with 8-bit activations (formats 10-13), within half a step (1/254 of each block's largest
+    of |x| |w| it adds; with 8-bit activations (formats 10-16), within half a step (1/254 of each block's largest
     input) times the sum of the block's |w - m| (the minimum's term takes the exact sum of x)."""
     for rows in (1, 17):
         x = torch.randn(rows, layer.in_features)
@@ -188,7 +188,8 @@ def _agrees(layer: PackedLinear, weight: torch.Tensor, minimum: torch.Tensor) ->
         if layer.block_format in QUAD_FORMATS:
             blocks = layer.in_features // BLOCK
             step = x.abs().view(rows, blocks, BLOCK).amax(-1) / 254
-            scaled = (weight.view(-1, blocks, BLOCK) - minimum.unsqueeze(-1)).abs().sum(-1)  # |d q| per block
+            dq = weight - minimum.repeat_interleave(layer.group, 1)
+            scaled = dq.abs().view(-1, blocks, BLOCK).sum(-1)  # |d q| per block of 32
             bound = bound + step @ scaled.T
         if not bool(((got - expected).abs() <= bound).all()):
             return False
@@ -199,7 +200,7 @@ def _agrees(layer: PackedLinear, weight: torch.Tensor, minimum: torch.Tensor) ->
 def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
     """Pack every PackedLinear of `model` for the kernel (`kernels`: native_kernels.active(), or None), each
     checked against its dequantized weights; without a kernel that packs them, expand them to float32 once.
-    `activation_bits` 8 (QUANTIZED_ACTIVATIONS=int8) gives 4- and 5-bit layers the product from 8-bit integer
+    `activation_bits` 8 (QUANTIZED_ACTIVATIONS=int8) gives every layer the product from 8-bit integer
     activations. Returns how many layers the kernel serves; raises where its product disagrees (never served
     wrong)."""
     found = layers(model)
@@ -226,13 +227,12 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
             module.share_product()
     if usable:
         weights = sum(layer.in_features * layer.out_features for layer in found)
-        quads = sum(layer.block_format in QUAD_FORMATS for layer in found)
+        quads = any(layer.block_format in QUAD_FORMATS for layer in found)
         log.info("quantized checkpoint: %d linear layers multiply from packed %s-bit blocks (%.0f MB, %.2f bits a "
                  "weight; engine/cpu/native/quantized_linear.cpp) with %s", len(found),
                  "/".join(str(b) for b in sorted({layer.bits for layer in found})), packed_bytes / 2**20,
                  packed_bytes * 8 / weights,
-                 f"8-bit integer activations ({quads} layers; 8-bit weights keep 16-bit ones)" if quads
-                 else "16-bit integer activations")
+                 "8-bit integer activations" if quads else "16-bit integer activations")
         return len(found)
     log.warning("quantized checkpoint: no packed product on this CPU (it needs the native kernels with "
                 "AVX512_VNNI); %d linear layers expanded to float32 (%.0f MB)", len(found), dense_bytes / 2**20)

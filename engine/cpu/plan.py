@@ -71,7 +71,7 @@ def apply(model: torch.nn.Module, dtype: torch.dtype, config: EngineConfig, *, f
         and native_kernels.active() is not None)
     layout.apply(model, batch_invariant=invariant, verdicts=verdicts)
     # A quantized checkpoint's layers multiply from their packed integers (16-bit integer activations, or 8-bit
-    # ones for 4- and 5-bit weights under QUANTIZED_ACTIVATIONS=int8).
+    # ones under QUANTIZED_ACTIVATIONS=int8).
     packed_linear.apply(model, native_kernels.active(), packed_linear.ACTIVATIONS.get(config.quantized_activations, 16))
     bf16_weights.apply(model, native_kernels.active(), every_size=invariant, verdicts=verdicts)
     # DTYPE=auto lets GGUF blocks take 16-bit integer activations; an explicit float32 keeps float32 activations.

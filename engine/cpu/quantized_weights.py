@@ -72,13 +72,13 @@ def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
             and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
 
 
-# 3 and 4: arranged for 16-bit integer activations; 10: Q4_1 for 8-bit ones (QUANTIZED_ACTIVATIONS=int8)
-_FORMATS = {1: "Q4_1", 2: "Q8_0", 3: "Q4_1", 4: "Q8_0", 10: "Q4_1"}
+# 3 and 4: arranged for 16-bit integer activations; 10 and 14 for 8-bit ones (QUANTIZED_ACTIVATIONS=int8)
+_FORMATS = {1: "Q4_1", 2: "Q8_0", 3: "Q4_1", 4: "Q8_0", 10: "Q4_1", 14: "Q8_0"}
 WORD_FORMATS = (3, 4)
 # Every other block format (3 and up: GGUF blocks arranged for words, quantized checkpoints' blocks of
 # engine/cpu/packed_linear.py) multiplies 16-bit integer activations; 0 is no blocks.
 _FLOAT_ACTIVATION_FORMATS = (0, 1, 2)
-_BYTE_ACTIVATION_FORMATS = (10, 11, 12, 13)  # quantized_linear.cpp's quad formats
+_BYTE_ACTIVATION_FORMATS = tuple(range(10, 17))  # quantized_linear.cpp's quad formats
 
 
 def _agrees(module: torch.nn.Linear, kernels, blocks: tuple[int, torch.Tensor]) -> bool:
@@ -202,7 +202,7 @@ def apply(model: torch.nn.Module, kernels, integer_activations: bool = False, ev
     if kernels is None or not kernels.blocks_supported():
         return 0
     words = integer_activations and kernels.word_blocks_supported()
-    quads = words and byte_activations  # QUANTIZED_ACTIVATIONS=int8: Q4_1 layers take 8-bit activations
+    quads = words and byte_activations  # QUANTIZED_ACTIVATIONS=int8: 8-bit activations
     sizes = _WORD_PROBE_ROWS if words else _PROBE_ROWS
     name = _verdict_name(model, words, quads) if verdicts is not None else ""
     stored, value = verdicts.cached(name) if verdicts is not None else (False, None)
@@ -250,7 +250,7 @@ def apply(model: torch.nn.Module, kernels, integer_activations: bool = False, ev
     log.info("linear weights: %d layers multiply from their exact GGUF blocks (%s; engine/cpu/native/quantized_linear.cpp"
              ", %.0f MB for %.0f MB of float32) with %s activations %s: %s rows over a step's weights", len(modules),
              formats, sum(b[1].numel() for b in blocks) / 2**20, sum(m.weight.numel() * 4 for m in modules) / 2**20,
-             "8-bit integer (Q4_1; Q8_0 16-bit)" if quads else "16-bit integer" if words else "float32",
+             "8-bit integer" if quads else "16-bit integer" if words else "float32",
              "at every batch size" if until == EVERY_SIZE else f"up to {until} rows", timed)
     if released:
         log.info("linear weights: %.0f MB of packed float32 copies released (engine/cpu/layout.py)", released / 2**20)

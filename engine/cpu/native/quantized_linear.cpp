@@ -56,12 +56,16 @@ enum Format : int64_t {
   kQ5Words = 8, kQ5Scaled = 9,
   // Formats 3, 5, 8 and 9 arranged for 8-bit integer activations (QUANTIZED_ACTIVATIONS=int8): the same headers,
   // bytes and bits, the q in quads (see arrange_quads) that VPDPBUSD multiplies four inputs a lane at a time.
-  kQ4_1Quads = 10, kQ4ScaledQuads = 11, kQ5WordsQuads = 12, kQ5ScaledQuads = 13
+  kQ4_1Quads = 10, kQ4ScaledQuads = 11, kQ5WordsQuads = 12, kQ5ScaledQuads = 13,
+  // Formats 4, 6 and 7 (8-bit q) likewise: signed q, so the activations are the unsigned operand (qx + 128) and
+  // 128 times the block's sum of q comes off each output's integer sum.
+  kQ8_0Quads = 14, kQ8ScaledQuads = 15, kQ8HalvesQuads = 16
 };
 // The format whose headers and q bytes a quad format shares.
 constexpr Format word_base(int64_t f) {
   return f == kQ4_1Quads ? kQ4_1Words : f == kQ4ScaledQuads ? kQ4Scaled : f == kQ5WordsQuads ? kQ5Words
-         : f == kQ5ScaledQuads ? kQ5Scaled : static_cast<Format>(f);
+         : f == kQ5ScaledQuads ? kQ5Scaled : f == kQ8_0Quads ? kQ8_0Words : f == kQ8ScaledQuads ? kQ8Scaled
+         : f == kQ8HalvesQuads ? kQ8Halves : static_cast<Format>(f);
 }
 
 constexpr bool four_bit(Format f) { return f == kQ4_1 || f == kQ4Scaled; }
@@ -151,6 +155,13 @@ void arrange_quads(const int8_t (*q)[kBlock], uint8_t* qs) {
         for (int t = 0; t < 4; ++t) high |= static_cast<uint64_t>((q[i][4 * j + t] >> 4) & 1) << (4 * i + t);
       std::memcpy(qs + kBlock * kPanel / 2 + 8 * j, &high, 8);
     }
+}
+
+// 8-bit q by quads: quad j (inputs 4j..4j+3) as 64 bytes, byte 4i + t = q of output i at input 4j + t.
+void arrange_quads8(const int8_t (*q)[kBlock], uint8_t* qs) {
+  for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < kPanel; ++i)
+      for (int t = 0; t < 4; ++t) qs[64 * j + 4 * i + t] = static_cast<uint8_t>(q[i][4 * j + t]);
 }
 
 template <Format F>
@@ -582,19 +593,37 @@ inline void block_quads(const uint8_t* qs, int v, __m512i& low, __m512i& high) {
 template <Format F, int R, int P>
 void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* headers, int64_t panel_bytes,
                    float* out, int64_t n) {
+  // 8-bit q are signed: the activations become the unsigned operand (qx + 128, by flipping each byte's top bit)
+  // and 128 times the q's sum, taken by VPDPBUSD from ones once per block for every row, comes off.
+  constexpr bool kSigned = !four_bit(F) && !five_bit(F);
   constexpr int A = R * P <= 2 ? 2 : 1;  // split short chains of dependent VPDPBUSD in two
   const int64_t blocks = k / kBlock;
   const int32_t* x_quads = reinterpret_cast<const int32_t*>(xq.q.data() + row0 * k);
   const float* x_scale = xq.scale.data() + row0 * blocks;
   const float* x_sum = xq.sum.data() + row0 * blocks;
+  const int32_t flip = kSigned ? static_cast<int32_t>(0x80808080u) : 0;
   __m512 sums[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) sums[r][p] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i acc[A][R][P];
-    for (int a = 0; a < A; ++a)
-      for (int r = 0; r < R; ++r)
-        for (int p = 0; p < P; ++p) acc[a][r][p] = _mm512_setzero_si512();
+    __m512i acc[A][R][P], qsum[P];
+    auto clear = [&]() {
+      for (int a = 0; a < A; ++a)
+        for (int r = 0; r < R; ++r)
+          for (int p = 0; p < P; ++p) acc[a][r][p] = _mm512_setzero_si512();
+      for (int p = 0; p < P; ++p) qsum[p] = _mm512_setzero_si512();
+    };
+    // Panel p's integer sums (of the block, or of Q6_K's half block) times d and each row's scale into the sums.
+    auto add_scaled = [&](int p, __m512 d) {
+      for (int r = 0; r < R; ++r) {
+        __m512i total = acc[0][r][p];
+        if constexpr (A == 2) total = _mm512_add_epi32(total, acc[1][r][p]);
+        if constexpr (kSigned) total = _mm512_sub_epi32(total, _mm512_slli_epi32(qsum[p], 7));
+        sums[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(x_scale[b * R + r])),
+                                     sums[r][p]);
+      }
+    };
+    clear();
     const int32_t* xb = x_quads + b * 8 * R;
     const uint8_t* qs[P];
     for (int p = 0; p < P; ++p) {
@@ -603,35 +632,59 @@ void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* h
         _mm_prefetch(reinterpret_cast<const char*>(headers + (P + p) * panel_bytes + b * word_block_bytes(F) + line),
                      _MM_HINT_T0);
     }
-#pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) {
-      __m512i low[P], high[P];
-      for (int p = 0; p < P; ++p) block_quads<F>(qs[p], v, low[p], high[p]);
-      for (int r = 0; r < R; ++r) {
-        const __m512i x_low = _mm512_set1_epi32(xb[(2 * v) * R + r]), x_high = _mm512_set1_epi32(xb[(2 * v + 1) * R + r]);
+    if constexpr (kSigned) {
+      const __m512i ones = _mm512_set1_epi8(1);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        __m512i w[P];
         for (int p = 0; p < P; ++p) {
-          acc[0][r][p] = _mm512_dpbusd_epi32(acc[0][r][p], low[p], x_low);
-          acc[A - 1][r][p] = _mm512_dpbusd_epi32(acc[A - 1][r][p], high[p], x_high);
+          w[p] = _mm512_loadu_si512(qs[p] + 64 * j);
+          qsum[p] = _mm512_dpbusd_epi32(qsum[p], ones, w[p]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = _mm512_set1_epi32(xb[j * R + r] ^ flip);
+          for (int p = 0; p < P; ++p) acc[j % A][r][p] = _mm512_dpbusd_epi32(acc[j % A][r][p], x, w[p]);
+        }
+        if constexpr (F == kQ8Halves) {
+          if (j == 3) {  // inputs 0..15 done: their sums take the first scales, and the sums start again
+            for (int p = 0; p < P; ++p)
+              add_scaled(p, _mm512_loadu_ps(reinterpret_cast<const float*>(headers + p * panel_bytes +
+                                                                            b * word_block_bytes(F))));
+            clear();
+          }
+        }
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        __m512i low[P], high[P];
+        for (int p = 0; p < P; ++p) block_quads<F>(qs[p], v, low[p], high[p]);
+        for (int r = 0; r < R; ++r) {
+          const __m512i x_low = _mm512_set1_epi32(xb[(2 * v) * R + r]);
+          const __m512i x_high = _mm512_set1_epi32(xb[(2 * v + 1) * R + r]);
+          for (int p = 0; p < P; ++p) {
+            acc[0][r][p] = _mm512_dpbusd_epi32(acc[0][r][p], low[p], x_low);
+            acc[A - 1][r][p] = _mm512_dpbusd_epi32(acc[A - 1][r][p], high[p], x_high);
+          }
         }
       }
     }
     for (int p = 0; p < P; ++p) {
       const uint8_t* header = headers + p * panel_bytes + b * word_block_bytes(F);
-      __m512 d, m;
-      if constexpr (float_header(F)) {
+      __m512 d, m = _mm512_setzero_ps();
+      if constexpr (F == kQ8Halves) {
+        d = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);  // inputs 16..31's scales
+      } else if constexpr (float_header(F)) {
         d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
         m = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
       } else {
         d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
-        m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
+        if constexpr (has_minimum(F))
+          m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
       }
-      for (int r = 0; r < R; ++r) {
-        __m512i total = acc[0][r][p];
-        if constexpr (A == 2) total = _mm512_add_epi32(total, acc[1][r][p]);
-        sums[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(x_scale[b * R + r])),
-                                     sums[r][p]);
-        sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
-      }
+      add_scaled(p, d);
+      if constexpr (has_minimum(F))
+        for (int r = 0; r < R; ++r) sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -705,6 +758,9 @@ PairFn pair_fn(Format f) {
     case kQ4ScaledQuads: return &pair_by_quads<kQ4Scaled>;
     case kQ5WordsQuads: return &pair_by_quads<kQ5Words>;
     case kQ5ScaledQuads: return &pair_by_quads<kQ5Scaled>;
+    case kQ8_0Quads: return &pair_by_quads<kQ8_0>;
+    case kQ8ScaledQuads: return &pair_by_quads<kQ8Scaled>;
+    case kQ8HalvesQuads: return &pair_by_quads<kQ8Halves>;
     case kQ4_1Words: return &pair_by_tiles<kQ4_1>;
     case kQ8_0Words: return &pair_by_tiles<kQ8_0>;
     case kQ4Scaled: return &pair_by_tiles<kQ4Scaled>;
@@ -825,7 +881,7 @@ int64_t packed_block_bytes(int64_t format) {
 
 // weight float32 [out, in] (any strides) -> (format, blocks): 1 and the Q4_1 blocks, 2 and the Q8_0 blocks, in
 // the product's layout ([out / 16, bytes per panel]), or with `words` 3 and 4 and the same blocks arranged for
-// 16-bit integer activations (with `quads` too, Q4_1 as format 10, for 8-bit activations); 0 and an empty
+// 16-bit integer activations (with `quads` too, formats 10 and 14, for 8-bit activations); 0 and an empty
 // tensor where the weight is exactly neither, its shape does not divide into panels and blocks, or this build has
 // no such product.
 std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words, bool quads) {
@@ -864,6 +920,21 @@ std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words
   }
   if (packed.defined()) return {words ? kQ4_1Words : kQ4_1, packed};
   packed = pack_as<kQ8_0>(w.data_ptr<float>(), n, k, words);
+  if (packed.defined() && words && quads) {
+    // As for Q4_1: the checked words rearranged by quads (format 14).
+    const int64_t blocks = k / kBlock, bytes = word_block_bytes(kQ8_0);
+    uint8_t* data = packed.data_ptr<uint8_t>();
+    at::parallel_for(0, (n / kPanel) * blocks, 1, [&](int64_t begin, int64_t end) {
+      int8_t q[kPanel][kBlock];
+      for (int64_t i = begin; i < end; ++i) {
+        uint8_t* qs = data + i * bytes + word_header_bytes(kQ8_0);
+        for (int g = 0; g < 16; ++g)
+          for (int t = 0; t < 32; ++t) q[t / 2][2 * g + t % 2] = static_cast<int8_t>(qs[32 * g + t]);
+        arrange_quads8(q, qs);
+      }
+    });
+    return {kQ8_0Quads, packed};
+  }
   if (packed.defined()) return {words ? kQ8_0Words : kQ8_0, packed};
   return {kNone, at::empty({0}, at::kByte)};
 }
@@ -874,8 +945,8 @@ std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words
 // by exactly these weights (d * q + m in real numbers; float32 rounds only the sums). With `half` (the caller
 // found every scale and minimum exact in half precision, and for 8 bits every minimum zero) the blocks are
 // formats 3 and 4 instead: the same product with half-precision headers, a bit less per weight. A scale per 16
-// inputs ([out, in / 16], 8 bits, every minimum zero: GGUF Q6_K) gives format 7. With `quads`, 4- and 5-bit
-// weights take the arrangement for 8-bit activations (formats 10-13); 8-bit ones keep 16-bit activations.
+// inputs ([out, in / 16], 8 bits, every minimum zero: GGUF Q6_K) gives format 7. With `quads` the weights take
+// the arrangement for 8-bit activations (formats 10-16).
 std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
                                             int64_t bits, bool half, bool quads) {
   TORCH_CHECK(word_blocks_supported(), "pack_scaled: this build has no product for 16-bit activations (it needs "
@@ -898,10 +969,9 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
     TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() <= 31, "pack_scaled: 5-bit q must be in 0..31");
   TORCH_CHECK(!per_16 || (bits == 8 && !half && !mc.any().item<bool>()), "pack_scaled: a scale per 16 inputs needs "
               "8-bit q, float32 headers and zero minimums");
-  quads = quads && bits != 8;
-  const Format f = per_16 ? kQ8Halves
+  const Format f = per_16 ? (quads ? kQ8HalvesQuads : kQ8Halves)
                   : bits == 5 ? (half ? (quads ? kQ5WordsQuads : kQ5Words) : (quads ? kQ5ScaledQuads : kQ5Scaled))
-                  : bits == 8 ? (half ? kQ8_0Words : kQ8Scaled)
+                  : bits == 8 ? (half ? (quads ? kQ8_0Quads : kQ8_0Words) : (quads ? kQ8ScaledQuads : kQ8Scaled))
                   : half ? (quads ? kQ4_1Quads : kQ4_1Words) : (quads ? kQ4ScaledQuads : kQ4Scaled);
   const int64_t block = packed_block_bytes(f), panels = n / kPanel, panel_bytes = blocks * block;
   const int64_t header_size =
@@ -929,7 +999,8 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
         }
         std::memcpy(dst, half ? static_cast<const void*>(halves) : static_cast<const void*>(header), header_size);
         if (quads) {
-          if (bits == 5) arrange_quads<true>(tile, dst + header_size);
+          if (bits == 8) arrange_quads8(tile, dst + header_size);
+          else if (bits == 5) arrange_quads<true>(tile, dst + header_size);
           else arrange_quads<false>(tile, dst + header_size);
         } else if (bits == 4) {
           arrange_words<true>(tile, dst + header_size);
@@ -951,7 +1022,7 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
   return {f, packed};
 }
 
-// x [rows, in] (contiguous; float32, or bfloat16 for formats 3 to 13) times each weight `pack_blocks` or
+// x [rows, in] (contiguous; float32, or bfloat16 for formats 3 to 16) times each weight `pack_blocks` or
 // `pack_scaled` packed (`packed[i]` in `formats[i]`, outs[i] outputs), the outputs side by side, [rows, sum of
 // outs], in x's dtype, plus `bias` (float32 [sum of outs]) before any rounding to bfloat16. Formats 1 and 2 (float32
 // activations) take one weight at a time.
@@ -964,15 +1035,15 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
   const bool words = formats[0] >= kQ4_1Words;
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == at::kFloat || (words && x.scalar_type() == at::kBFloat16)),
-              "blocks_linear: x must be a contiguous float32 CPU matrix [rows, in] (or bfloat16, for formats 3 to 13)");
+              "blocks_linear: x must be a contiguous float32 CPU matrix [rows, in] (or bfloat16, for formats 3 to 16)");
   const int64_t rows = x.size(0), k = x.size(1);
   int64_t n = 0;
   std::vector<Part> parts;
   for (size_t i = 0; i < packed.size(); ++i) {
     const int64_t format = formats[i], out_features = outs[i];
-    TORCH_CHECK(format >= kQ4_1 && format <= kQ5ScaledQuads, "blocks_linear: unknown format");
+    TORCH_CHECK(format >= kQ4_1 && format <= kQ8HalvesQuads, "blocks_linear: unknown format");
     TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 "
-                "to 13 (it needs AVX512_VNNI)");
+                "to 16 (it needs AVX512_VNNI)");
     TORCH_CHECK((format >= kQ4_1Words) == words && (words || packed.size() == 1), "blocks_linear: formats 1 and 2 "
                 "take one weight at a time");
     const int64_t bytes = packed_block_bytes(format);
