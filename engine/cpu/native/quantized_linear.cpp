@@ -353,10 +353,15 @@ struct RowTiles {
 // Each tile's rows are stored interleaved, so that the product reads a block's inputs for all of them from one
 // place: the tile of R rows starting at row0 holds pair g of block b of its row r (inputs 2g and 2g + 1) at
 // q[row0 * k + ((b * 16 + g) * R + r) * 2], and that block's scale and sum at [row0 * blocks + b * R + r].
-struct QuantizedRows {
-  std::vector<int16_t> q;  // [rows * k]
+// With 8-bit activations (formats 10-16) the same holds bytes by quads: quad j (inputs 4j..4j+3) of block b of
+// row r at byte row0 * k + ((b * 8 + j) * R + r) * 4 (see quantize_rows).
+template <typename Q>
+struct Rows {
+  std::vector<Q> q;  // [rows * k]
   std::vector<float> scale, sum;  // [rows * k / 32]
 };
+using QuantizedRows = Rows<int16_t>;
+using ByteRows = Rows<int8_t>;
 
 // 16 inputs as float32, from float32 or bfloat16 rows (a bfloat16 value is the top half of its float32).
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
@@ -365,38 +370,48 @@ inline __m512 load16(const c10::BFloat16* x) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
 }
 
-template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
+// Rows x [rows, k] as Q integers per block of 32 inputs: 16-bit (qx in -32767..32767, steps of the block's
+// largest magnitude / 32767) or 8-bit (-127..127, / 127, as llama.cpp's Q8 activations), interleaved by tiles.
+template <typename Q, typename T>
+Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k) {
+  constexpr float kLevels = sizeof(Q) == 2 ? 32767.f : 127.f;
+  constexpr int kUnit = 4 / sizeof(Q);  // the values a 32-bit lane multiplies: a pair or a quad
   const int64_t blocks = k / kBlock;
   const RowTiles tiles(rows);
-  QuantizedRows out{std::vector<int16_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
+  Rows<Q> out{std::vector<Q>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / blocks, b = i % blocks, tile = tiles.of_row(row);
       const int64_t row0 = tiles.first_row(tile), tile_rows = tiles.size(tile), r = row - row0;
       const T* xb = x + row * k + b * kBlock;
-      alignas(64) int16_t qb[kBlock];
+      alignas(64) Q qb[kBlock];
       const __m512 a = load16(xb), c = load16(xb + 16);
       const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
       const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
       // NaN or infinity in x: the row's outputs become NaN, as a float32 product's would not be finite.
       const bool finite = std::isfinite(sum) && std::isfinite(largest);
       const int64_t at = row0 * blocks + b * tile_rows + r;
-      out.scale[at] = finite ? largest / 32767.f : std::numeric_limits<float>::quiet_NaN();
+      out.scale[at] = finite ? largest / kLevels : std::numeric_limits<float>::quiet_NaN();
       if (finite && largest > 0.f && largest < 1e-30f) {
-        // Inputs near the bottom of float32's range, where 32767 / largest overflows: rounded in double.
-        const double to_q = 32767.0 / largest;
+        // Inputs near the bottom of float32's range, where kLevels / largest overflows: rounded in double.
+        const double to_q = kLevels / static_cast<double>(largest);
         for (int j = 0; j < kBlock; ++j)
-          qb[j] = static_cast<int16_t>(std::clamp(std::nearbyint(static_cast<float>(xb[j]) * to_q), -32767.0, 32767.0));
+          qb[j] = static_cast<Q>(std::clamp(std::nearbyint(static_cast<float>(xb[j]) * to_q), -double{kLevels},
+                                            double{kLevels}));
       } else {
-        const __m512 to_q = _mm512_set1_ps(finite && largest > 0.f ? 32767.f / largest : 0.f);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(qb), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, to_q))));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(qb + 16),
-                           _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(c, to_q))));
+        const __m512 to_q = _mm512_set1_ps(finite && largest > 0.f ? kLevels / largest : 0.f);
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, to_q)), qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, to_q));
+        if constexpr (sizeof(Q) == 2) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(qb), _mm512_cvtsepi32_epi16(qa));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(qb + 16), _mm512_cvtsepi32_epi16(qc));
+        } else {
+          _mm_store_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(qa));
+          _mm_store_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qc));
+        }
       }
       out.sum[at] = sum;
-      int16_t* pairs = out.q.data() + row0 * k + (b * 16 * tile_rows + r) * 2;
-      for (int g = 0; g < 16; ++g) std::memcpy(pairs + g * tile_rows * 2, qb + 2 * g, 2 * sizeof(int16_t));
+      Q* units = out.q.data() + row0 * k + (b * (kBlock / kUnit) * tile_rows + r) * kUnit;
+      for (int g = 0; g < kBlock / kUnit; ++g) std::memcpy(units + g * tile_rows * kUnit, qb + kUnit * g, 4);
     }
   });
   return out;
@@ -528,50 +543,6 @@ template <Format F, int P>
 WordFn word_tile(int64_t rows, int64_t tile, int64_t tiles) {
   if (tile > 0) return words_for<F, P, Weights::kKept>()[rows - 1];
   return (tiles > 1 ? words_for<F, P, Weights::kWidenAndKeep>() : words_for<F, P, Weights::kWiden>())[rows - 1];
-}
-
-// Rows as 8-bit integers for the quad formats (10-13): each row's block of 32 inputs becomes x ~ s * qx with qx in
-// -127..127 (s = its largest magnitude / 127), as llama.cpp's Q8 activations; an output's block term is
-// d * s * sum(q * qx) + m * sum(x). Stored as QuantizedRows's pairs are, by quads: the tile of R rows at row0 holds
-// quad j of block b of its row r at byte row0 * k + ((b * 8 + j) * R + r) * 4.
-struct ByteRows {
-  std::vector<int8_t> q;  // [rows * k]
-  std::vector<float> scale, sum;  // [rows * k / 32]
-};
-
-template <typename T>
-ByteRows quantize_rows_to_bytes(const T* x, int64_t rows, int64_t k) {
-  const int64_t blocks = k / kBlock;
-  const RowTiles tiles(rows);
-  ByteRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
-  at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = i / blocks, b = i % blocks, tile = tiles.of_row(row);
-      const int64_t row0 = tiles.first_row(tile), tile_rows = tiles.size(tile), r = row - row0;
-      const T* xb = x + row * k + b * kBlock;
-      alignas(64) int8_t qb[kBlock];
-      const __m512 a = load16(xb), c = load16(xb + 16);
-      const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
-      const bool finite = std::isfinite(sum) && std::isfinite(largest);
-      const int64_t at = row0 * blocks + b * tile_rows + r;
-      out.scale[at] = finite ? largest / 127.f : std::numeric_limits<float>::quiet_NaN();
-      if (finite && largest > 0.f && largest < 1e-30f) {
-        const double to_q = 127.0 / largest;
-        for (int j = 0; j < kBlock; ++j)
-          qb[j] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(xb[j]) * to_q), -127.0, 127.0));
-      } else {
-        const __m512 to_q = _mm512_set1_ps(finite && largest > 0.f ? 127.f / largest : 0.f);
-        _mm_store_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, to_q))));
-        _mm_store_si128(reinterpret_cast<__m128i*>(qb + 16),
-                        _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(c, to_q))));
-      }
-      out.sum[at] = sum;
-      int8_t* quads = out.q.data() + row0 * k + (b * 8 * tile_rows + r) * 4;
-      for (int j = 0; j < 8; ++j) std::memcpy(quads + j * tile_rows * 4, qb + 4 * j, 4);
-    }
-  });
-  return out;
 }
 
 // The two quads (2v, 2v + 1) of a panel's block as the unsigned bytes VPDPBUSD takes, from its q (`qs`).
@@ -781,8 +752,8 @@ void word_products(const T* x, int64_t rows, int64_t k, const std::vector<Part>&
   bool words = false, quads = false;
   for (const Part& part : parts) (part.format >= kQ4_1Quads ? quads : words) = true;
   Activations xq;
-  if (words) xq.words = quantize_rows(x, rows, k);
-  if (quads) xq.bytes = quantize_rows_to_bytes(x, rows, k);
+  if (words) xq.words = quantize_rows<int16_t>(x, rows, k);
+  if (quads) xq.bytes = quantize_rows<int8_t>(x, rows, k);
   const RowTiles tiles(rows);
   std::vector<std::pair<int64_t, int64_t>> pairs;  // (part, first panel)
   for (int64_t i = 0; i < static_cast<int64_t>(parts.size()); ++i)
