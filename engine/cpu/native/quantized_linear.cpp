@@ -435,6 +435,22 @@ inline __m512i block_group(const uint8_t* qs, int g) {
   }
 }
 
+// A panel's block header as the 16 outputs' scales d and minimums m (zero where the format has none); Q6_K's form
+// gives the scales of inputs 16..31 (those of 0..15 are taken mid-block).
+template <Format F>
+inline void block_scales(const uint8_t* header, __m512& d, __m512& m) {
+  m = _mm512_setzero_ps();
+  if constexpr (F == kQ8Halves) {
+    d = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
+  } else if constexpr (float_header(F)) {
+    d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
+    m = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
+  } else {
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
+    if constexpr (has_minimum(F)) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
+  }
+}
+
 // Where the weights of a tile come from: the first tile of a panel pair widens them from the blocks itself (and
 // keeps them in a cache-resident buffer when more tiles follow), the other tiles read that buffer. Widening in
 // a pass of its own cost a quarter of the product at 16 rows: its stores did not overlap the multiplies.
@@ -509,17 +525,8 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
     }
     for (int p = 0; p < P; ++p) {
       const uint8_t* header = headers + p * panel_bytes + b * word_block_bytes(F);
-      __m512 d, m = _mm512_setzero_ps();
-      if constexpr (F == kQ8Halves) {
-        d = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);  // inputs 16..31's scales
-      } else if constexpr (float_header(F)) {
-        d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
-        m = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
-      } else {
-        d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
-        if constexpr (F == kQ4_1 || F == kQ5Words)
-          m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
-      }
+      __m512 d, m;
+      block_scales<F>(header, d, m);
       add_scaled(p, d);
       if constexpr (has_minimum(F))
         for (int r = 0; r < R; ++r) sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
@@ -642,17 +649,8 @@ void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* h
     }
     for (int p = 0; p < P; ++p) {
       const uint8_t* header = headers + p * panel_bytes + b * word_block_bytes(F);
-      __m512 d, m = _mm512_setzero_ps();
-      if constexpr (F == kQ8Halves) {
-        d = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);  // inputs 16..31's scales
-      } else if constexpr (float_header(F)) {
-        d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
-        m = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
-      } else {
-        d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
-        if constexpr (has_minimum(F))
-          m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
-      }
+      __m512 d, m;
+      block_scales<F>(header, d, m);
       add_scaled(p, d);
       if constexpr (has_minimum(F))
         for (int r = 0; r < R; ++r) sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
