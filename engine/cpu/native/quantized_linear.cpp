@@ -68,6 +68,14 @@ constexpr Format word_base(int64_t f) {
          : f == kQ8HalvesQuads ? kQ8Halves : static_cast<Format>(f);
 }
 
+// One part of a product (a layer, or one of the layers whose outputs a fused projection puts side by side): its
+// blocks, format and outputs, which start at column `col` of the result.
+struct Part {
+  const uint8_t* blocks;
+  Format format;
+  int64_t n, col;
+};
+
 constexpr bool four_bit(Format f) { return f == kQ4_1 || f == kQ4Scaled; }
 constexpr bool five_bit(Format f) { return f == kQ5Words || f == kQ5Scaled; }
 constexpr bool float_header(Format f) { return f == kQ4Scaled || f == kQ8Scaled || f == kQ8Halves || f == kQ5Scaled; }
@@ -680,14 +688,6 @@ inline __m256i round_to_bf16(__m512 v) {
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
 }
-
-// One part of a product (a layer, or one of the layers whose outputs a fused projection puts side by side): its
-// blocks, format and outputs, which start at column `col` of the result.
-struct Part {
-  const uint8_t* blocks;
-  Format format;
-  int64_t n, col;
-};
 
 // Every row tile times the panel pair starting at panel `first` of a part (`width` panels: 2, or 1 at a part's
 // odd end), into out (the part's first column of row 0, rows `stride` apart).
