@@ -691,7 +691,7 @@ inline __m256i round_to_bf16(__m512 v) {
 
 // Every row tile times the panel pair starting at panel `first` of a part (`width` panels: 2, or 1 at a part's
 // odd end), into out (the part's first column of row 0, rows `stride` apart).
-// A call's rows quantized for the parts that take them: 16-bit pairs (formats 3-9), 8-bit quads (10-13).
+// A call's rows quantized for the parts that take them: 16-bit pairs (formats 3-9), 8-bit quads (10-16).
 struct Activations {
   QuantizedRows words;
   ByteRows bytes;
