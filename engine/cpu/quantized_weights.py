@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu import layout as cpu_layout
+from engine.cpu.packed_linear import QUAD_FORMATS
 
 log = logging.getLogger("engine.cpu.quantized_weights")
 
@@ -61,7 +62,7 @@ def eight_bit_activations(model: torch.nn.Module) -> bool:
     """Whether some linear layer of `model` multiplies 8-bit integer activations (QUANTIZED_ACTIVATIONS=int8):
     a one-ulp change of an input there moves an output by up to 1/254 of its block's largest input times the
     weights, and over a deep model that reaches a few hundredths of the largest logit."""
-    return any(getattr(m, "block_format", 0) in _BYTE_ACTIVATION_FORMATS for m in model.modules())
+    return any(getattr(m, "block_format", 0) in QUAD_FORMATS for m in model.modules())
 
 
 def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -76,16 +77,16 @@ def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
 _FORMATS = {1: "Q4_1", 2: "Q8_0", 3: "Q4_1", 4: "Q8_0", 10: "Q4_1", 14: "Q8_0"}
 WORD_FORMATS = (3, 4)
 # Every other block format (3 and up: GGUF blocks arranged for words, quantized checkpoints' blocks of
-# engine/cpu/packed_linear.py) multiplies 16-bit integer activations; 0 is no blocks.
+# engine/cpu/packed_linear.py) multiplies integer activations, 16-bit or, in the quad formats, 8-bit; 0 is no
+# blocks.
 _FLOAT_ACTIVATION_FORMATS = (0, 1, 2)
-_BYTE_ACTIVATION_FORMATS = tuple(range(10, 17))  # quantized_linear.cpp's quad formats
 
 
 def _agrees(module: torch.nn.Linear, kernels, blocks: tuple[int, torch.Tensor]) -> bool:
     """The block product against the layer's own on random rows, through each of the kernel's paths: each output
     within float32 rounding (integer activations: within their 2^-16 steps) of the sum of |x| * |w| it adds, |w|
     raised by its block's |minimum| (integer activations meet d * q = w - m)."""
-    tolerance = 1e-4 if blocks[0] in WORD_FORMATS + _BYTE_ACTIVATION_FORMATS else 1e-5
+    tolerance = 1e-4 if blocks[0] in WORD_FORMATS + QUAD_FORMATS else 1e-5
     weight = module.weight.reshape(module.out_features, -1, 32)
     reach = (weight.abs() + weight.amin(-1, keepdim=True).abs()).reshape(module.out_features, module.in_features)
     for rows in (1, 17):
@@ -93,7 +94,7 @@ def _agrees(module: torch.nn.Linear, kernels, blocks: tuple[int, torch.Tensor]) 
         expected = torch.nn.functional.linear(x, module.weight)
         got = kernels.blocks_linear(x, blocks[1], blocks[0], module.out_features)
         bound = tolerance * torch.nn.functional.linear(x.abs(), reach) + 1e-6
-        if blocks[0] in _BYTE_ACTIVATION_FORMATS:  # half an 8-bit step of each block's largest input, times |d q|
+        if blocks[0] in QUAD_FORMATS:  # half an 8-bit step of each block's largest input, times |d q|
             step = x.abs().view(rows, -1, 32).amax(-1) / 254
             bound = bound + step @ reach.view(module.out_features, -1, 32).sum(-1).T
         if not bool(((got - expected).abs() <= bound).all()):
