@@ -1,7 +1,7 @@
 """Decode speed of a GPTQ int4 checkpoint against the bfloat16 checkpoint it was made from, in one sitting.
 
     .venv/bin/python bench/quantized.py [--work DIR] [--levels 1,16] [--group-size 128] [--keep-head]
-                                        [--max-tokens 64] [--rounds 2] [--env KEY=VALUE ...]
+                                        [--max-tokens 64] [--rounds 2] [--env KEY=VALUE ...] [--nf4]
 
 1. Builds (once, in --work) a 362M Llama of SmolLM2-360M's shape with random weights as bfloat16 safetensors,
    with the embedded model's tokenizer (the stand-in for the bfloat16 checkpoints users bring).
@@ -11,7 +11,9 @@
    `lm_head: true`), unless --keep-head leaves it bfloat16; the embeddings stay bfloat16.
 3. Runs bench/throughput.py's streaming loads (greedy, ignore_eos, --max-tokens tokens, the gateway with the
    official openai client) at each of --levels on each checkpoint in turn (the GPTQ one twice: 16-bit and, with
-   QUANTIZED_ACTIVATIONS=int8, 8-bit activations), and prints them with the ratios.
+   QUANTIZED_ACTIVATIONS=int8, 8-bit activations), and prints them with the ratios. With --nf4 a bitsandbytes NF4
+   checkpoint of the same model runs too (blocksize 64, no double quantization, the head left bfloat16 as
+   bitsandbytes leaves it), its tensors written as bitsandbytes serializes them.
 
     .venv/bin/python bench/quantized.py --agreement [--max-tokens 64]
 
@@ -83,6 +85,51 @@ def gptq_tensors(weight, group: int, bits: int = 4) -> dict:
     zeros = torch.full((k // group, out), zero - 1)  # checkpoint_format gptq stores z - 1
     return {"qweight": _words(q, bits).t().contiguous(), "qzeros": _words(zeros, bits).contiguous(),
             "scales": scale.t().contiguous(), "g_idx": (torch.arange(k) // group).to(torch.int32)}
+
+
+def nf4_tensors(weight, blocksize: int = 64) -> dict:
+    """bitsandbytes' NF4 tensors of one linear weight [out, in]: per block of the flattened weight its absmax,
+    each weight's nearest table index, two a byte with the first in the high nibble."""
+    import torch
+
+    from engine.cpu.packed_linear import CODE_TABLES
+
+    values = torch.tensor(CODE_TABLES["nf4"][0])
+    out, k = weight.shape
+    blocks = weight.float().reshape(-1, blocksize)
+    absmax = blocks.abs().amax(1).clamp_min(1e-8)
+    scaled = (blocks / absmax[:, None]).reshape(-1, 1)
+    midpoints = (values[1:] + values[:-1]) / 2
+    q = torch.bucketize(scaled.flatten(), midpoints)  # the nearest value's index
+    state = {"quant_type": "nf4", "blocksize": blocksize, "dtype": "bfloat16", "shape": [out, k]}
+    return {"weight": ((q[0::2] << 4) | q[1::2]).to(torch.uint8).unsqueeze(1), "weight.absmax": absmax,
+            "weight.quant_map": values.clone(),
+            "weight.quant_state.bitsandbytes__nf4": torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)}
+
+
+def build_nf4(source: Path, out: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    if (out / "config.json").is_file():
+        return out
+    out.mkdir(parents=True)
+    quantized = {}
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        if name.endswith(".weight") and tensor.dim() == 2 and ".layers." in name:
+            layer = name.removesuffix(".weight")
+            quantized.update({f"{layer}.{k}": v for k, v in nf4_tensors(tensor).items()})
+        else:
+            quantized[name] = tensor.contiguous()
+    save_file(quantized, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+                                     "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False,
+                                     "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8"}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for f in source.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
 
 
 def build_gptq(source: Path, out: Path, group: int, head: bool) -> Path:
@@ -192,6 +239,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for both gateways")
     parser.add_argument("--agreement", action="store_true", help="QUANTIZATION=int8/int4 against float32 instead")
+    parser.add_argument("--nf4", action="store_true", help="a bitsandbytes NF4 checkpoint of the same model too")
     args = parser.parse_args()
     if args.agreement:
         sys.path.insert(0, str(ROOT / "bench"))
@@ -205,6 +253,9 @@ def main() -> None:
     speeds = {}
     cases = (("bfloat16", dense, ()), ("GPTQ int4", gptq, ()),
              ("GPTQ int4, 8-bit activations", gptq, ("QUANTIZED_ACTIVATIONS=int8",)))
+    if args.nf4:
+        sys.path.insert(0, str(ROOT))
+        cases += (("bitsandbytes nf4", build_nf4(dense, work / "user-362m-bnb-nf4-b64"), ()),)
     for name, folder, env in cases:
         speeds[name] = throughput(folder, args, env)
         print(f"{name}: " + ", ".join(f"{tok_s:.1f} tok/s at {level}" for level, tok_s in speeds[name].items()),
@@ -214,8 +265,12 @@ def main() -> None:
           f"{'int4' if head else 'bfloat16'}) tok/s | ratio | the same, QUANTIZED_ACTIVATIONS=int8 | ratio |")
     print("|---:|---:|---:|---:|---:|---:|")
     for level in speeds["bfloat16"]:
-        a, b, c = (speeds[name][level] for name, _, _ in cases)
+        a, b, c = (speeds[name][level] for name, _, _ in cases[:3])
         print(f"| {level} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {c:.1f} | {c / a:.2f}x |")
+    if args.nf4:
+        for level in speeds["bfloat16"]:
+            a, d = speeds["bfloat16"][level], speeds["bitsandbytes nf4"][level]
+            print(f"bitsandbytes nf4 at {level}: {d:.1f} tok/s, {d / a:.2f}x bfloat16")
     print(json.dumps({"bench": "quantized", "group_size": args.group_size, "head_quantized": head,
                       "max_tokens": args.max_tokens, "tok_s": speeds}))
 

@@ -3,7 +3,8 @@
 For each format a tiny random Llama is written in that format here, its tensors packed as the format's
 specification lays them out (GPTQ's int32 words along the inputs and its zero points stored minus one, AWQ's
 nibble order 0 2 4 6 1 3 5 7, compressed-tensors' weight_packed / weight_scale / weight_zero_point /
-weight_shape, fine-grained FP8's weight_scale_inv per 128 x 128 block, bitsandbytes' int8 weight and SCB). The
+weight_shape, fine-grained FP8's weight_scale_inv per 128 x 128 block, bitsandbytes' int8 weight and SCB, and
+its 4-bit codes two a byte with absmax per block, double-quantized or not, and the JSON quant_state). The
 same integers, dequantized by the plain formula in this file (w = scale * (q - zero)), are saved as a float32
 checkpoint that transformers loads itself: the reference. The worker's greedy tokens on the quantized folder,
 for rows of different lengths decoding together, must equal transformers' on the dequantized one. Checkpoints
@@ -180,6 +181,56 @@ def bnb_int8_layer(name, w):
     return {"weight": q, "SCB": scb, "weight_format": torch.tensor([0], dtype=torch.uint8)}, q.float() * scb[:, None] / 127
 
 
+# bitsandbytes' 4-bit tables as its documentation gives them: NF4's normal quantiles, and FP4's bit patterns
+# (sign, 2 exponent bits, 1 mantissa bit; exponent bias 2) 0, 0.0625, 8, 12, 4, 6, 2, 3 over their largest, 12.
+BNB_TABLES = {
+    "nf4": [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023,
+            1.0],
+    "fp4": [v / 12 for v in (0, 0.0625, 8, 12, 4, 6, 2, 3, -0.0, -0.0625, -8, -12, -4, -6, -2, -3)],
+}
+
+
+def bnb_4bit_layer(table: str, blocksize: int, nested: bool, quant_map=None):
+    """bitsandbytes' 4-bit serialization of a weight: each block of `blocksize` of the flattened weight scaled by
+    its largest magnitude (absmax) and rounded to the nearest table value's index, two indices a byte (the first in
+    the high nibble) as uint8 [out * in / 2, 1]; with `nested` (double quantization) absmax minus its mean held as
+    8-bit indices into a 256-value map times a float32 absmax per 256 of them."""
+    values = torch.tensor(BNB_TABLES[table])
+
+    def layer(name, w):
+        out, k = w.shape
+        blocks = w.reshape(-1, blocksize)
+        absmax = blocks.abs().amax(1)
+        q = ((blocks / absmax[:, None]).reshape(-1, 1) - values).abs().argmin(1)
+        state = {"quant_type": table, "blocksize": blocksize, "dtype": "float32", "shape": [out, k]}
+        tensors = {"weight": ((q[0::2] << 4) | q[1::2]).to(torch.uint8).unsqueeze(1),
+                   "weight.quant_map": (values if quant_map is None else torch.tensor(quant_map)).clone()}
+        if nested:
+            offset = absmax.mean()
+            centred = absmax - offset
+            index = torch.arange(absmax.numel()) // 256
+            nested_absmax = torch.stack([part.abs().max() for part in centred.split(256)])
+            nested_map = torch.linspace(-1, 1, 256)  # the file carries its own map: any 256 values serve
+            codes = ((centred / nested_absmax[index]).reshape(-1, 1) - nested_map).abs().argmin(1)
+            absmax = nested_map[codes] * nested_absmax[index] + offset
+            tensors.update({"weight.absmax": codes.to(torch.uint8), "weight.nested_absmax": nested_absmax,
+                            "weight.nested_quant_map": nested_map})
+            state.update(nested_blocksize=256, nested_dtype="float32", nested_offset=offset.item())
+        else:
+            tensors["weight.absmax"] = absmax
+        tensors[f"weight.quant_state.bitsandbytes__{table}"] = torch.tensor(list(json.dumps(state).encode()),
+                                                                            dtype=torch.uint8)
+        return tensors, (values[q].view(-1, blocksize) * absmax[:, None]).view(out, k)
+    return layer
+
+
+def _bnb_4bit(table: str, nested: bool) -> dict:
+    return {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": table,
+            "bnb_4bit_use_double_quant": nested, "bnb_4bit_compute_dtype": "float32"}
+
+
 _GPTQ = {"quant_method": "gptq", "checkpoint_format": "gptq", "lm_head": False}
 
 
@@ -210,6 +261,8 @@ FORMATS = {
                        "weight_block_size": [128, 128]}, fp8_layer()),
     "bitsandbytes-int8": ({"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False},
                           bnb_int8_layer),
+    "bitsandbytes-nf4-b64-double-quant": (_bnb_4bit("nf4", True), bnb_4bit_layer("nf4", 64, True)),
+    "bitsandbytes-fp4-b128": (_bnb_4bit("fp4", False), bnb_4bit_layer("fp4", 128, False)),
 }
 
 
@@ -379,14 +432,22 @@ def _refused(folder, match: str, **kw) -> str:
     ({"group_size": 16}, "GPTQ group_size 16 is not supported"),
     ({"checkpoint_format": "marlin"}, "GPTQ checkpoint_format 'marlin' is not supported"),
     ({"quant_method": "hqq"}, "quant_method 'hqq' is not supported"),
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
-     r"bitsandbytes 4-bit \(nf4\) checkpoints are not supported on CPU"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {
         "weights": {"num_bits": 8, "type": "int"}, "input_activations": {"num_bits": 8, "type": "int"}}}},
      "quantizes activations too"),
 ])
 def test_checkpoints_that_cannot_run_are_refused_at_start_up(config, match, tmp_path, tokenizer_folder):
     _refused(_gptq_folder(tmp_path, tokenizer_folder, **config), match)
+
+
+def test_a_bitsandbytes_table_other_than_its_own_is_refused(tmp_path, tokenizer_folder):
+    """A 4-bit checkpoint whose quant_map is not bitsandbytes' table of its quant_type would be multiplied by the
+    wrong values: it is refused, naming the layer."""
+    folder = tmp_path / "quantized"
+    swapped = list(reversed(BNB_TABLES["nf4"]))
+    write_quantized(folder, tmp_path / "reference", dense_llama(folder, tokenizer_folder), _bnb_4bit("nf4", False),
+                    bnb_4bit_layer("nf4", 64, False, quant_map=swapped))
+    _refused(folder, "model.layers.0.self_attn.q_proj: its quant_map is not bitsandbytes' nf4 table")
 
 
 def test_quantization_must_match_the_checkpoint(tmp_path, tokenizer_folder):
@@ -565,6 +626,33 @@ def test_a_scale_per_16_inputs_multiplies_exactly_at_every_row_count():
         x = torch.randn(rows, 96)
         bound = 1e-4 * (x.double().abs() @ weight.abs().T) + 1e-6
         assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
+
+
+@pytest.mark.parametrize("table", ["nf4", "fp4"])
+def test_bitsandbytes_codes_multiply_within_their_table_at_every_row_count(table):
+    """4-bit codes of bitsandbytes' tables (formats 17 and 18): every tile shape of rows and panels gives x W^T
+    with W = absmax * table[q] within the 16-bit activations' rounding, plus, for NF4, the table's own rounding
+    to steps of 1/2047 (FP4's values are multiples of 1/192: exact)."""
+    native_kernels.load("auto")
+    kernels = native_kernels.active()
+    if kernels is None or not kernels.word_blocks_supported():
+        pytest.skip("no packed product on this CPU")
+    torch.manual_seed(5)
+    q = torch.randint(0, 16, (48, 128), dtype=torch.int8)
+    absmax = torch.rand(48, 4) * 10 ** torch.randint(-2, 3, (48, 4)).float()
+    layer = packed_linear.PackedLinear(q, absmax, torch.zeros_like(absmax), 4, codes=table)
+    weight = (torch.tensor(BNB_TABLES[table], dtype=torch.float64)[q.long()].view(48, -1, 32)
+              * absmax.double()[..., None]).view(48, 128)
+    assert packed_linear.apply(torch.nn.Sequential(layer), kernels) == 1
+    assert layer.block_format == {"nf4": 17, "fp4": 18}[table]
+    table_step = absmax.double().repeat_interleave(32, 1) * (0.5 / 2047 if table == "nf4" else 0)
+    for rows in range(1, 41):
+        x = torch.randn(rows, 128)
+        bound = 1e-4 * (x.double().abs() @ weight.abs().T) + x.double().abs() @ table_step.T + 1e-6
+        assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
+        if table == "fp4":  # exact table: bfloat16 rows, rounded once, agree too
+            y = layer(x.bfloat16()).double()
+            assert ((y - x.bfloat16().double() @ weight.T).abs() <= bound + 2 ** -8 * y.abs()).all(), rows
 
 
 @pytest.mark.parametrize("half", [True, False])

@@ -31,17 +31,36 @@ _BITS = (4, 5, 8)  # the widths the kernel's formats hold (quantized_linear.cpp 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the kernel reads and writes as they are
 QUAD_FORMATS = tuple(range(10, 17))  # blocks multiplied from 8-bit integer activations (quantized_linear.cpp)
 ACTIVATIONS = {"int16": 16, "int8": 8}  # QUANTIZED_ACTIVATIONS
+# bitsandbytes' 4-bit tables (w = absmax * value[q]) and the integer levels that stand for 1 in the kernel's
+# 16-bit codes of them (quantized_linear.cpp's kNf4Codes / kFp4Codes, formats 17 and 18): FP4's values are
+# multiples of 1/192, so exact; NF4's normal quantiles are rounded to steps of 1/2047.
+CODE_TABLES = {
+    "nf4": ((-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+             -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+             0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+             0.7229568362236023, 1.0), 2047),
+    "fp4": (tuple(v / 12 for v in (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0,
+                                   -0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0)), 192),
+}
+
+
+def code_values(table: str) -> torch.Tensor:
+    """The 16 values a 4-bit code of `table` multiplies by, as the product holds them (float32)."""
+    values, levels = CODE_TABLES[table]
+    return (torch.tensor(values, dtype=torch.float64) * levels).round().div(levels).float()
 
 
 class PackedLinear(torch.nn.Module):
     """y = x W^T (+ bias) with W [out, in] held as w = scale * q + minimum per block of 32 inputs: q int8
     [out, in] (0..15 for 4 bits, 0..31 for 5), scale and minimum float32 [out, in / 32] (or, 8-bit with zero
     minimums, both [out, in / 16]: a scale per 16 inputs), over the inputs gathered by `order` (None: their own
-    order). Not a torch.nn.Linear, so that no rewrite made for dense weights (fusion's concatenation, layouts, GGUF
+    order). With `codes` ("nf4", "fp4": bitsandbytes' 4-bit tables) q is a code and w = scale * table[q]
+    (minimums zero). Not a torch.nn.Linear, so that no rewrite made for dense weights (fusion's concatenation, layouts, GGUF
     block recovery) touches it."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
-                 bias: torch.Tensor | None = None, order: torch.Tensor | None = None, source: str = ""):
+                 bias: torch.Tensor | None = None, order: torch.Tensor | None = None, source: str = "",
+                 codes: str | None = None):
         super().__init__()
         self.out_features, self.in_features = q.shape
         if bits not in _BITS:
@@ -49,10 +68,12 @@ class PackedLinear(torch.nn.Module):
         if self.in_features % BLOCK or self.out_features % PANEL:
             raise ValueError(f"a {self.out_features}x{self.in_features} weight does not divide into the kernel's "
                              f"blocks of {PANEL} outputs by {BLOCK} inputs")
-        self.bits, self.source = bits, source
+        self.bits, self.source, self.codes = bits, source, codes
         self.group = self.in_features // scale.shape[1]  # inputs a scale: 32, or 16 (GGUF Q6_K)
         if scale.shape != minimum.shape or self.group not in (BLOCK, BLOCK // 2) or (
-                self.group != BLOCK and (bits != 8 or bool(minimum.any()))):
+                self.group != BLOCK and (bits != 8 or bool(minimum.any()))) or (
+                codes is not None and (codes not in CODE_TABLES or bits != 4 or self.group != BLOCK
+                                       or bool(minimum.any()))):
             raise ValueError(f"scales of {tuple(scale.shape)} and minimums of {tuple(minimum.shape)} for a "
                              f"{self.out_features}x{self.in_features} {bits}-bit weight have no packed product")
         self.q, self.scale, self.minimum = q, scale.float().contiguous(), minimum.float().contiguous()
@@ -71,12 +92,13 @@ class PackedLinear(torch.nn.Module):
 
     def weight_float(self) -> torch.Tensor:
         """The dequantized weights [out, in] in float32, columns in the layer's order (`order`)."""
-        q = self.q.float().view(self.out_features, -1, self.group)
+        q = (code_values(self.codes)[self.q.long()] if self.codes else self.q.float()).view(
+            self.out_features, -1, self.group)
         return (q * self.scale.unsqueeze(-1) + self.minimum.unsqueeze(-1)).view(self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"bias={self.bias is not None}, source={self.source}")
+                f"bias={self.bias is not None}, source={self.source}" + (f", codes={self.codes}" if self.codes else ""))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.whole is not None:
@@ -112,13 +134,14 @@ class PackedLinear(torch.nn.Module):
                 for p in parts):
             return None
         if not all(isinstance(p, cls) for p in parts) or any(
-                p.bits != first.bits or p.group != first.group or (p.bias is None) != (first.bias is None)
+                p.bits != first.bits or p.group != first.group or p.codes != first.codes
+                or (p.bias is None) != (first.bias is None)
                 or (p.order is None) != (first.order is None)
                 or (p.order is not None and not torch.equal(p.order, first.order)) for p in parts):
             return SideBySide(parts)
         bias = None if first.bias is None else torch.cat([p.bias for p in parts])
         return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                   torch.cat([p.minimum for p in parts]), first.bits, bias, first.order, first.source)
+                   torch.cat([p.minimum for p in parts]), first.bits, bias, first.order, first.source, first.codes)
 
 
 class SideBySide(torch.nn.Module):
@@ -210,9 +233,12 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
     packed_bytes = dense_bytes = 0
     for layer in found:
         weight = layer.weight_float()
-        if usable:
+        if usable and layer.codes:  # bitsandbytes' 4-bit tables take 16-bit activations at any setting
+            layer.block_format, layer.packed = kernels.pack_coded(layer.q, layer.scale, layer.codes)
+        elif usable:
             layer.block_format, layer.packed = kernels.pack_scaled(layer.q, layer.scale, layer.minimum, layer.bits,
                                                                    _half_exact(layer), activation_bits == 8)
+        if usable:
             layer.kernels = kernels
             if not _agrees(layer, weight, layer.minimum):
                 raise RuntimeError(f"the packed {layer.bits}-bit product differs from the dequantized weights "

@@ -8,7 +8,7 @@ and the rest (embeddings, norms, unquantized heads) loads as usual. On CUDA tran
 checkpoint. A method, bit width, group size or layout this cannot serve exactly is refused at start-up in one
 line naming it: never served wrong.
 
-The readers follow each format's specification (docs/quantized-checkpoints.md has the layouts):
+The readers follow each format's specification (docs/cpu-kernels.md#quantized-checkpoints has the layouts):
 - GPTQ (`gptq`): qweight int32 [in * bits / 32, out] packed along the inputs, qzeros int32 [groups, out * bits /
   32] packed along the outputs and holding z - 1 (checkpoint_format `gptq`; `gptq_v2` holds z), scales
   [groups, out], g_idx [in] (act order: groups out of input order, gathered once here);
@@ -18,9 +18,13 @@ The readers follow each format's specification (docs/quantized-checkpoints.md ha
   2^(bits-1), weight_scale [out, groups], weight_zero_point packed along the outputs, weight_shape; int-quantized
   int8 weights; float-quantized FP8 weights;
 - fine-grained FP8 (`fp8`): float8_e4m3fn weights and float32 weight_scale_inv per 128 x 128 block;
-- bitsandbytes int8 (`bitsandbytes`, load_in_8bit): int8 weight and SCB, w = q * SCB / 127 per output.
+- bitsandbytes int8 (`bitsandbytes`, load_in_8bit): int8 weight and SCB, w = q * SCB / 127 per output;
+- bitsandbytes 4-bit (load_in_4bit, nf4 or fp4): uint8 weight [out * in / 2, 1] holding two codes a byte (the
+  first in the high nibble) of the flattened weight, absmax per `blocksize` of it (with double quantization:
+  uint8 indices into nested_quant_map, times nested_absmax per nested_blocksize, plus nested_offset), quant_map
+  the 16 values, and quant_state.bitsandbytes__<type> the JSON of the rest; w = absmax * quant_map[q].
 FP8 weights have no integer form (e4m3 is not uniform): they load as dense weights of the model's type
-(float32 holds e4m3 times a bfloat16 or float16 scale exactly). bitsandbytes nf4 / fp4 are refused on CPU.
+(float32 holds e4m3 times a bfloat16 or float16 scale exactly).
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu.packed_linear import BLOCK, PackedLinear, parent_module as _parent
+from engine.cpu.packed_linear import BLOCK, CODE_TABLES, PackedLinear, parent_module as _parent
 from engine.quantization.methods import QuantizationError, quantization_config
 
 log = logging.getLogger("engine.quantization")
@@ -263,12 +267,11 @@ class _Fp8:
 
 class _Bitsandbytes:
     def __init__(self, qc: dict):
-        if qc.get("load_in_4bit") or str(qc.get("_load_in_4bit", "")).lower() == "true":
-            raise QuantizationError(f"bitsandbytes 4-bit ({qc.get('bnb_4bit_quant_type', 'nf4')}) checkpoints are "
-                                    f"not supported on CPU (bitsandbytes int8 and the int4 formats GPTQ, AWQ, "
-                                    f"compressed-tensors and GGUF are)")
+        pass  # the layers' own tensors say int8 (SCB) or 4-bit (quant_state) and which table
 
     def read(self, t: _Tensors, name: str):
+        if f"{name}.weight.absmax" in t:
+            return self._four_bit(t, name)
         if f"{name}.SCB" not in t:
             return None
         t.optional(f"{name}.weight_format")  # "row": the only layout transformers saves
@@ -278,6 +281,50 @@ class _Bitsandbytes:
         try:
             return PackedLinear(weight.contiguous(), d, torch.zeros_like(d), 8, t.optional(f"{name}.bias"), None,
                                 name)
+        except ValueError as exc:
+            raise QuantizationError(f"{name}: {exc}") from None
+
+
+    @staticmethod
+    def _four_bit(t: _Tensors, name: str) -> PackedLinear:
+        states = [k for k in (f"{name}.weight.quant_state.bitsandbytes__{c}" for c in CODE_TABLES) if k in t]
+        if len(states) != 1:
+            raise QuantizationError(f"{name}: a bitsandbytes 4-bit layer needs one quant_state.bitsandbytes__nf4 "
+                                    f"or __fp4 tensor")
+        state = json.loads(bytes(t.get(states[0]).to(torch.uint8).tolist()).decode("utf-8"))
+        table = state.get("quant_type")
+        if table not in CODE_TABLES:
+            raise QuantizationError(f"{name}: bitsandbytes quant_type {table!r} is not supported (nf4, fp4)")
+        values = torch.tensor(CODE_TABLES[table][0])
+        quant_map = t.get(f"{name}.weight.quant_map").float().flatten()
+        # bitsandbytes' CPU backend writes FP4's values to 4 decimals; any other table would be served wrong.
+        if quant_map.shape != (16,) or not torch.allclose(quant_map, values, rtol=0, atol=1e-4):
+            raise QuantizationError(f"{name}: its quant_map is not bitsandbytes' {table} table")
+        n, k = (int(v) for v in state.get("shape") or (0, 0))
+        blocksize = int(state.get("blocksize", 0))
+        packed = t.get(f"{name}.weight")
+        if packed.dtype != torch.uint8 or packed.numel() != (n * k + 1) // 2:
+            raise QuantizationError(f"{name}: bitsandbytes 4-bit weight of {packed.dtype} {tuple(packed.shape)} does "
+                                    f"not hold a {n}x{k} weight (quant_storage uint8)")
+        if k % BLOCK or blocksize <= 0 or blocksize % BLOCK:
+            raise QuantizationError(f"{name}: bitsandbytes blocksize {blocksize} of a {n}x{k} weight does not "
+                                    f"divide into the kernel's blocks of {BLOCK} inputs")
+        flat = packed.flatten()
+        q = torch.stack((flat >> 4, flat & 15), 1).flatten()[:n * k].view(n, k).to(torch.int8)
+        absmax = t.get(f"{name}.weight.absmax")
+        if "nested_blocksize" in state:  # double quantization: absmax's own 8-bit blocks
+            nested = t.get(f"{name}.weight.nested_absmax").float()
+            nested_map = t.get(f"{name}.weight.nested_quant_map").float()
+            index = torch.arange(absmax.numel()) // int(state["nested_blocksize"])
+            absmax = nested_map[absmax.long()] * nested[index] + float(state["nested_offset"])
+        absmax = absmax.float().flatten()
+        if absmax.numel() != -(-n * k // blocksize):
+            raise QuantizationError(f"{name}: {absmax.numel()} absmax values for a {n}x{k} weight in blocks of "
+                                    f"{blocksize}")
+        scale = absmax[torch.arange(0, n * k, BLOCK) // blocksize].view(n, k // BLOCK)
+        try:
+            return PackedLinear(q, scale, torch.zeros_like(scale), 4, t.optional(f"{name}.bias"), None, name,
+                                codes=table)
         except ValueError as exc:
             raise QuantizationError(f"{name}: {exc}") from None
 
@@ -310,6 +357,10 @@ def load(folder: Path, config, method: str, dtype: torch.dtype, **model_kwargs) 
         if type(module) is not torch.nn.Linear:
             continue
         read = reader.read(tensors, name)
+        if isinstance(read, PackedLinear) and (read.out_features, read.in_features) != (
+                module.out_features, module.in_features):
+            raise QuantizationError(f"{name}: the checkpoint's {read.out_features}x{read.in_features} weight does not "
+                                    f"fit the model's {module.out_features}x{module.in_features} layer")
         if isinstance(read, PackedLinear):
             parent, child = _parent(model, name)
             setattr(parent, child, read)

@@ -59,8 +59,26 @@ enum Format : int64_t {
   kQ4_1Quads = 10, kQ4ScaledQuads = 11, kQ5WordsQuads = 12, kQ5ScaledQuads = 13,
   // Formats 4, 6 and 7 (8-bit q) likewise: signed q, so the activations are the unsigned operand (qx + 128) and
   // 128 times the block's sum of q comes off each output's integer sum.
-  kQ8_0Quads = 14, kQ8ScaledQuads = 15, kQ8HalvesQuads = 16
+  kQ8_0Quads = 14, kQ8ScaledQuads = 15, kQ8HalvesQuads = 16,
+  // 4-bit codes that index a table of 16 values (bitsandbytes' NF4 and FP4: w = absmax * table[q]): the nibbles
+  // as format 5 holds them, a float32 scale per output and block (no minimum), and the table as 16-bit integers
+  // (kCodes) that a VPERMW puts in place of the widened nibbles.
+  kNf4Words = 17, kFp4Words = 18
 };
+constexpr bool quad_format(int64_t f) { return f >= kQ4_1Quads && f <= kQ8HalvesQuads; }
+constexpr bool coded(int64_t f) { return f == kNf4Words || f == kFp4Words; }
+// The integer each code multiplies by, and the levels that stand for 1 (the scale is absmax / levels). FP4's
+// values are multiples of 1/192, so its table is exact. NF4's are normal quantiles: rounded to 1/2047 (at most
+// 2.1e-4 of the block's absmax off), the most the int32 sums hold with 16-bit activations: 32 products of 32767
+// times 2047 stay under 2^31.
+struct CodeTable {
+  int16_t values[32];  // 16 codes, then zeros: one VPERMW register
+  float levels;
+};
+constexpr CodeTable kNf4Codes = {{-2047, -1425, -1075, -808, -582, -378, -186, 0, 163, 329, 504, 692, 902, 1152, 1480,
+                                  2047}, 2047.f};
+constexpr CodeTable kFp4Codes = {{0, 1, 128, 192, 64, 96, 32, 48, 0, -1, -128, -192, -64, -96, -32, -48}, 192.f};
+constexpr const CodeTable& code_table(int64_t f) { return f == kNf4Words ? kNf4Codes : kFp4Codes; }
 // The format whose headers and q bytes a quad format shares.
 constexpr Format word_base(int64_t f) {
   return f == kQ4_1Quads ? kQ4_1Words : f == kQ4ScaledQuads ? kQ4Scaled : f == kQ5WordsQuads ? kQ5Words
@@ -76,10 +94,10 @@ struct Part {
   int64_t n, col;
 };
 
-constexpr bool four_bit(Format f) { return f == kQ4_1 || f == kQ4Scaled; }
+constexpr bool four_bit(Format f) { return f == kQ4_1 || f == kQ4Scaled || coded(f); }
 constexpr bool five_bit(Format f) { return f == kQ5Words || f == kQ5Scaled; }
 constexpr bool float_header(Format f) { return f == kQ4Scaled || f == kQ8Scaled || f == kQ8Halves || f == kQ5Scaled; }
-constexpr bool has_minimum(Format f) { return f != kQ8_0 && f != kQ8Halves; }
+constexpr bool has_minimum(Format f) { return f != kQ8_0 && f != kQ8Halves && !coded(f); }
 constexpr int64_t header_bytes(Format f) { return (f == kQ4_1 ? 2 : 1) * kPanel * 4; }
 constexpr int64_t input_bytes(Format f) {
   return four_bit(f) ? kPanel / 2 : five_bit(f) ? kPanel / 2 + kPanel / 8 : kPanel;
@@ -87,7 +105,7 @@ constexpr int64_t input_bytes(Format f) {
 constexpr int64_t block_bytes(Format f) { return header_bytes(f) + kBlock * input_bytes(f); }
 // Formats 3 and 4 keep d (and m) in half precision, as the GGUF file does: 5 bits a Q4_1 weight, not 6.
 constexpr int64_t word_header_bytes(Format f) {
-  return float_header(f) ? 2 * kPanel * 4 : (f == kQ4_1 || f == kQ5Words ? 2 : 1) * kPanel * 2;
+  return coded(f) ? kPanel * 4 : float_header(f) ? 2 * kPanel * 4 : (f == kQ4_1 || f == kQ5Words ? 2 : 1) * kPanel * 2;
 }
 constexpr int64_t word_block_bytes(Format f) { return word_header_bytes(f) + kBlock * input_bytes(f); }
 constexpr int64_t layout_block_bytes(Format f, bool words) { return words ? word_block_bytes(f) : block_bytes(f); }
@@ -434,6 +452,8 @@ inline __m512i block_group(const uint8_t* qs, int g) {
     uint32_t high;
     std::memcpy(&high, qs + kBlock * kPanel / 2 + 4 * g, 4);
     return _mm512_mask_add_epi16(low, static_cast<__mmask32>(high), low, _mm512_set1_epi16(16));
+  } else if constexpr (coded(F)) {  // the nibbles index the table
+    return _mm512_permutexvar_epi16(block_group<kQ4Scaled>(qs, g), _mm512_loadu_si512(code_table(F).values));
   } else if constexpr (four_bit(F)) {
     const __m512i packed = _mm512_loadu_si512(qs + 64 * (g / 4));
     const __m512i nibbles = _mm512_and_si512(g % 4 < 2 ? packed : _mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));
@@ -448,8 +468,8 @@ inline __m512i block_group(const uint8_t* qs, int g) {
 template <Format F>
 inline void block_scales(const uint8_t* header, __m512& d, __m512& m) {
   m = _mm512_setzero_ps();
-  if constexpr (F == kQ8Halves) {
-    d = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
+  if constexpr (F == kQ8Halves || coded(F)) {
+    d = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + (coded(F) ? 0 : kPanel));
   } else if constexpr (float_header(F)) {
     d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
     m = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
@@ -736,6 +756,8 @@ PairFn pair_fn(Format f) {
     case kQ8Scaled: return &pair_by_tiles<kQ8Scaled>;
     case kQ8Halves: return &pair_by_tiles<kQ8Halves>;
     case kQ5Words: return &pair_by_tiles<kQ5Words>;
+    case kNf4Words: return &pair_by_tiles<kNf4Words>;
+    case kFp4Words: return &pair_by_tiles<kFp4Words>;
     default: return &pair_by_tiles<kQ5Scaled>;
   }
 }
@@ -748,7 +770,7 @@ template <typename T>
 void word_products(const T* x, int64_t rows, int64_t k, const std::vector<Part>& parts, int64_t n, float* out,
                    c10::BFloat16* out16, const float* bias) {
   bool words = false, quads = false;
-  for (const Part& part : parts) (part.format >= kQ4_1Quads ? quads : words) = true;
+  for (const Part& part : parts) (quad_format(part.format) ? quads : words) = true;
   Activations xq;
   if (words) xq.words = quantize_rows<int16_t>(x, rows, k);
   if (quads) xq.bytes = quantize_rows<int8_t>(x, rows, k);
@@ -842,6 +864,8 @@ int64_t packed_block_bytes(int64_t format) {
     case kQ8Halves: return word_block_bytes(kQ8Halves);
     case kQ5Words: return word_block_bytes(kQ5Words);
     case kQ5Scaled: return word_block_bytes(kQ5Scaled);
+    case kNf4Words: return word_block_bytes(kNf4Words);
+    case kFp4Words: return word_block_bytes(kFp4Words);
     default: return word_block_bytes(kQ8Scaled);
   }
 }
@@ -991,6 +1015,46 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
   return {f, packed};
 }
 
+// 4-bit codes q int8 [out, in] (0..15) of `table` ("nf4" or "fp4": bitsandbytes' tables) with a scale (absmax)
+// float32 [out, in / 32] per block -> (format, blocks): 17 or 18, w = scale * table[q] as kCodes rounds it.
+std::tuple<int64_t, at::Tensor> pack_coded(const at::Tensor& q, const at::Tensor& scale, const std::string& table) {
+  TORCH_CHECK(word_blocks_supported(), "pack_coded: this build has no product for 16-bit activations (it needs "
+              "AVX512_VNNI)");
+  TORCH_CHECK(table == "nf4" || table == "fp4", "pack_coded: table must be nf4 or fp4");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar, "pack_coded: q must be an int8 "
+              "CPU matrix");
+  const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock;
+  TORCH_CHECK(n % kPanel == 0 && k % kBlock == 0 && n > 0 && k > 0, "pack_coded: the weight's shape must divide "
+              "into 16 outputs by 32 inputs");
+  TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == n &&
+              scale.size(1) == blocks, "pack_coded: scale must be float32 [out, in / 32]");
+  const at::Tensor qc = q.contiguous(), sc = scale.contiguous();
+  TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() <= 15, "pack_coded: q must be in 0..15");
+  const Format f = table == "nf4" ? kNf4Words : kFp4Words;
+  const float levels = code_table(f).levels;
+  const int64_t block = packed_block_bytes(f), panels = n / kPanel, panel_bytes = blocks * block;
+  auto packed = at::empty({panels, panel_bytes}, at::kByte);
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  const int8_t* qs = qc.data_ptr<int8_t>();
+  const float* ss = sc.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    int8_t tile[kPanel][kBlock];
+    float d[kPanel];
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* dst = out + p * panel_bytes + b * block;
+        for (int64_t i = 0; i < kPanel; ++i) {
+          const int64_t row = p * kPanel + i;
+          d[i] = ss[row * blocks + b] / levels;
+          std::memcpy(tile[i], qs + row * k + b * kBlock, kBlock);
+        }
+        std::memcpy(dst, d, sizeof d);
+        arrange_words<true>(tile, dst + sizeof d);
+      }
+  });
+  return {f, packed};
+}
+
 // x [rows, in] (contiguous; float32, or bfloat16 for formats 3 to 16) times each weight `pack_blocks` or
 // `pack_scaled` packed (`packed[i]` in `formats[i]`, outs[i] outputs), the outputs side by side, [rows, sum of
 // outs], in x's dtype, plus `bias` (float32 [sum of outs]) before any rounding to bfloat16. Formats 1 and 2 (float32
@@ -1010,7 +1074,7 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
   std::vector<Part> parts;
   for (size_t i = 0; i < packed.size(); ++i) {
     const int64_t format = formats[i], out_features = outs[i];
-    TORCH_CHECK(format >= kQ4_1 && format <= kQ8HalvesQuads, "blocks_linear: unknown format");
+    TORCH_CHECK(format >= kQ4_1 && format <= kFp4Words, "blocks_linear: unknown format");
     TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 "
                 "to 16 (it needs AVX512_VNNI)");
     TORCH_CHECK((format >= kQ4_1Words) == words && (words || packed.size() == 1), "blocks_linear: formats 1 and 2 "
