@@ -152,6 +152,8 @@ def load(config: EngineConfig) -> LoadedModel:
                               AutoTokenizer)
 
     started = time.perf_counter()
+    if config.quantized_activations not in packed_linear.ACTIVATIONS:  # before anything is packed for it
+        raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: int16 or int8")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     platform = resolve_platform(config.device, config.simulated_device_memory)
@@ -245,14 +247,12 @@ def load(config: EngineConfig) -> LoadedModel:
         invariant = cpu_plan.apply(model, dtype, config, from_gguf=gguf is not None, verdicts=verdicts)
     elif packed_linear.layers(model):  # no native kernels on this path: the same weights, expanded
         packed_linear.apply(model, None)
-    if config.quantized_activations not in packed_linear.ACTIVATIONS:
-        raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: int16 or int8")
     if config.quantized_activations != "int16" and not quantized_weights.eight_bit_activations(model):
         # Never a setting that silently does nothing.
         raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: this model has no layers "
-                             "multiplied from packed integers by the CPU kernels (a quantized checkpoint's, "
-                             "QUANTIZATION=int8/int4's, or a GGUF file's served from its blocks with DTYPE=auto), "
-                             "which are all it changes; unset it")
+                             "multiplied from packed integers by the CPU kernels (a quantized checkpoint's integer "
+                             "layers, bitsandbytes' 4-bit codes excepted, QUANTIZATION=int8/int4's, or a GGUF file's "
+                             "served from its blocks with DTYPE=auto), which are all it changes; unset it")
     attention.set_batch_invariant(invariant)
     log.info("batch invariance: %s (BATCH_INVARIANT=%s)", "on" if invariant else "off",
              str(config.batch_invariant).lower())

@@ -450,6 +450,23 @@ def test_a_bitsandbytes_table_other_than_its_own_is_refused(tmp_path, tokenizer_
     _refused(folder, "model.layers.0.self_attn.q_proj: its quant_map is not bitsandbytes' nf4 table")
 
 
+def test_a_packed_weight_of_another_shape_than_its_layer_is_refused(tmp_path, tokenizer_folder):
+    """A checkpoint whose packed layer is not the model's layer's shape (here a 4-bit quant_state saying 512x64
+    for a 256x128 projection: the same number of weights) is refused at start-up, naming the layer, not served."""
+    folder = tmp_path / "quantized"
+    layer = bnb_4bit_layer("nf4", 64, False)
+
+    def reshaped(name, w):
+        if name != "model.layers.1.mlp.up_proj":
+            return layer(name, w)
+        tensors, weight = layer(name, w.reshape(512, 64))
+        return tensors, weight.reshape(w.shape)
+    write_quantized(folder, tmp_path / "reference", dense_llama(folder, tokenizer_folder), _bnb_4bit("nf4", False),
+                    reshaped)
+    _refused(folder, "model.layers.1.mlp.up_proj: the checkpoint's 512x64 weight does not fit the model's 256x128 "
+                     "layer")
+
+
 def test_quantization_must_match_the_checkpoint(tmp_path, tokenizer_folder):
     folder = _gptq_folder(tmp_path, tokenizer_folder)
     _refused(folder, "QUANTIZATION=awq but the checkpoint is gptq", quantization="awq")

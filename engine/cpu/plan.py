@@ -72,7 +72,7 @@ def apply(model: torch.nn.Module, dtype: torch.dtype, config: EngineConfig, *, f
     layout.apply(model, batch_invariant=invariant, verdicts=verdicts)
     # A quantized checkpoint's layers multiply from their packed integers (16-bit integer activations, or 8-bit
     # ones under QUANTIZED_ACTIVATIONS=int8).
-    packed_linear.apply(model, native_kernels.active(), packed_linear.ACTIVATIONS.get(config.quantized_activations, 16))
+    packed_linear.apply(model, native_kernels.active(), packed_linear.ACTIVATIONS[config.quantized_activations])
     bf16_weights.apply(model, native_kernels.active(), every_size=invariant, verdicts=verdicts)
     # DTYPE=auto lets GGUF blocks take 16-bit integer activations; an explicit float32 keeps float32 activations.
     quantized_weights.apply(model, native_kernels.active(), integer_activations=config.dtype == "auto",
