@@ -479,6 +479,20 @@ inline void block_scales(const uint8_t* header, __m512& d, __m512& m) {
   }
 }
 
+// The end of block b for P panels and R rows (both integer products): each panel's integer sums times its scales
+// d (`add_scaled`, which knows the product's accumulators), then the minimum's term, m times each row's exact sum.
+template <Format F, int R, int P, typename AddScaled>
+inline void end_block(const uint8_t* headers, int64_t panel_bytes, int64_t b, const float* x_sum,
+                      AddScaled& add_scaled, __m512 (&sums)[R][P]) {
+  for (int p = 0; p < P; ++p) {
+    __m512 d, m;
+    block_scales<F>(headers + p * panel_bytes + b * word_block_bytes(F), d, m);
+    add_scaled(p, d);
+    if constexpr (has_minimum(F))
+      for (int r = 0; r < R; ++r) sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
+  }
+}
+
 // Where the weights of a tile come from: the first tile of a panel pair widens them from the blocks itself (and
 // keeps them in a cache-resident buffer when more tiles follow), the other tiles read that buffer. Widening in
 // a pass of its own cost a quarter of the product at 16 rows: its stores did not overlap the multiplies.
@@ -551,14 +565,7 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
         }
       }
     }
-    for (int p = 0; p < P; ++p) {
-      const uint8_t* header = headers + p * panel_bytes + b * word_block_bytes(F);
-      __m512 d, m;
-      block_scales<F>(header, d, m);
-      add_scaled(p, d);
-      if constexpr (has_minimum(F))
-        for (int r = 0; r < R; ++r) sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
-    }
+    end_block<F, R, P>(headers, panel_bytes, b, x_sum, add_scaled, sums);
   }
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) _mm512_storeu_ps(out + r * n + p * kPanel, sums[r][p]);
@@ -675,14 +682,7 @@ void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* h
         }
       }
     }
-    for (int p = 0; p < P; ++p) {
-      const uint8_t* header = headers + p * panel_bytes + b * word_block_bytes(F);
-      __m512 d, m;
-      block_scales<F>(header, d, m);
-      add_scaled(p, d);
-      if constexpr (has_minimum(F))
-        for (int r = 0; r < R; ++r) sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
-    }
+    end_block<F, R, P>(headers, panel_bytes, b, x_sum, add_scaled, sums);
   }
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) _mm512_storeu_ps(out + r * n + p * kPanel, sums[r][p]);
