@@ -977,3 +977,32 @@ def test_a_bfloat16_gguf_model_reads_every_block_type_from_the_file(tmp_path, mo
     assert sources == ["(GGUF Q4_1)"] * 2 + ["(GGUF Q5_0)"] * 6 + ["(GGUF Q5_1)"] * 2 + ["(GGUF Q6_K)"] * 2 + [
         "(GGUF Q8_0)"] * 3, sources
     assert served.model.lm_head.source == "lm_head (GGUF Q8_0)"
+
+
+@pytest.mark.parametrize("fmt", ["bitsandbytes-nf4-b64-double-quant", "gptq-4bit-g32-desc-act"])
+def test_a_quantized_base_serves_its_lora_adapter(fmt, tmp_path, tokenizer_folder):
+    """QLoRA's deployment: a 4-bit checkpoint (NF4; GPTQ with act order, whose q/k/v stay separate products side
+    by side) with a LoRA adapter on every projection. Rows with and without the adapter, decoding together, give
+    the tokens of PEFT's merged model on the dequantized weights, and of that model without the adapter."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.lora import LoraSpec
+    from test_lora import lora_engine, make_adapter, run_mixed
+
+    folder, reference_folder = tmp_path / "quantized", tmp_path / "reference"
+    write_quantized(folder, reference_folder, dense_llama(folder, tokenizer_folder), *FORMATS[fmt])
+    base = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
+    merged = make_adapter(base, tmp_path / "qlora", seed=7)
+    rows = prompts(7)
+    jobs = [(name, ids) for ids in rows for name in (None, "qlora")]
+    expected = [reference(merged if name else base, ids) for name, ids in jobs]
+    assert expected[0] != expected[1], "the adapter changes nothing"
+    engine = lora_engine(folder, [LoraSpec("qlora", str(tmp_path / "qlora"))], max_loras=1)
+    try:
+        got = run_mixed(engine, jobs)
+        layers = packed_linear.layers(engine.engine.runner.model)
+        assert layers and all(layer.packed is not None for layer in layers), "not served from packed blocks"
+    finally:
+        engine.close()
+    for (name, ids), tokens, want in zip(jobs, got, expected):
+        assert tokens == want, f"adapter {name}, prompt of {len(ids)} tokens"

@@ -11,11 +11,18 @@ from pathlib import Path
 
 import torch
 
+from engine.cpu.packed_linear import PackedLinear, SideBySide
 from engine.sources import store
 
 
 class AdapterError(ValueError):
     """An adapter that cannot be served; the message names it and what is wrong."""
+
+
+def adaptable(module: torch.nn.Module) -> bool:
+    """A linear layer an adapter can target: torch.nn.Linear, or a quantized checkpoint's packed layer (alone or
+    several side by side), whose products keep their own forwards (QLoRA's base model is one)."""
+    return isinstance(module, (torch.nn.Linear, PackedLinear, SideBySide))
 
 
 @dataclass(frozen=True)
@@ -157,7 +164,7 @@ def _build(spec: LoraSpec, config: dict, tensors: dict[str, torch.Tensor], base:
         if set(pair) != {"lora_A", "lora_B"}:
             raise AdapterError(f"layer {module_name} has {' and '.join(pair)} but not both LoRA matrices")
         target = modules.get(module_name)
-        if not isinstance(target, torch.nn.Linear):
+        if not adaptable(target):
             raise AdapterError(f"targets {module_name}, which the base model has no linear layer for (an adapter "
                                f"of another base model?)")
         a, b = pair["lora_A"].float(), pair["lora_B"].float()

@@ -28,7 +28,8 @@ from typing import Iterator
 import torch
 
 from engine.cpu import native_kernels
-from engine.lora.adapters import LoraAdapter
+from engine.cpu.packed_linear import SideBySide
+from engine.lora.adapters import LoraAdapter, adaptable
 
 _KERNEL_TYPES = (torch.float32, torch.bfloat16)  # the layer types the native kernel computes the term for
 
@@ -93,7 +94,8 @@ class LoraLinear:
     A is stacked over them (one product for all), B is kept per projection (a fused layer's B would otherwise be
     mostly zeros: each projection's rank only feeds its own outputs)."""
 
-    def __init__(self, module: torch.nn.Linear, sizes: list[int], max_loras: int, max_rank: int):
+    def __init__(self, module: torch.nn.Module, sizes: list[int], max_loras: int, max_rank: int,
+                 model_dtype: torch.dtype = torch.float32):
         self.base = module.forward
         self.in_features, self.out_features = module.in_features, module.out_features
         self.sizes = sizes
@@ -102,9 +104,11 @@ class LoraLinear:
         self.max_loras = max_loras
         self.max_rank = max_rank
         weight = getattr(module, "weight", None)
-        self.dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
+        # Packed layers (no weight) compute in the model's type: their kernel returns the rows' dtype.
+        self.dtype = weight.dtype if weight is not None and weight.is_floating_point() else model_dtype
         self.device = weight.device if weight is not None else torch.device("cpu")
-        coarse = getattr(module, "weight_blocks", None) is not None  # engine/cpu/quantized_weights.py
+        # Integer-activation products: GGUF blocks (engine/cpu/quantized_weights.py) and packed checkpoints.
+        coarse = getattr(module, "weight_blocks", None) is not None or weight is None
         self.store = (torch.bfloat16 if coarse and self.dtype == torch.float32 and self.device.type == "cpu"
                       and native_kernels.active() is not None else self.dtype)
         # Allocated when an adapter first targets the layer: A [slots x width, in], rows slot-major then
@@ -186,23 +190,33 @@ class AdaptedLayers:
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int):
         self.targets: dict[str, tuple[LoraLinear, int]] = {}
         self.wrappers: list[LoraLinear] = []
-        modules = dict(model.named_modules())
+        # Every name of every module: a packed part also holds its fused layer (`whole`), which is wrapped under
+        # the fused layer's own name only.
+        modules = dict(model.named_modules(remove_duplicate=False))
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        side_by_side = {id(part) for m in modules.values() if isinstance(m, SideBySide) for part in m.parts}
+        wholes = {id(m.whole) for m in modules.values() if getattr(m, "whole", None) is not None}
+        wrapped: set[int] = set()
         for name, module in modules.items():
-            if not isinstance(module, torch.nn.Linear) or module is head:
+            if not adaptable(module) or module is head or id(module) in wrapped:
                 continue
-            if getattr(module, "fused_into", False):
-                continue  # computed by its fused layer, wrapped below
+            if getattr(module, "fused_into", False) or getattr(module, "whole", None) is not None \
+                    or id(module) in side_by_side:
+                continue  # computed by its fused layer (or packed parts' one product), wrapped below
             parent_name, _, attr = name.rpartition(".")
             parts = _FUSED.get(attr)
+            if id(module) in wholes and parts is None:
+                continue
+            wrapped.add(id(module))
             if parts is not None:
                 parent = modules[parent_name]
                 wrapper = LoraLinear(module, [getattr(parent, part).out_features for part in parts], max_loras,
-                                     max_rank)
+                                     max_rank, model_dtype)
                 for index, part in enumerate(parts):
                     self.targets[f"{parent_name}.{part}"] = (wrapper, index)
             else:
-                wrapper = LoraLinear(module, [module.out_features], max_loras, max_rank)
+                wrapper = LoraLinear(module, [module.out_features], max_loras, max_rank, model_dtype)
                 self.targets[name] = (wrapper, 0)
             self.wrappers.append(wrapper)
 
