@@ -672,11 +672,12 @@ def test_bitsandbytes_codes_multiply_within_their_table_at_every_row_count(table
             assert ((y - x.bfloat16().double() @ weight.T).abs() <= bound + 2 ** -8 * y.abs()).all(), rows
 
 
-@pytest.mark.parametrize("half", [True, False])
-def test_five_bit_blocks_multiply_exactly_at_every_row_count(half):
+@pytest.mark.parametrize("form", ["centred", "half", "float32"])
+def test_five_bit_blocks_multiply_exactly_at_every_row_count(form):
     """GGUF Q5 types' form (q 0..31: nibbles and a word of fifth bits per pair of inputs) with half-precision
-    headers (format 8) or float32 ones (9): every tile shape gives x W^T within the 16-bit activations' rounding,
-    each fifth bit counted where its weight is."""
+    headers (format 8), float32 ones (9), or, where every minimum is -16 scales (Q5_0), the scale alone (20):
+    every tile shape gives x W^T within the 16-bit activations' rounding, each fifth bit counted where its
+    weight is."""
     native_kernels.load("auto")
     kernels = native_kernels.active()
     if kernels is None or not kernels.word_blocks_supported():
@@ -684,16 +685,18 @@ def test_five_bit_blocks_multiply_exactly_at_every_row_count(half):
     torch.manual_seed(4)
     q = torch.randint(0, 32, (48, 96), dtype=torch.int8)
     scale = torch.rand(48, 3) * 0.1
-    minimum = -16 * scale
-    if half:
-        scale, minimum = scale.half().float(), minimum.half().float()
+    minimum = (-16 if form == "centred" else -15) * scale
+    if form != "float32":
+        scale = scale.half().float()
+        minimum = (-16 * scale) if form == "centred" else minimum.half().float()
     else:
         minimum += 1e-3  # not a half-precision value
     layer = packed_linear.PackedLinear(q, scale, minimum, 5)
     weight = (q.double().view(48, -1, 32) * scale.double()[..., None] + minimum.double()[..., None]).view(48, 96)
     assert packed_linear.apply(torch.nn.Sequential(layer), kernels) == 1
-    assert layer.block_format == (8 if half else 9)
-    assert layer.packed.numel() == 48 * 96 * (5 / 8) + 48 * 3 * (4 if half else 8)  # 5 bits a weight + headers
+    assert layer.block_format == {"centred": 20, "half": 8, "float32": 9}[form]
+    header = {"centred": 2, "half": 4, "float32": 8}[form]  # bytes per output and block of 32
+    assert layer.packed.numel() == 48 * 96 * (5 / 8) + 48 * 3 * header  # 5 bits a weight + headers
     for rows in range(1, 41):
         x = torch.randn(rows, 96)
         bound = 1e-4 * (x.double().abs() @ weight.abs().T) + 1e-6
@@ -775,10 +778,10 @@ def test_a_bfloat16_row_only_goes_to_the_integer_activation_formats():
 
 
 @pytest.mark.parametrize("bits,half", [(4, True), (4, False), (5, True), (5, False), (8, True), (8, False),
-                                       ("per16", False)])
+                                       ("per16", False), (4, "centred"), (5, "centred")])
 def test_eight_bit_activations_stay_within_their_rounding_at_every_row_count(bits, half):
-    """Formats 10-16 (4-, 5- and 8-bit blocks, half or float32 headers, Q6_K's scale per 16, for 8-bit
-    activations): every tile shape of rows gives x W^T within half an activation step (1/254 of each block's
+    """Formats 10-16, 21 and 22 (4-, 5- and 8-bit blocks, half or float32 headers, Q6_K's scale per 16, 4- and
+    5-bit centred blocks whose minimum the kernel derives, for 8-bit activations): every tile shape of rows gives x W^T within half an activation step (1/254 of each block's
     largest input) times the block's |d q|, float32 and bfloat16 rows; a row's result does not depend on the rows
     beside it."""
     kernels = _word_kernels()
@@ -787,8 +790,11 @@ def test_eight_bit_activations_stay_within_their_rounding_at_every_row_count(bit
     lo, hi = {4: (0, 16), 5: (0, 32), 8: (-128, 128), "per16": (-32, 32)}[bits]
     q = torch.randint(lo, hi, (48, 96), dtype=torch.int8)
     scale = torch.rand(48, 96 // group) * 0.1
-    minimum = -8 * scale if bits in (4, 5) else torch.zeros_like(scale) if half or bits == "per16" else scale / 3
-    if half:
+    minimum = -7 * scale if bits in (4, 5) else torch.zeros_like(scale) if half or bits == "per16" else scale / 3
+    if half == "centred":
+        scale = scale.half().float()
+        minimum = -(2 ** (bits - 1)) * scale
+    elif half:
         scale, minimum = scale.half().float(), minimum.half().float()
     elif bits in (4, 5):
         minimum += 1e-3
@@ -798,7 +804,7 @@ def test_eight_bit_activations_stay_within_their_rounding_at_every_row_count(bit
     assert packed_linear.apply(torch.nn.Sequential(layer), kernels, activation_bits=8) == 1
     assert packed_linear.apply(torch.nn.Sequential(words), kernels) == 1
     assert layer.block_format == {(4, True): 10, (4, False): 11, (5, True): 12, (5, False): 13, (8, True): 14,
-                                  (8, False): 15, ("per16", False): 16}[bits, half]
+                                  (8, False): 15, ("per16", False): 16, (4, "centred"): 21, (5, "centred"): 22}[bits, half]
     assert layer.packed.numel() == words.packed.numel()  # the same bytes, arranged by quads
     dq = (q.double().view(48, -1, group) * scale.double()[..., None])  # d q per scale's group
     weight = (dq + minimum.double()[..., None]).view(48, 96)
@@ -841,7 +847,7 @@ def test_parts_in_every_format_share_one_product_with_8_bit_activations():
 
 def test_every_integer_activation_format_is_known_to_round_activations():
     """Start-up checks allow for 16-bit activations' rounding where a model has such layers: Q6_K's scale-per-16
-    form and the Q5 types' 5-bit forms (formats 7-9) too, so a file of only those keeps its checks' tolerance."""
+    form and the Q5 types' 5-bit forms (formats 7-9, 20) too, so a file of only those keeps its checks' tolerance."""
     from engine.cpu import quantized_weights
 
     native_kernels.load("auto")
@@ -849,7 +855,8 @@ def test_every_integer_activation_format_is_known_to_round_activations():
     if kernels is None or not kernels.word_blocks_supported():
         pytest.skip("no packed product on this CPU")
     forms = {7: (torch.randint(-32, 32, (16, 64), dtype=torch.int8), torch.rand(16, 4), torch.zeros(16, 4), 8),
-             8: (torch.randint(0, 32, (16, 64), dtype=torch.int8), torch.ones(16, 2), -16 * torch.ones(16, 2), 5),
+             8: (torch.randint(0, 32, (16, 64), dtype=torch.int8), torch.ones(16, 2), -15 * torch.ones(16, 2), 5),
+             20: (torch.randint(0, 32, (16, 64), dtype=torch.int8), torch.ones(16, 2), -16 * torch.ones(16, 2), 5),
              9: (torch.randint(0, 32, (16, 64), dtype=torch.int8), torch.rand(16, 2), torch.rand(16, 2), 5)}
     for block_format, (q, scale, minimum, bits) in forms.items():
         model = torch.nn.Sequential(packed_linear.PackedLinear(q, scale, minimum, bits))

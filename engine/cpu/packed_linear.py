@@ -29,7 +29,8 @@ BLOCK = 32  # inputs per scale: the kernel's block
 PANEL = 16  # outputs per panel of the kernel's layout
 _BITS = (4, 5, 8)  # the widths the kernel's formats hold (quantized_linear.cpp chooses the format at packing)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the kernel reads and writes as they are
-QUAD_FORMATS = tuple(range(10, 17))  # blocks multiplied from 8-bit integer activations (quantized_linear.cpp)
+# blocks multiplied from 8-bit integer activations (quantized_linear.cpp)
+QUAD_FORMATS = (*range(10, 17), 21, 22)
 ACTIVATIONS = {"int16": 16, "int8": 8}  # QUANTIZED_ACTIVATIONS
 # bitsandbytes' 4-bit tables (w = absmax * value[q]) and the integer levels that stand for 1 in the kernel's
 # 16-bit codes of them (quantized_linear.cpp's kNf4Codes / kFp4Codes, formats 17 and 18): FP4's values are
@@ -198,6 +199,13 @@ def _half_exact(layer: PackedLinear) -> bool:
     return exact(layer.scale) and exact(layer.minimum)
 
 
+def _centered(layer: PackedLinear) -> bool:
+    """Whether every minimum of a 4- or 5-bit layer with half-precision headers is -8 or -16 times its scale
+    (GPTQ's symmetric int4, GGUF Q4_0 and Q5_0): the kernel then derives it and keeps d alone, half a bit a weight
+    less."""
+    return layer.bits in (4, 5) and torch.equal(layer.minimum, layer.scale * -(2 ** (layer.bits - 1)))
+
+
 def _agrees(layer: PackedLinear, weight: torch.Tensor, minimum: torch.Tensor) -> bool:
     """The packed product against the dequantized weights on random rows: each output within the 16-bit
     activations' rounding (2^-15 of each block's largest input, relative 1e-4 with float32's sums) of the sum
@@ -236,8 +244,10 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
         if usable and layer.codes:  # bitsandbytes' 4-bit tables take 16-bit activations at any setting
             layer.block_format, layer.packed = kernels.pack_coded(layer.q, layer.scale, layer.codes)
         elif usable:
+            half = _half_exact(layer)
             layer.block_format, layer.packed = kernels.pack_scaled(layer.q, layer.scale, layer.minimum, layer.bits,
-                                                                   _half_exact(layer), activation_bits == 8)
+                                                                   half, activation_bits == 8,
+                                                                   half and _centered(layer))
         if usable:
             layer.kernels = kernels
             if not _agrees(layer, weight, layer.minimum):

@@ -569,7 +569,7 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
                                const std::vector<int64_t>& formats, const std::vector<int64_t>& outs,
                                const c10::optional<at::Tensor>& bias);
 std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
-                                            int64_t bits, bool half, bool quads);
+                                            int64_t bits, bool half, bool quads, bool centered);
 std::tuple<int64_t, at::Tensor> pack_coded(const at::Tensor& q, const at::Tensor& scale, const std::string& table);
 // engine/native/prefill_attention.cpp
 bool prefill_attention_supported();
@@ -605,7 +605,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none());
   m.def("pack_scaled", &pack_scaled, "(format, blocks): a quantized checkpoint's w = scale * q + minimum per 32 inputs",
         py::arg("q"), py::arg("scale"), py::arg("minimum"), py::arg("bits"), py::arg("half") = false,
-        py::arg("quads") = false);
+        py::arg("quads") = false, py::arg("centered") = false);
   m.def("pack_coded", &pack_coded, "(format, blocks): 4-bit codes of bitsandbytes' nf4 or fp4 table times a scale "
         "per 32 inputs", py::arg("q"), py::arg("scale"), py::arg("table"));
   m.def("bf16_linear_supported", &bf16_linear_supported, "whether this build and CPU have the AVX512_BF16 product");

@@ -63,9 +63,16 @@ enum Format : int64_t {
   // 4-bit codes that index a table of 16 values (bitsandbytes' NF4 and FP4: w = absmax * table[q]): the nibbles
   // as format 5 holds them, a float32 scale per output and block (no minimum), and the table as 16-bit integers
   // (kCodes) that a VPERMW puts in place of the widened nibbles.
-  kNf4Words = 17, kFp4Words = 18
+  kNf4Words = 17, kFp4Words = 18,
+  // 4- and 5-bit q centred on 8 or 16 (GPTQ's symmetric int4, GGUF Q4_0 and Q5_0: w = d * (q - 8) or d * (q - 16))
+  // with d alone in half precision: the minimum -8 d or -16 d is taken from it, so a weight is 4.5 or 5.5 bits,
+  // as the file holds it, not 5 or 6. Formats 3 and 8 otherwise, and 21 and 22 their quads.
+  kQ4Centered = 19, kQ5Centered = 20, kQ4CenteredQuads = 21, kQ5CenteredQuads = 22
 };
-constexpr bool quad_format(int64_t f) { return f >= kQ4_1Quads && f <= kQ8HalvesQuads; }
+constexpr bool quad_format(int64_t f) {
+  return (f >= kQ4_1Quads && f <= kQ8HalvesQuads) || f == kQ4CenteredQuads || f == kQ5CenteredQuads;
+}
+constexpr bool centered(int64_t f) { return f == kQ4Centered || f == kQ5Centered; }
 constexpr bool coded(int64_t f) { return f == kNf4Words || f == kFp4Words; }
 // The integer each code multiplies by, and the levels that stand for 1 (the scale is absmax / levels). FP4's
 // values are multiples of 1/192, so its table is exact. NF4's are normal quantiles: rounded to 1/2047 (at most
@@ -83,7 +90,8 @@ constexpr const CodeTable& code_table(int64_t f) { return f == kNf4Words ? kNf4C
 constexpr Format word_base(int64_t f) {
   return f == kQ4_1Quads ? kQ4_1Words : f == kQ4ScaledQuads ? kQ4Scaled : f == kQ5WordsQuads ? kQ5Words
          : f == kQ5ScaledQuads ? kQ5Scaled : f == kQ8_0Quads ? kQ8_0Words : f == kQ8ScaledQuads ? kQ8Scaled
-         : f == kQ8HalvesQuads ? kQ8Halves : static_cast<Format>(f);
+         : f == kQ8HalvesQuads ? kQ8Halves : f == kQ4CenteredQuads ? kQ4Centered
+         : f == kQ5CenteredQuads ? kQ5Centered : static_cast<Format>(f);
 }
 
 // One part of a product (a layer, or one of the layers whose outputs a fused projection puts side by side): its
@@ -94,8 +102,8 @@ struct Part {
   int64_t n, col;
 };
 
-constexpr bool four_bit(Format f) { return f == kQ4_1 || f == kQ4Scaled || coded(f); }
-constexpr bool five_bit(Format f) { return f == kQ5Words || f == kQ5Scaled; }
+constexpr bool four_bit(Format f) { return f == kQ4_1 || f == kQ4Scaled || coded(f) || f == kQ4Centered; }
+constexpr bool five_bit(Format f) { return f == kQ5Words || f == kQ5Scaled || f == kQ5Centered; }
 constexpr bool float_header(Format f) { return f == kQ4Scaled || f == kQ8Scaled || f == kQ8Halves || f == kQ5Scaled; }
 constexpr bool has_minimum(Format f) { return f != kQ8_0 && f != kQ8Halves && !coded(f); }
 constexpr int64_t header_bytes(Format f) { return (f == kQ4_1 ? 2 : 1) * kPanel * 4; }
@@ -105,7 +113,7 @@ constexpr int64_t input_bytes(Format f) {
 constexpr int64_t block_bytes(Format f) { return header_bytes(f) + kBlock * input_bytes(f); }
 // Formats 3 and 4 keep d (and m) in half precision, as the GGUF file does: 5 bits a Q4_1 weight, not 6.
 constexpr int64_t word_header_bytes(Format f) {
-  return coded(f) ? kPanel * 4 : float_header(f) ? 2 * kPanel * 4 : (f == kQ4_1 || f == kQ5Words ? 2 : 1) * kPanel * 2;
+  return coded(f) ? kPanel * 4 : centered(f) ? kPanel * 2 : float_header(f) ? 2 * kPanel * 4 : (f == kQ4_1 || f == kQ5Words ? 2 : 1) * kPanel * 2;
 }
 constexpr int64_t word_block_bytes(Format f) { return word_header_bytes(f) + kBlock * input_bytes(f); }
 constexpr int64_t layout_block_bytes(Format f, bool words) { return words ? word_block_bytes(f) : block_bytes(f); }
@@ -473,6 +481,9 @@ inline void block_scales(const uint8_t* header, __m512& d, __m512& m) {
   } else if constexpr (float_header(F)) {
     d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
     m = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
+  } else if constexpr (centered(F)) {
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
+    m = _mm512_mul_ps(d, _mm512_set1_ps(F == kQ4Centered ? -8.f : -16.f));
   } else {
     d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
     if constexpr (has_minimum(F)) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
@@ -757,6 +768,10 @@ PairFn pair_fn(Format f) {
     case kQ8Halves: return &pair_by_tiles<kQ8Halves>;
     case kQ5Words: return &pair_by_tiles<kQ5Words>;
     case kNf4Words: return &pair_by_tiles<kNf4Words>;
+    case kQ4Centered: return &pair_by_tiles<kQ4Centered>;
+    case kQ5Centered: return &pair_by_tiles<kQ5Centered>;
+    case kQ4CenteredQuads: return &pair_by_quads<kQ4Centered>;
+    case kQ5CenteredQuads: return &pair_by_quads<kQ5Centered>;
     case kFp4Words: return &pair_by_tiles<kFp4Words>;
     default: return &pair_by_tiles<kQ5Scaled>;
   }
@@ -865,6 +880,8 @@ int64_t packed_block_bytes(int64_t format) {
     case kQ5Words: return word_block_bytes(kQ5Words);
     case kQ5Scaled: return word_block_bytes(kQ5Scaled);
     case kNf4Words: return word_block_bytes(kNf4Words);
+    case kQ4Centered: return word_block_bytes(kQ4Centered);
+    case kQ5Centered: return word_block_bytes(kQ5Centered);
     case kFp4Words: return word_block_bytes(kFp4Words);
     default: return word_block_bytes(kQ8Scaled);
   }
@@ -939,9 +956,10 @@ std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words
 // found every scale and minimum exact in half precision, and for 8 bits every minimum zero) the blocks are
 // formats 3 and 4 instead: the same product with half-precision headers, a bit less per weight. A scale per 16
 // inputs ([out, in / 16], 8 bits, every minimum zero: GGUF Q6_K) gives format 7. With `quads` the weights take
-// the arrangement for 8-bit activations (formats 10-16).
+// the arrangement for 8-bit activations (formats 10-16). With `centered` as well as `half` (4- or 5-bit q whose
+// every minimum is -8 or -16 times its scale) the header holds d alone (formats 19-22).
 std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
-                                            int64_t bits, bool half, bool quads) {
+                                            int64_t bits, bool half, bool quads, bool centered) {
   TORCH_CHECK(word_blocks_supported(), "pack_scaled: this build has no product for 16-bit activations (it needs "
               "AVX512_VNNI)");
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "pack_scaled: bits must be 4, 5 or 8");
@@ -962,13 +980,18 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
     TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() <= 31, "pack_scaled: 5-bit q must be in 0..31");
   TORCH_CHECK(!per_16 || (bits == 8 && !half && !mc.any().item<bool>()), "pack_scaled: a scale per 16 inputs needs "
               "8-bit q, float32 headers and zero minimums");
+  TORCH_CHECK(!centered || (half && !per_16 && bits != 8 &&
+                             mc.equal(sc * static_cast<float>(-(1 << (bits - 1))))),
+              "pack_scaled: centred blocks need 4- or 5-bit q, half-precision scales and minimums of -8 or -16 scales");
   const Format f = per_16 ? (quads ? kQ8HalvesQuads : kQ8Halves)
+                  : centered ? (bits == 5 ? (quads ? kQ5CenteredQuads : kQ5Centered)
+                                          : (quads ? kQ4CenteredQuads : kQ4Centered))
                   : bits == 5 ? (half ? (quads ? kQ5WordsQuads : kQ5Words) : (quads ? kQ5ScaledQuads : kQ5Scaled))
                   : bits == 8 ? (half ? (quads ? kQ8_0Quads : kQ8_0Words) : (quads ? kQ8ScaledQuads : kQ8Scaled))
                   : half ? (quads ? kQ4_1Quads : kQ4_1Words) : (quads ? kQ4ScaledQuads : kQ4Scaled);
   const int64_t block = packed_block_bytes(f), panels = n / kPanel, panel_bytes = blocks * block;
   const int64_t header_size =
-      half ? word_header_bytes(bits == 4 ? kQ4_1 : bits == 5 ? kQ5Words : kQ8_0) : 2 * kPanel * 4;
+      centered ? word_header_bytes(kQ4Centered) : half ? word_header_bytes(bits == 4 ? kQ4_1 : bits == 5 ? kQ5Words : kQ8_0) : 2 * kPanel * 4;
   auto packed = at::empty({panels, panel_bytes}, at::kByte);
   uint8_t* out = packed.data_ptr<uint8_t>();
   const int8_t* qs = qc.data_ptr<int8_t>();
@@ -1074,7 +1097,7 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
   std::vector<Part> parts;
   for (size_t i = 0; i < packed.size(); ++i) {
     const int64_t format = formats[i], out_features = outs[i];
-    TORCH_CHECK(format >= kQ4_1 && format <= kFp4Words, "blocks_linear: unknown format");
+    TORCH_CHECK(format >= kQ4_1 && format <= kQ5CenteredQuads, "blocks_linear: unknown format");
     TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 "
                 "to 16 (it needs AVX512_VNNI)");
     TORCH_CHECK((format >= kQ4_1Words) == words && (words || packed.size() == 1), "blocks_linear: formats 1 and 2 "
