@@ -617,12 +617,46 @@ def test_gguf_blocks_read_as_ggufs_own_dequantization(kind):
             raw[:, 0:4] = rng.random((48, 2)).astype(np.float16).view(np.uint8)
     else:
         raw = quants.quantize(rng.standard_normal((48, 256)).astype(np.float32), qtype)
-    q, d, m, bits = gguf_blocks(kind, raw)
+    q, d, m, bits, supers = gguf_blocks(kind, raw)
+    if kind in ("Q4_K", "Q5_K"):  # the two-level scales the kernel keeps give the same d and m
+        big_d, s, big_m, t = supers
+        assert torch.equal(big_d.repeat_interleave(8, 1) * s.float(), d)
+        assert torch.equal(-(big_m.repeat_interleave(8, 1) * t.float()), m)
+    else:
+        assert supers is None
     group = 16 if kind == "Q6_K" else 32  # inputs a scale
     assert d.shape == m.shape == (48, 256 // group)
     weight = (q.float().view(48, -1, group) * d[..., None] + m[..., None]).view(48, -1)
     assert torch.equal(weight, torch.from_numpy(quants.dequantize(raw, qtype)))
     assert bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 5 if kind.startswith("Q5") else 8)
+
+
+@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("activation_bits", [16, 8])
+def test_k_quant_two_level_scales_multiply_within_their_rounding_at_every_row_count(bits, activation_bits):
+    """GGUF Q4_K / Q5_K blocks packed with their two-level scales (formats 23-26: per block 6-bit s and t, per
+    super-block of 256 inputs half-precision D and M, 4.625 / 5.625 bits a weight): every tile shape of rows gives
+    x W^T, W = D s q - M t, within the activations' rounding (16-bit: 1e-4 of sum |x| |w|; 8-bit: half a step
+    times the block's |d q| as well)."""
+    kernels = _word_kernels()
+    torch.manual_seed(11)
+    n, k = 48, 512
+    q = torch.randint(0, 2 ** bits, (n, k), dtype=torch.int8)
+    big_d, big_m = (torch.rand(n, k // 256) * 0.01).half().float(), (torch.rand(n, k // 256) * 0.01).half().float()
+    s, t = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8), torch.randint(0, 64, (n, k // 32), dtype=torch.uint8)
+    d, m = big_d.repeat_interleave(8, 1) * s.float(), -(big_m.repeat_interleave(8, 1) * t.float())
+    layer = packed_linear.PackedLinear(q, d, m, bits, supers=(big_d, s, big_m, t))
+    assert packed_linear.apply(torch.nn.Sequential(layer), kernels, activation_bits=activation_bits) == 1
+    assert layer.block_format == {(4, 16): 23, (5, 16): 24, (4, 8): 25, (5, 8): 26}[bits, activation_bits]
+    assert layer.packed.numel() * 8 / (n * k) == bits + 0.625
+    dq = q.double().view(n, -1, 32) * d.double()[..., None]
+    weight = (dq + m.double()[..., None]).view(n, k)
+    for rows in range(1, 41):
+        x = torch.randn(rows, k)
+        bound = 1e-4 * (x.double().abs() @ weight.abs().T) + 1e-6
+        if activation_bits == 8:
+            bound = bound + (x.double().abs().view(rows, -1, 32).amax(-1) / 254) @ dq.abs().sum(-1).T
+        assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
 
 
 def test_a_scale_per_16_inputs_multiplies_exactly_at_every_row_count():

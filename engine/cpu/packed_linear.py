@@ -30,7 +30,8 @@ PANEL = 16  # outputs per panel of the kernel's layout
 _BITS = (4, 5, 8)  # the widths the kernel's formats hold (quantized_linear.cpp chooses the format at packing)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the kernel reads and writes as they are
 # blocks multiplied from 8-bit integer activations (quantized_linear.cpp)
-QUAD_FORMATS = (*range(10, 17), 21, 22)
+QUAD_FORMATS = (*range(10, 17), 21, 22, 25, 26)
+SUPER = 256  # inputs of a GGUF K-quant super-block, whose D and M scale its blocks' 6-bit s and t
 ACTIVATIONS = {"int16": 16, "int8": 8}  # QUANTIZED_ACTIVATIONS
 # bitsandbytes' 4-bit tables (w = absmax * value[q]) and the integer levels that stand for 1 in the kernel's
 # 16-bit codes of them (quantized_linear.cpp's kNf4Codes / kFp4Codes, formats 17 and 18): FP4's values are
@@ -56,12 +57,14 @@ class PackedLinear(torch.nn.Module):
     [out, in] (0..15 for 4 bits, 0..31 for 5), scale and minimum float32 [out, in / 32] (or, 8-bit with zero
     minimums, both [out, in / 16]: a scale per 16 inputs), over the inputs gathered by `order` (None: their own
     order). With `codes` ("nf4", "fp4": bitsandbytes' 4-bit tables) q is a code and w = scale * table[q]
-    (minimums zero). Not a torch.nn.Linear, so that no rewrite made for dense weights (fusion's concatenation, layouts, GGUF
+    (minimums zero). With `supers` (D, s, M, t: GGUF Q4_K / Q5_K's two-level scales, D and M float32 [out, in /
+    256], s and t uint8 [out, in / 32]) scale = D s and minimum = -M t, and the kernel keeps the factors. Not a
+    torch.nn.Linear, so that no rewrite made for dense weights (fusion's concatenation, layouts, GGUF
     block recovery) touches it."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
                  bias: torch.Tensor | None = None, order: torch.Tensor | None = None, source: str = "",
-                 codes: str | None = None):
+                 codes: str | None = None, supers: tuple | None = None):
         super().__init__()
         self.out_features, self.in_features = q.shape
         if bits not in _BITS:
@@ -69,12 +72,13 @@ class PackedLinear(torch.nn.Module):
         if self.in_features % BLOCK or self.out_features % PANEL:
             raise ValueError(f"a {self.out_features}x{self.in_features} weight does not divide into the kernel's "
                              f"blocks of {PANEL} outputs by {BLOCK} inputs")
-        self.bits, self.source, self.codes = bits, source, codes
+        self.bits, self.source, self.codes, self.supers = bits, source, codes, supers
         self.group = self.in_features // scale.shape[1]  # inputs a scale: 32, or 16 (GGUF Q6_K)
         if scale.shape != minimum.shape or self.group not in (BLOCK, BLOCK // 2) or (
                 self.group != BLOCK and (bits != 8 or bool(minimum.any()))) or (
                 codes is not None and (codes not in CODE_TABLES or bits != 4 or self.group != BLOCK
-                                       or bool(minimum.any()))):
+                                       or bool(minimum.any()))) or (
+                supers is not None and (bits not in (4, 5) or self.group != BLOCK or self.in_features % SUPER)):
             raise ValueError(f"scales of {tuple(scale.shape)} and minimums of {tuple(minimum.shape)} for a "
                              f"{self.out_features}x{self.in_features} {bits}-bit weight have no packed product")
         self.q, self.scale, self.minimum = q, scale.float().contiguous(), minimum.float().contiguous()
@@ -89,7 +93,7 @@ class PackedLinear(torch.nn.Module):
     def become_part_of(self, whole: "PackedLinear", start: int) -> None:
         """Give up this layer's blocks: its outputs are columns start.. of `whole`'s (fused q/k/v, gate/up)."""
         self.whole, self.start = whole, start
-        self.q = self.scale = self.minimum = self.bias = None
+        self.q = self.scale = self.minimum = self.bias = self.supers = None
 
     def weight_float(self) -> torch.Tensor:
         """The dequantized weights [out, in] in float32, columns in the layer's order (`order`)."""
@@ -136,13 +140,16 @@ class PackedLinear(torch.nn.Module):
             return None
         if not all(isinstance(p, cls) for p in parts) or any(
                 p.bits != first.bits or p.group != first.group or p.codes != first.codes
+                or (p.supers is None) != (first.supers is None)
                 or (p.bias is None) != (first.bias is None)
                 or (p.order is None) != (first.order is None)
                 or (p.order is not None and not torch.equal(p.order, first.order)) for p in parts):
             return SideBySide(parts)
         bias = None if first.bias is None else torch.cat([p.bias for p in parts])
+        supers = None if first.supers is None else tuple(torch.cat(f) for f in zip(*(p.supers for p in parts)))
         return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                   torch.cat([p.minimum for p in parts]), first.bits, bias, first.order, first.source, first.codes)
+                   torch.cat([p.minimum for p in parts]), first.bits, bias, first.order, first.source, first.codes,
+                   supers)
 
 
 class SideBySide(torch.nn.Module):
@@ -243,6 +250,9 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
         weight = layer.weight_float()
         if usable and layer.codes:  # bitsandbytes' 4-bit tables take 16-bit activations at any setting
             layer.block_format, layer.packed = kernels.pack_coded(layer.q, layer.scale, layer.codes)
+        elif usable and layer.supers is not None:
+            layer.block_format, layer.packed = kernels.pack_super(layer.q, *layer.supers, layer.bits,
+                                                                  activation_bits == 8)
         elif usable:
             half = _half_exact(layer)
             layer.block_format, layer.packed = kernels.pack_scaled(layer.q, layer.scale, layer.minimum, layer.bits,
@@ -257,7 +267,7 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
         else:
             layer.dense = weight
             dense_bytes += weight.numel() * 4
-        layer.q = layer.scale = layer.minimum = None  # the packed blocks (or the float32 copy) replace them
+        layer.q = layer.scale = layer.minimum = layer.supers = None  # the packed blocks (or float32) replace them
     for module in model.modules():
         if isinstance(module, SideBySide):
             module.share_product()

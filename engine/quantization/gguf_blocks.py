@@ -40,13 +40,15 @@ def _k_scales(s):
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def gguf_blocks(kind: str, raw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def gguf_blocks(kind: str, raw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, tuple | None]:
     """A GGUF tensor's raw rows (uint8 [rows, bytes]) of a type in GGUF_BLOCK_TYPES -> (q int8 [rows, in],
-    d [rows, in / 32], m [rows, in / 32], bits): w = d * q + m, as ggml's dequantization computes it. Q6_K gives
-    d and m [rows, in / 16] (m zero)."""
+    d [rows, in / 32], m [rows, in / 32], bits, supers): w = d * q + m, as ggml's dequantization computes it. Q6_K
+    gives d and m [rows, in / 16] (m zero). Q4_K and Q5_K give their two-level scales too, supers = (D, s, M, t):
+    d = D s and m = -M t, D and M float32 [rows, in / 256], s and t uint8 [rows, in / 32]; else None."""
     import numpy as np
 
     rows = raw.shape[0]
+    supers = None
     if kind in ("Q4_0", "Q4_1"):
         size = 18 if kind == "Q4_0" else 20
         b = raw.reshape(rows, -1, size)
@@ -76,8 +78,11 @@ def gguf_blocks(kind: str, raw) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         size = 144 if kind == "Q4_K" else 176
         b = raw.reshape(rows, -1, size)
         sc, mn = _k_scales(b[..., 4:16])
-        d = (_halves(b, 0)[..., None] * sc).reshape(rows, -1)
-        m = -(_halves(b, 2)[..., None] * mn).reshape(rows, -1)
+        big_d, big_m = _halves(b, 0)[..., None], _halves(b, 2)[..., None]  # [rows, super-blocks, 1]
+        d = (big_d * sc).reshape(rows, -1)
+        m = -(big_m * mn).reshape(rows, -1)
+        supers = tuple(torch.from_numpy(np.ascontiguousarray(v.reshape(rows, -1))) for v in (
+            big_d, sc.astype(np.uint8), big_m, mn.astype(np.uint8)))
         qs = b[..., size - 128:].reshape(rows, -1, 4, 32)  # pair i: sub-block 2i low nibbles, 2i + 1 high
         q = np.stack([qs & 0xF, qs >> 4], axis=3).reshape(rows, -1, 8, 32)
         if kind == "Q5_K":  # bit j of qh[l] is the fifth bit of sub-block j's weight l
@@ -100,7 +105,8 @@ def gguf_blocks(kind: str, raw) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     else:
         raise QuantizationError(f"GGUF type {kind} has no packed form here")
     q = torch.from_numpy(np.ascontiguousarray(q.reshape(rows, -1).astype(np.int8)))
-    return q, torch.from_numpy(d.reshape(rows, -1).copy()), torch.from_numpy(m.reshape(rows, -1).copy()), bits
+    return (q, torch.from_numpy(d.reshape(rows, -1).copy()), torch.from_numpy(m.reshape(rows, -1).copy()), bits,
+            supers)
 
 
 def _head_order(rows: int, heads: int) -> torch.Tensor:
@@ -138,13 +144,13 @@ def gguf_layers(model: torch.nn.Module, path: Path, types: tuple[str, ...]) -> i
             if tensor is not None:
                 kept[tensor.tensor_type.name] = kept.get(tensor.tensor_type.name, 0) + 1
             continue
-        q, d, m, bits = gguf_blocks(tensor.tensor_type.name, tensor.data)
+        q, d, m, bits, supers = gguf_blocks(tensor.tensor_type.name, tensor.data)
         dense = module.weight.detach().float()
         if q.shape != dense.shape or q.shape[0] % PANEL:  # (a vocabulary not a multiple of the kernel's panel)
             kept[tensor.tensor_type.name] = kept.get(tensor.tensor_type.name, 0) + 1
             continue
         layer = PackedLinear(q, d, m, bits, None if module.bias is None else module.bias.detach().float(), None,
-                             f"{name} (GGUF {tensor.tensor_type.name})")
+                             f"{name} (GGUF {tensor.tensor_type.name})", supers=supers)
         tolerance = 1e-6 if module.weight.dtype == torch.float32 else 2**-8
         weight = layer.weight_float()
         if not torch.allclose(weight, dense, rtol=tolerance, atol=1e-30):
@@ -156,7 +162,8 @@ def gguf_layers(model: torch.nn.Module, path: Path, types: tuple[str, ...]) -> i
                 log.warning("GGUF: %s's blocks do not give the weights transformers loaded; it keeps them", name)
                 continue
             layer = PackedLinear(q[order].contiguous(), d[order].contiguous(), m[order].contiguous(), bits,
-                                 layer.bias, None, layer.source)
+                                 layer.bias, None, layer.source,
+                                 supers=None if supers is None else tuple(f[order].contiguous() for f in supers))
         parent, child = _parent(model, name)
         setattr(parent, child, layer)
         if module is head and tied:

@@ -571,6 +571,8 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
 std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
                                             int64_t bits, bool half, bool quads, bool centered);
 std::tuple<int64_t, at::Tensor> pack_coded(const at::Tensor& q, const at::Tensor& scale, const std::string& table);
+std::tuple<int64_t, at::Tensor> pack_super(const at::Tensor& q, const at::Tensor& big_d, const at::Tensor& s,
+                                           const at::Tensor& big_m, const at::Tensor& t, int64_t bits, bool quads);
 // engine/native/prefill_attention.cpp
 bool prefill_attention_supported();
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -608,6 +610,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("quads") = false, py::arg("centered") = false);
   m.def("pack_coded", &pack_coded, "(format, blocks): 4-bit codes of bitsandbytes' nf4 or fp4 table times a scale "
         "per 32 inputs", py::arg("q"), py::arg("scale"), py::arg("table"));
+  m.def("pack_super", &pack_super, "(format, blocks): GGUF Q4_K / Q5_K blocks with their two-level scales "
+        "(w = D s q - M t)", py::arg("q"), py::arg("big_d"), py::arg("s"), py::arg("big_m"), py::arg("t"),
+        py::arg("bits"), py::arg("quads") = false);
   m.def("bf16_linear_supported", &bf16_linear_supported, "whether this build and CPU have the AVX512_BF16 product");
   m.def("bf16_peak_gflops", &bf16_peak_gflops, "VDPBF16PS's rate on every thread for about `seconds` (0: none)",
         py::arg("seconds") = 0.2);

@@ -67,11 +67,19 @@ enum Format : int64_t {
   // 4- and 5-bit q centred on 8 or 16 (GPTQ's symmetric int4, GGUF Q4_0 and Q5_0: w = d * (q - 8) or d * (q - 16))
   // with d alone in half precision: the minimum -8 d or -16 d is taken from it, so a weight is 4.5 or 5.5 bits,
   // as the file holds it, not 5 or 6. Formats 3 and 8 otherwise, and 21 and 22 their quads.
-  kQ4Centered = 19, kQ5Centered = 20, kQ4CenteredQuads = 21, kQ5CenteredQuads = 22
+  kQ4Centered = 19, kQ5Centered = 20, kQ4CenteredQuads = 21, kQ5CenteredQuads = 22,
+  // GGUF Q4_K / Q5_K's two-level scales: per block d = D s and m = -M t, s and t 6-bit integers (a byte each in
+  // the block's header), D and M half-precision per output and super-block of 256 inputs, kept after the panel's
+  // blocks (kSuperBytes per super-block). 4.625 and 5.625 bits a weight, as the file's 4.5 and 5.5, not 6 and 7.
+  kQ4Super = 23, kQ5Super = 24, kQ4SuperQuads = 25, kQ5SuperQuads = 26
 };
 constexpr bool quad_format(int64_t f) {
-  return (f >= kQ4_1Quads && f <= kQ8HalvesQuads) || f == kQ4CenteredQuads || f == kQ5CenteredQuads;
+  return (f >= kQ4_1Quads && f <= kQ8HalvesQuads) || f == kQ4CenteredQuads || f == kQ5CenteredQuads ||
+         f == kQ4SuperQuads || f == kQ5SuperQuads;
 }
+constexpr bool super_scaled(int64_t f) { return f == kQ4Super || f == kQ5Super; }
+constexpr int64_t kSuperBlocks = 8;  // blocks of 32 in a super-block of 256 inputs
+constexpr int64_t kSuperBytes = 16 * 2 * 2;  // a super-block's 16 outputs' D and M in half precision
 constexpr bool centered(int64_t f) { return f == kQ4Centered || f == kQ5Centered; }
 constexpr bool coded(int64_t f) { return f == kNf4Words || f == kFp4Words; }
 // The integer each code multiplies by, and the levels that stand for 1 (the scale is absmax / levels). FP4's
@@ -91,7 +99,8 @@ constexpr Format word_base(int64_t f) {
   return f == kQ4_1Quads ? kQ4_1Words : f == kQ4ScaledQuads ? kQ4Scaled : f == kQ5WordsQuads ? kQ5Words
          : f == kQ5ScaledQuads ? kQ5Scaled : f == kQ8_0Quads ? kQ8_0Words : f == kQ8ScaledQuads ? kQ8Scaled
          : f == kQ8HalvesQuads ? kQ8Halves : f == kQ4CenteredQuads ? kQ4Centered
-         : f == kQ5CenteredQuads ? kQ5Centered : static_cast<Format>(f);
+         : f == kQ5CenteredQuads ? kQ5Centered : f == kQ4SuperQuads ? kQ4Super
+         : f == kQ5SuperQuads ? kQ5Super : static_cast<Format>(f);
 }
 
 // One part of a product (a layer, or one of the layers whose outputs a fused projection puts side by side): its
@@ -102,8 +111,10 @@ struct Part {
   int64_t n, col;
 };
 
-constexpr bool four_bit(Format f) { return f == kQ4_1 || f == kQ4Scaled || coded(f) || f == kQ4Centered; }
-constexpr bool five_bit(Format f) { return f == kQ5Words || f == kQ5Scaled || f == kQ5Centered; }
+constexpr bool four_bit(Format f) {
+  return f == kQ4_1 || f == kQ4Scaled || coded(f) || f == kQ4Centered || f == kQ4Super;
+}
+constexpr bool five_bit(Format f) { return f == kQ5Words || f == kQ5Scaled || f == kQ5Centered || f == kQ5Super; }
 constexpr bool float_header(Format f) { return f == kQ4Scaled || f == kQ8Scaled || f == kQ8Halves || f == kQ5Scaled; }
 constexpr bool has_minimum(Format f) { return f != kQ8_0 && f != kQ8Halves && !coded(f); }
 constexpr int64_t header_bytes(Format f) { return (f == kQ4_1 ? 2 : 1) * kPanel * 4; }
@@ -113,9 +124,13 @@ constexpr int64_t input_bytes(Format f) {
 constexpr int64_t block_bytes(Format f) { return header_bytes(f) + kBlock * input_bytes(f); }
 // Formats 3 and 4 keep d (and m) in half precision, as the GGUF file does: 5 bits a Q4_1 weight, not 6.
 constexpr int64_t word_header_bytes(Format f) {
-  return coded(f) ? kPanel * 4 : centered(f) ? kPanel * 2 : float_header(f) ? 2 * kPanel * 4 : (f == kQ4_1 || f == kQ5Words ? 2 : 1) * kPanel * 2;
+  return coded(f) ? kPanel * 4 : centered(f) || super_scaled(f) ? kPanel * 2 : float_header(f) ? 2 * kPanel * 4 : (f == kQ4_1 || f == kQ5Words ? 2 : 1) * kPanel * 2;
 }
 constexpr int64_t word_block_bytes(Format f) { return word_header_bytes(f) + kBlock * input_bytes(f); }
+// A panel's bytes in a word or quad format (`f` its word base) for k inputs: its blocks, then any super-blocks'.
+constexpr int64_t word_panel_bytes(Format f, int64_t k) {
+  return (k / kBlock) * word_block_bytes(f) + (super_scaled(f) ? k / (kBlock * kSuperBlocks) * kSuperBytes : 0);
+}
 constexpr int64_t layout_block_bytes(Format f, bool words) { return words ? word_block_bytes(f) : block_bytes(f); }
 
 float half_value(uint16_t bits) { return static_cast<float>(at::Half(bits, at::Half::from_bits())); }
@@ -196,6 +211,20 @@ void arrange_quads8(const int8_t (*q)[kBlock], uint8_t* qs) {
   for (int j = 0; j < 8; ++j)
     for (int i = 0; i < kPanel; ++i)
       for (int t = 0; t < 4; ++t) qs[64 * j + 4 * i + t] = static_cast<uint8_t>(q[i][4 * j + t]);
+}
+
+// A panel's block of 5-bit q (0..31) for 16-bit activations: the low nibbles as the 4-bit formats hold them,
+// then per group of 32 pairs a 32-bit word of fifth bits.
+void arrange_five_bits(const int8_t (*tile)[kBlock], uint8_t* qs) {
+  int8_t low[kPanel][kBlock];
+  for (int64_t i = 0; i < kPanel; ++i)
+    for (int64_t j = 0; j < kBlock; ++j) low[i][j] = static_cast<int8_t>(tile[i][j] & 15);
+  arrange_words<true>(low, qs);
+  for (int g = 0; g < 16; ++g) {
+    uint32_t high = 0;
+    for (int t = 0; t < 32; ++t) high |= static_cast<uint32_t>((word_q(tile, g, t) >> 4) & 1) << t;
+    std::memcpy(qs + kBlock * kPanel / 2 + 4 * g, &high, 4);
+  }
 }
 
 template <Format F>
@@ -474,9 +503,15 @@ inline __m512i block_group(const uint8_t* qs, int g) {
 // A panel's block header as the 16 outputs' scales d and minimums m (zero where the format has none); Q6_K's form
 // gives the scales of inputs 16..31 (those of 0..15 are taken mid-block).
 template <Format F>
-inline void block_scales(const uint8_t* header, __m512& d, __m512& m) {
+inline void block_scales(const uint8_t* header, __m512& d, __m512& m, const uint8_t* super = nullptr) {
   m = _mm512_setzero_ps();
-  if constexpr (F == kQ8Halves || coded(F)) {
+  if constexpr (super_scaled(F)) {  // d = D s, m = -M t, each product rounded to float32 as ggml's
+    const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header))));
+    const __m512 t =
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + kPanel))));
+    d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super))), s);
+    m = _mm512_sub_ps(m, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 32))), t));
+  } else if constexpr (F == kQ8Halves || coded(F)) {
     d = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + (coded(F) ? 0 : kPanel));
   } else if constexpr (float_header(F)) {
     d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
@@ -493,11 +528,13 @@ inline void block_scales(const uint8_t* header, __m512& d, __m512& m) {
 // The end of block b for P panels and R rows (both integer products): each panel's integer sums times its scales
 // d (`add_scaled`, which knows the product's accumulators), then the minimum's term, m times each row's exact sum.
 template <Format F, int R, int P, typename AddScaled>
-inline void end_block(const uint8_t* headers, int64_t panel_bytes, int64_t b, const float* x_sum,
+inline void end_block(const uint8_t* headers, int64_t panel_bytes, int64_t b, int64_t blocks, const float* x_sum,
                       AddScaled& add_scaled, __m512 (&sums)[R][P]) {
   for (int p = 0; p < P; ++p) {
     __m512 d, m;
-    block_scales<F>(headers + p * panel_bytes + b * word_block_bytes(F), d, m);
+    const uint8_t* panel = headers + p * panel_bytes;
+    block_scales<F>(panel + b * word_block_bytes(F), d, m,
+                    panel + blocks * word_block_bytes(F) + (b / kSuperBlocks) * kSuperBytes);
     add_scaled(p, d);
     if constexpr (has_minimum(F))
       for (int r = 0; r < R; ++r) sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
@@ -576,7 +613,7 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
         }
       }
     }
-    end_block<F, R, P>(headers, panel_bytes, b, x_sum, add_scaled, sums);
+    end_block<F, R, P>(headers, panel_bytes, b, blocks, x_sum, add_scaled, sums);
   }
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) _mm512_storeu_ps(out + r * n + p * kPanel, sums[r][p]);
@@ -693,7 +730,7 @@ void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* h
         }
       }
     }
-    end_block<F, R, P>(headers, panel_bytes, b, x_sum, add_scaled, sums);
+    end_block<F, R, P>(headers, panel_bytes, b, blocks, x_sum, add_scaled, sums);
   }
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) _mm512_storeu_ps(out + r * n + p * kPanel, sums[r][p]);
@@ -731,7 +768,7 @@ struct Activations {
 template <Format F>
 void pair_by_tiles(const Activations& xq, const RowTiles& tiles, int64_t k, int16_t* w, const uint8_t* blocks,
                    int64_t first, int64_t width, float* out, int64_t stride) {
-  const int64_t panel_bytes = (k / kBlock) * word_block_bytes(F);
+  const int64_t panel_bytes = word_panel_bytes(F, k);
   for (int64_t t = 0; t < tiles.count; ++t) {
     const int64_t r0 = tiles.first_row(t), r = tiles.size(t);
     (width == 2 ? word_tile<F, 2> : word_tile<F, 1>)(r, t, tiles.count)(
@@ -742,7 +779,7 @@ void pair_by_tiles(const Activations& xq, const RowTiles& tiles, int64_t k, int1
 template <Format F>
 void pair_by_quads(const Activations& xq, const RowTiles& tiles, int64_t k, int16_t*, const uint8_t* blocks,
                    int64_t first, int64_t width, float* out, int64_t stride) {
-  const int64_t panel_bytes = (k / kBlock) * word_block_bytes(F);
+  const int64_t panel_bytes = word_panel_bytes(F, k);
   for (int64_t t = 0; t < tiles.count; ++t) {
     const int64_t r0 = tiles.first_row(t), r = tiles.size(t);
     (width == 2 ? quad_tile<F, 2> : quad_tile<F, 1>)(r)(xq.bytes, r0, k, blocks + first * panel_bytes, panel_bytes,
@@ -772,6 +809,10 @@ PairFn pair_fn(Format f) {
     case kQ5Centered: return &pair_by_tiles<kQ5Centered>;
     case kQ4CenteredQuads: return &pair_by_quads<kQ4Centered>;
     case kQ5CenteredQuads: return &pair_by_quads<kQ5Centered>;
+    case kQ4Super: return &pair_by_tiles<kQ4Super>;
+    case kQ5Super: return &pair_by_tiles<kQ5Super>;
+    case kQ4SuperQuads: return &pair_by_quads<kQ4Super>;
+    case kQ5SuperQuads: return &pair_by_quads<kQ5Super>;
     case kFp4Words: return &pair_by_tiles<kFp4Words>;
     default: return &pair_by_tiles<kQ5Scaled>;
   }
@@ -882,6 +923,8 @@ int64_t packed_block_bytes(int64_t format) {
     case kNf4Words: return word_block_bytes(kNf4Words);
     case kQ4Centered: return word_block_bytes(kQ4Centered);
     case kQ5Centered: return word_block_bytes(kQ5Centered);
+    case kQ4Super: return word_block_bytes(kQ4Super);
+    case kQ5Super: return word_block_bytes(kQ5Super);
     case kFp4Words: return word_block_bytes(kFp4Words);
     default: return word_block_bytes(kQ8Scaled);
   }
@@ -1021,15 +1064,7 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
         } else if (bits == 4) {
           arrange_words<true>(tile, dst + header_size);
         } else if (bits == 5) {
-          int8_t low[kPanel][kBlock];
-          for (int64_t i = 0; i < kPanel; ++i)
-            for (int64_t j = 0; j < kBlock; ++j) low[i][j] = static_cast<int8_t>(tile[i][j] & 15);
-          arrange_words<true>(low, dst + header_size);
-          for (int g = 0; g < 16; ++g) {
-            uint32_t high = 0;
-            for (int t = 0; t < 32; ++t) high |= static_cast<uint32_t>((word_q(tile, g, t) >> 4) & 1) << t;
-            std::memcpy(dst + header_size + kBlock * kPanel / 2 + 4 * g, &high, 4);
-          }
+          arrange_five_bits(tile, dst + header_size);
         } else {
           arrange_words<false>(tile, dst + header_size);
         }
@@ -1078,6 +1113,71 @@ std::tuple<int64_t, at::Tensor> pack_coded(const at::Tensor& q, const at::Tensor
   return {f, packed};
 }
 
+// GGUF Q4_K / Q5_K blocks with their two-level scales: q int8 [out, in] (0..15 or 0..31), D and M float32
+// [out, in / 256] (half-precision values), s and t uint8 [out, in / 32] (0..63): w = D s q - M t per block of
+// 32 -> (format, blocks): 23 or 24 (25 or 26 with `quads`, for 8-bit activations).
+std::tuple<int64_t, at::Tensor> pack_super(const at::Tensor& q, const at::Tensor& big_d, const at::Tensor& s,
+                                           const at::Tensor& big_m, const at::Tensor& t, int64_t bits, bool quads) {
+  TORCH_CHECK(word_blocks_supported(), "pack_super: this build has no product for 16-bit activations (it needs "
+              "AVX512_VNNI)");
+  TORCH_CHECK(bits == 4 || bits == 5, "pack_super: bits must be 4 or 5");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar, "pack_super: q must be an int8 "
+              "CPU matrix");
+  const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock, supers = blocks / kSuperBlocks;
+  TORCH_CHECK(n % kPanel == 0 && k % (kBlock * kSuperBlocks) == 0 && n > 0, "pack_super: the weight's shape must "
+              "divide into 16 outputs by 256 inputs");
+  for (const at::Tensor* x : {&big_d, &big_m})
+    TORCH_CHECK(x->scalar_type() == at::kFloat && x->dim() == 2 && x->size(0) == n && x->size(1) == supers &&
+                x->to(at::kHalf).to(at::kFloat).equal(*x), "pack_super: D and M must be float32 [out, in / 256] "
+                "half-precision values");
+  for (const at::Tensor* x : {&s, &t})
+    TORCH_CHECK(x->scalar_type() == at::kByte && x->dim() == 2 && x->size(0) == n && x->size(1) == blocks,
+                "pack_super: s and t must be uint8 [out, in / 32]");
+  const at::Tensor qc = q.contiguous(), dc = big_d.contiguous(), mc = big_m.contiguous(), sc = s.contiguous(),
+                   tc = t.contiguous();
+  TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() < (1 << bits), "pack_super: q out of range");
+  const Format base = bits == 4 ? kQ4Super : kQ5Super;
+  const Format f = quads ? (bits == 4 ? kQ4SuperQuads : kQ5SuperQuads) : base;
+  const int64_t block = word_block_bytes(base), panels = n / kPanel, panel_bytes = word_panel_bytes(base, k);
+  auto packed = at::empty({panels, panel_bytes}, at::kByte);
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  const int8_t* qs = qc.data_ptr<int8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    int8_t tile[kPanel][kBlock];
+    for (int64_t p = begin; p < end; ++p) {
+      uint8_t* panel = out + p * panel_bytes;
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* dst = panel + b * block;
+        for (int64_t i = 0; i < kPanel; ++i) {
+          const int64_t row = p * kPanel + i;
+          dst[i] = sc.data_ptr<uint8_t>()[row * blocks + b];
+          dst[kPanel + i] = tc.data_ptr<uint8_t>()[row * blocks + b];
+          std::memcpy(tile[i], qs + row * k + b * kBlock, kBlock);
+        }
+        uint8_t* q_bytes = dst + word_header_bytes(base);
+        if (quads) {
+          if (bits == 5) arrange_quads<true>(tile, q_bytes);
+          else arrange_quads<false>(tile, q_bytes);
+        } else if (bits == 4) {
+          arrange_words<true>(tile, q_bytes);
+        } else {
+          arrange_five_bits(tile, q_bytes);
+        }
+      }
+      for (int64_t u = 0; u < supers; ++u) {
+        uint16_t halves[2 * kPanel];
+        for (int64_t i = 0; i < kPanel; ++i) {
+          const int64_t row = p * kPanel + i;
+          halves[i] = at::Half(dc.data_ptr<float>()[row * supers + u]).x;
+          halves[kPanel + i] = at::Half(mc.data_ptr<float>()[row * supers + u]).x;
+        }
+        std::memcpy(panel + blocks * block + u * kSuperBytes, halves, kSuperBytes);
+      }
+    }
+  });
+  return {f, packed};
+}
+
 // x [rows, in] (contiguous; float32, or bfloat16 for formats 3 to 16) times each weight `pack_blocks` or
 // `pack_scaled` packed (`packed[i]` in `formats[i]`, outs[i] outputs), the outputs side by side, [rows, sum of
 // outs], in x's dtype, plus `bias` (float32 [sum of outs]) before any rounding to bfloat16. Formats 1 and 2 (float32
@@ -1097,7 +1197,7 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
   std::vector<Part> parts;
   for (size_t i = 0; i < packed.size(); ++i) {
     const int64_t format = formats[i], out_features = outs[i];
-    TORCH_CHECK(format >= kQ4_1 && format <= kQ5CenteredQuads, "blocks_linear: unknown format");
+    TORCH_CHECK(format >= kQ4_1 && format <= kQ5SuperQuads, "blocks_linear: unknown format");
     TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 "
                 "to 16 (it needs AVX512_VNNI)");
     TORCH_CHECK((format >= kQ4_1Words) == words && (words || packed.size() == 1), "blocks_linear: formats 1 and 2 "
@@ -1105,7 +1205,10 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
     const int64_t bytes = packed_block_bytes(format);
     const at::Tensor& p = packed[i];
     TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 2 && k % kBlock == 0 &&
-                    out_features % kPanel == 0 && p.size(0) == out_features / kPanel && p.size(1) == (k / kBlock) * bytes,
+                    out_features % kPanel == 0 && p.size(0) == out_features / kPanel &&
+                    (!super_scaled(word_base(format)) || k % (kBlock * kSuperBlocks) == 0) &&
+                    p.size(1) == (k / kBlock) * bytes + (super_scaled(word_base(format))
+                                                          ? k / (kBlock * kSuperBlocks) * kSuperBytes : 0),
                 "blocks_linear: packed weight does not match x, format and out_features");
     parts.push_back(Part{p.data_ptr<uint8_t>(), static_cast<Format>(format), out_features, n});
     n += out_features;
