@@ -622,6 +622,9 @@ def test_gguf_blocks_read_as_ggufs_own_dequantization(kind):
         big_d, s, big_m, t = supers
         assert torch.equal(big_d.repeat_interleave(8, 1) * s.float(), d)
         assert torch.equal(-(big_m.repeat_interleave(8, 1) * t.float()), m)
+    elif kind == "Q6_K":  # D per 256 inputs times a signed byte per 16
+        big_d, s = supers
+        assert s.dtype == torch.int8 and torch.equal(big_d.repeat_interleave(16, 1) * s.float(), d)
     else:
         assert supers is None
     group = 16 if kind == "Q6_K" else 32  # inputs a scale
@@ -657,6 +660,32 @@ def test_k_quant_two_level_scales_multiply_within_their_rounding_at_every_row_co
         if activation_bits == 8:
             bound = bound + (x.double().abs().view(rows, -1, 32).amax(-1) / 254) @ dq.abs().sum(-1).T
         assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
+
+
+def test_q6_k_six_bit_form_multiplies_within_its_rounding_at_every_row_count():
+    """GGUF Q6_K packed as the file holds it (format 27: 6-bit q as nibbles and two words of high bits, a signed
+    byte scale per 16 inputs, half-precision D per 256: 6.5625 bits a weight): every tile shape of rows gives
+    x W^T, W = D s q per 16 inputs, within the 16-bit activations' rounding; under 8-bit activations the layer takes
+    the 8-bit form (format 16)."""
+    kernels = _word_kernels()
+    torch.manual_seed(12)
+    n, k = 48, 512
+    q = torch.randint(-32, 32, (n, k), dtype=torch.int8)
+    big_d = (torch.rand(n, k // 256) * 0.01).half().float()
+    s = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8)
+    s[:, 1::2] = s[:, 1::2] // 8  # the two halves of a block weigh differently
+    d = big_d.repeat_interleave(16, 1) * s.float()
+    layer = packed_linear.PackedLinear(q, d, torch.zeros_like(d), 8, supers=(big_d, s))
+    assert packed_linear.apply(torch.nn.Sequential(layer), kernels) == 1 and layer.block_format == 27
+    assert layer.packed.numel() * 8 / (n * k) == 6.5625
+    weight = (q.double().view(n, -1, 16) * d.double()[..., None]).view(n, k)
+    for rows in range(1, 41):
+        x = torch.randn(rows, k)
+        bound = 1e-4 * (x.double().abs() @ weight.abs().T) + 1e-6
+        assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
+    eight = packed_linear.PackedLinear(q, d, torch.zeros_like(d), 8, supers=(big_d, s))
+    assert packed_linear.apply(torch.nn.Sequential(eight), kernels, activation_bits=8) == 1
+    assert eight.block_format == 16
 
 
 def test_a_scale_per_16_inputs_multiplies_exactly_at_every_row_count():

@@ -58,8 +58,8 @@ class PackedLinear(torch.nn.Module):
     minimums, both [out, in / 16]: a scale per 16 inputs), over the inputs gathered by `order` (None: their own
     order). With `codes` ("nf4", "fp4": bitsandbytes' 4-bit tables) q is a code and w = scale * table[q]
     (minimums zero). With `supers` (D, s, M, t: GGUF Q4_K / Q5_K's two-level scales, D and M float32 [out, in /
-    256], s and t uint8 [out, in / 32]) scale = D s and minimum = -M t, and the kernel keeps the factors. Not a
-    torch.nn.Linear, so that no rewrite made for dense weights (fusion's concatenation, layouts, GGUF
+    256], s and t uint8 [out, in / 32]) scale = D s and minimum = -M t; with `supers` (D, s: GGUF Q6_K's, s int8
+    [out, in / 16]) on 8-bit q, scale = D s per 16 inputs. The kernel keeps the factors. Not a torch.nn.Linear, so that no rewrite made for dense weights (fusion's concatenation, layouts, GGUF
     block recovery) touches it."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
@@ -78,7 +78,9 @@ class PackedLinear(torch.nn.Module):
                 self.group != BLOCK and (bits != 8 or bool(minimum.any()))) or (
                 codes is not None and (codes not in CODE_TABLES or bits != 4 or self.group != BLOCK
                                        or bool(minimum.any()))) or (
-                supers is not None and (bits not in (4, 5) or self.group != BLOCK or self.in_features % SUPER)):
+                supers is not None and (self.in_features % SUPER or not (
+                    (len(supers) == 4 and bits in (4, 5) and self.group == BLOCK)
+                    or (len(supers) == 2 and bits == 8 and self.group == BLOCK // 2)))):
             raise ValueError(f"scales of {tuple(scale.shape)} and minimums of {tuple(minimum.shape)} for a "
                              f"{self.out_features}x{self.in_features} {bits}-bit weight have no packed product")
         self.q, self.scale, self.minimum = q, scale.float().contiguous(), minimum.float().contiguous()
@@ -250,9 +252,11 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
         weight = layer.weight_float()
         if usable and layer.codes:  # bitsandbytes' 4-bit tables take 16-bit activations at any setting
             layer.block_format, layer.packed = kernels.pack_coded(layer.q, layer.scale, layer.codes)
-        elif usable and layer.supers is not None:
+        elif usable and layer.supers is not None and layer.bits != 8:
             layer.block_format, layer.packed = kernels.pack_super(layer.q, *layer.supers, layer.bits,
                                                                   activation_bits == 8)
+        elif usable and layer.supers is not None and activation_bits == 16:  # Q6_K's 6-bit form
+            layer.block_format, layer.packed = kernels.pack_six_bit(layer.q, *layer.supers)
         elif usable:
             half = _half_exact(layer)
             layer.block_format, layer.packed = kernels.pack_scaled(layer.q, layer.scale, layer.minimum, layer.bits,

@@ -44,7 +44,8 @@ def gguf_blocks(kind: str, raw) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """A GGUF tensor's raw rows (uint8 [rows, bytes]) of a type in GGUF_BLOCK_TYPES -> (q int8 [rows, in],
     d [rows, in / 32], m [rows, in / 32], bits, supers): w = d * q + m, as ggml's dequantization computes it. Q6_K
     gives d and m [rows, in / 16] (m zero). Q4_K and Q5_K give their two-level scales too, supers = (D, s, M, t):
-    d = D s and m = -M t, D and M float32 [rows, in / 256], s and t uint8 [rows, in / 32]; else None."""
+    d = D s and m = -M t, D and M float32 [rows, in / 256], s and t uint8 [rows, in / 32]; Q6_K supers = (D, s),
+    s int8 [rows, in / 16], d = D s; else None."""
     import numpy as np
 
     rows = raw.shape[0]
@@ -99,8 +100,10 @@ def gguf_blocks(kind: str, raw) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         low = np.stack([ql[:, :, :, 0] & 0xF, ql[:, :, :, 1] & 0xF, ql[:, :, :, 0] >> 4, ql[:, :, :, 1] >> 4], axis=3)
         high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, None, :, None]) & 3
         q = (low | (high << 4)).astype(np.int16) - 32
-        d = _halves(b, 208)[..., None] * b[..., 192:208].copy().view(np.int8).astype(np.float32)
+        big_d, s = _halves(b, 208), b[..., 192:208].copy().view(np.int8)
+        d = big_d[..., None] * s.astype(np.float32)
         m = np.zeros_like(d)
+        supers = (torch.from_numpy(np.ascontiguousarray(big_d)), torch.from_numpy(s.reshape(rows, -1).copy()))
         bits = 8
     else:
         raise QuantizationError(f"GGUF type {kind} has no packed form here")

@@ -573,6 +573,7 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
 std::tuple<int64_t, at::Tensor> pack_coded(const at::Tensor& q, const at::Tensor& scale, const std::string& table);
 std::tuple<int64_t, at::Tensor> pack_super(const at::Tensor& q, const at::Tensor& big_d, const at::Tensor& s,
                                            const at::Tensor& big_m, const at::Tensor& t, int64_t bits, bool quads);
+std::tuple<int64_t, at::Tensor> pack_six_bit(const at::Tensor& q, const at::Tensor& big_d, const at::Tensor& s);
 // engine/native/prefill_attention.cpp
 bool prefill_attention_supported();
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -613,6 +614,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_super", &pack_super, "(format, blocks): GGUF Q4_K / Q5_K blocks with their two-level scales "
         "(w = D s q - M t)", py::arg("q"), py::arg("big_d"), py::arg("s"), py::arg("big_m"), py::arg("t"),
         py::arg("bits"), py::arg("quads") = false);
+  m.def("pack_six_bit", &pack_six_bit, "(27, blocks): GGUF Q6_K blocks as the file holds them (w = D s q per 16 "
+        "inputs)", py::arg("q"), py::arg("big_d"), py::arg("s"));
   m.def("bf16_linear_supported", &bf16_linear_supported, "whether this build and CPU have the AVX512_BF16 product");
   m.def("bf16_peak_gflops", &bf16_peak_gflops, "VDPBF16PS's rate on every thread for about `seconds` (0: none)",
         py::arg("seconds") = 0.2);

@@ -70,16 +70,24 @@ enum Format : int64_t {
   kQ4Centered = 19, kQ5Centered = 20, kQ4CenteredQuads = 21, kQ5CenteredQuads = 22,
   // GGUF Q4_K / Q5_K's two-level scales: per block d = D s and m = -M t, s and t 6-bit integers (a byte each in
   // the block's header), D and M half-precision per output and super-block of 256 inputs, kept after the panel's
-  // blocks (kSuperBytes per super-block). 4.625 and 5.625 bits a weight, as the file's 4.5 and 5.5, not 6 and 7.
-  kQ4Super = 23, kQ5Super = 24, kQ4SuperQuads = 25, kQ5SuperQuads = 26
+  // blocks (super_bytes per super-block). 4.625 and 5.625 bits a weight, as the file's 4.5 and 5.5, not 6 and 7.
+  kQ4Super = 23, kQ5Super = 24, kQ4SuperQuads = 25, kQ5SuperQuads = 26,
+  // GGUF Q6_K as the file holds it: q 0..63 as the low nibbles (format 5's arrangement) and per group of 32 pairs
+  // two 32-bit words of the fifth and sixth bits, w = D s (q - 32) with s a signed byte per 16 inputs (the block's
+  // header: the 16 outputs' s of inputs 0..15, then of 16..31) and D half precision per output and super-block of
+  // 256 inputs, after the panel's blocks. 6.5625 bits a weight, against 10 in format 7.
+  kQ6Super = 27
 };
 constexpr bool quad_format(int64_t f) {
   return (f >= kQ4_1Quads && f <= kQ8HalvesQuads) || f == kQ4CenteredQuads || f == kQ5CenteredQuads ||
          f == kQ4SuperQuads || f == kQ5SuperQuads;
 }
 constexpr bool super_scaled(int64_t f) { return f == kQ4Super || f == kQ5Super; }
+constexpr bool six_bit(int64_t f) { return f == kQ6Super; }
+constexpr bool per_sixteen(int64_t f) { return f == kQ8Halves || f == kQ6Super; }  // a scale per 16 inputs
 constexpr int64_t kSuperBlocks = 8;  // blocks of 32 in a super-block of 256 inputs
-constexpr int64_t kSuperBytes = 16 * 2 * 2;  // a super-block's 16 outputs' D and M in half precision
+// A super-block's bytes after a panel's blocks: the 16 outputs' D and M (formats 23, 24) or D (27), half precision.
+constexpr int64_t super_bytes(int64_t f) { return super_scaled(f) ? 16 * 2 * 2 : six_bit(f) ? 16 * 2 : 0; }
 constexpr bool centered(int64_t f) { return f == kQ4Centered || f == kQ5Centered; }
 constexpr bool coded(int64_t f) { return f == kNf4Words || f == kFp4Words; }
 // The integer each code multiplies by, and the levels that stand for 1 (the scale is absmax / levels). FP4's
@@ -116,20 +124,24 @@ constexpr bool four_bit(Format f) {
 }
 constexpr bool five_bit(Format f) { return f == kQ5Words || f == kQ5Scaled || f == kQ5Centered || f == kQ5Super; }
 constexpr bool float_header(Format f) { return f == kQ4Scaled || f == kQ8Scaled || f == kQ8Halves || f == kQ5Scaled; }
-constexpr bool has_minimum(Format f) { return f != kQ8_0 && f != kQ8Halves && !coded(f); }
+constexpr bool has_minimum(Format f) { return f != kQ8_0 && !per_sixteen(f) && !coded(f); }
 constexpr int64_t header_bytes(Format f) { return (f == kQ4_1 ? 2 : 1) * kPanel * 4; }
 constexpr int64_t input_bytes(Format f) {
-  return four_bit(f) ? kPanel / 2 : five_bit(f) ? kPanel / 2 + kPanel / 8 : kPanel;
+  return four_bit(f) ? kPanel / 2 : five_bit(f) ? kPanel / 2 + kPanel / 8 : six_bit(f) ? kPanel / 2 + kPanel / 4
+                                                                                  : kPanel;
 }
 constexpr int64_t block_bytes(Format f) { return header_bytes(f) + kBlock * input_bytes(f); }
 // Formats 3 and 4 keep d (and m) in half precision, as the GGUF file does: 5 bits a Q4_1 weight, not 6.
 constexpr int64_t word_header_bytes(Format f) {
-  return coded(f) ? kPanel * 4 : centered(f) || super_scaled(f) ? kPanel * 2 : float_header(f) ? 2 * kPanel * 4 : (f == kQ4_1 || f == kQ5Words ? 2 : 1) * kPanel * 2;
+  return coded(f) ? kPanel * 4
+         : centered(f) || super_scaled(f) || six_bit(f) ? kPanel * 2
+         : float_header(f) ? 2 * kPanel * 4
+                           : (f == kQ4_1 || f == kQ5Words ? 2 : 1) * kPanel * 2;
 }
 constexpr int64_t word_block_bytes(Format f) { return word_header_bytes(f) + kBlock * input_bytes(f); }
 // A panel's bytes in a word or quad format (`f` its word base) for k inputs: its blocks, then any super-blocks'.
 constexpr int64_t word_panel_bytes(Format f, int64_t k) {
-  return (k / kBlock) * word_block_bytes(f) + (super_scaled(f) ? k / (kBlock * kSuperBlocks) * kSuperBytes : 0);
+  return (k / kBlock) * word_block_bytes(f) + k / (kBlock * kSuperBlocks) * super_bytes(f);
 }
 constexpr int64_t layout_block_bytes(Format f, bool words) { return words ? word_block_bytes(f) : block_bytes(f); }
 
@@ -489,6 +501,14 @@ inline __m512i block_group(const uint8_t* qs, int g) {
     uint32_t high;
     std::memcpy(&high, qs + kBlock * kPanel / 2 + 4 * g, 4);
     return _mm512_mask_add_epi16(low, static_cast<__mmask32>(high), low, _mm512_set1_epi16(16));
+  } else if constexpr (six_bit(F)) {  // the nibbles, plus 16 and 32 where the group's two words say, less 32
+    __m512i v = block_group<kQ4Scaled>(qs, g);
+    uint32_t fifth, sixth;
+    std::memcpy(&fifth, qs + kBlock * kPanel / 2 + 8 * g, 4);
+    std::memcpy(&sixth, qs + kBlock * kPanel / 2 + 8 * g + 4, 4);
+    v = _mm512_mask_add_epi16(v, static_cast<__mmask32>(fifth), v, _mm512_set1_epi16(16));
+    v = _mm512_mask_add_epi16(v, static_cast<__mmask32>(sixth), v, _mm512_set1_epi16(32));
+    return _mm512_sub_epi16(v, _mm512_set1_epi16(32));
   } else if constexpr (coded(F)) {  // the nibbles index the table
     return _mm512_permutexvar_epi16(block_group<kQ4Scaled>(qs, g), _mm512_loadu_si512(code_table(F).values));
   } else if constexpr (four_bit(F)) {
@@ -505,7 +525,11 @@ inline __m512i block_group(const uint8_t* qs, int g) {
 template <Format F>
 inline void block_scales(const uint8_t* header, __m512& d, __m512& m, const uint8_t* super = nullptr) {
   m = _mm512_setzero_ps();
-  if constexpr (super_scaled(F)) {  // d = D s, m = -M t, each product rounded to float32 as ggml's
+  if constexpr (six_bit(F)) {  // inputs 16..31's scales D s (those of 0..15 are taken mid-block: half_scales)
+    d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super))),
+                      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(header + kPanel)))));
+  } else if constexpr (super_scaled(F)) {  // d = D s, m = -M t, each product rounded to float32 as ggml's
     const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header))));
     const __m512 t =
         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + kPanel))));
@@ -525,6 +549,20 @@ inline void block_scales(const uint8_t* header, __m512& d, __m512& m, const uint
   }
 }
 
+// The scales of inputs 0..15 of block b of a panel in a format with a scale per 16 inputs (7: float32 in the
+// header; 27: D times the header's signed bytes).
+template <Format F>
+inline __m512 first_scales(const uint8_t* panel, int64_t b, int64_t blocks) {
+  const uint8_t* header = panel + b * word_block_bytes(F);
+  if constexpr (six_bit(F)) {
+    const uint8_t* super = panel + blocks * word_block_bytes(F) + (b / kSuperBlocks) * super_bytes(F);
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super))),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header)))));
+  } else {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(header));
+  }
+}
+
 // The end of block b for P panels and R rows (both integer products): each panel's integer sums times its scales
 // d (`add_scaled`, which knows the product's accumulators), then the minimum's term, m times each row's exact sum.
 template <Format F, int R, int P, typename AddScaled>
@@ -534,7 +572,7 @@ inline void end_block(const uint8_t* headers, int64_t panel_bytes, int64_t b, in
     __m512 d, m;
     const uint8_t* panel = headers + p * panel_bytes;
     block_scales<F>(panel + b * word_block_bytes(F), d, m,
-                    panel + blocks * word_block_bytes(F) + (b / kSuperBlocks) * kSuperBytes);
+                    panel + blocks * word_block_bytes(F) + (b / kSuperBlocks) * super_bytes(F));
     add_scaled(p, d);
     if constexpr (has_minimum(F))
       for (int r = 0; r < R; ++r) sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
@@ -602,11 +640,10 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
         const __m512i xv = _mm512_set1_epi32(xb[g * R + r]);
         for (int p = 0; p < P; ++p) acc[g % A][r][p] = _mm512_dpwssd_epi32(acc[g % A][r][p], xv, wg[p]);
       }
-      if constexpr (F == kQ8Halves) {
+      if constexpr (per_sixteen(F)) {
         if (g == 7) {  // inputs 0..15 done: their sums take the first scales, and the sums start again
           for (int p = 0; p < P; ++p) {
-            add_scaled(p, _mm512_loadu_ps(reinterpret_cast<const float*>(headers + p * panel_bytes +
-                                                                          b * word_block_bytes(F))));
+            add_scaled(p, first_scales<F>(headers + p * panel_bytes, b, blocks));
             for (int a = 0; a < A; ++a)
               for (int r = 0; r < R; ++r) acc[a][r][p] = _mm512_setzero_si512();
           }
@@ -813,6 +850,7 @@ PairFn pair_fn(Format f) {
     case kQ5Super: return &pair_by_tiles<kQ5Super>;
     case kQ4SuperQuads: return &pair_by_quads<kQ4Super>;
     case kQ5SuperQuads: return &pair_by_quads<kQ5Super>;
+    case kQ6Super: return &pair_by_tiles<kQ6Super>;
     case kFp4Words: return &pair_by_tiles<kFp4Words>;
     default: return &pair_by_tiles<kQ5Scaled>;
   }
@@ -925,6 +963,7 @@ int64_t packed_block_bytes(int64_t format) {
     case kQ5Centered: return word_block_bytes(kQ5Centered);
     case kQ4Super: return word_block_bytes(kQ4Super);
     case kQ5Super: return word_block_bytes(kQ5Super);
+    case kQ6Super: return word_block_bytes(kQ6Super);
     case kFp4Words: return word_block_bytes(kFp4Words);
     default: return word_block_bytes(kQ8Scaled);
   }
@@ -1171,11 +1210,70 @@ std::tuple<int64_t, at::Tensor> pack_super(const at::Tensor& q, const at::Tensor
           halves[i] = at::Half(dc.data_ptr<float>()[row * supers + u]).x;
           halves[kPanel + i] = at::Half(mc.data_ptr<float>()[row * supers + u]).x;
         }
-        std::memcpy(panel + blocks * block + u * kSuperBytes, halves, kSuperBytes);
+        std::memcpy(panel + blocks * block + u * super_bytes(base), halves, super_bytes(base));
       }
     }
   });
   return {f, packed};
+}
+
+// GGUF Q6_K blocks as the file holds them: q int8 [out, in] (-32..31), D float32 [out, in / 256] (half-precision
+// values), s int8 [out, in / 16]: w = D s q per 16 inputs -> (27, blocks).
+std::tuple<int64_t, at::Tensor> pack_six_bit(const at::Tensor& q, const at::Tensor& big_d, const at::Tensor& s) {
+  TORCH_CHECK(word_blocks_supported(), "pack_six_bit: this build has no product for 16-bit activations (it needs "
+              "AVX512_VNNI)");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar, "pack_six_bit: q must be an int8 "
+              "CPU matrix");
+  const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock, supers = blocks / kSuperBlocks;
+  TORCH_CHECK(n % kPanel == 0 && k % (kBlock * kSuperBlocks) == 0 && n > 0, "pack_six_bit: the weight's shape must "
+              "divide into 16 outputs by 256 inputs");
+  TORCH_CHECK(big_d.scalar_type() == at::kFloat && big_d.dim() == 2 && big_d.size(0) == n && big_d.size(1) == supers &&
+              big_d.to(at::kHalf).to(at::kFloat).equal(big_d), "pack_six_bit: D must be float32 [out, in / 256] "
+              "half-precision values");
+  TORCH_CHECK(s.scalar_type() == at::kChar && s.dim() == 2 && s.size(0) == n && s.size(1) == 2 * blocks,
+              "pack_six_bit: s must be int8 [out, in / 16]");
+  const at::Tensor qc = q.contiguous(), dc = big_d.contiguous(), sc = s.contiguous();
+  TORCH_CHECK(qc.min().item<int>() >= -32 && qc.max().item<int>() <= 31, "pack_six_bit: q must be in -32..31");
+  const int64_t block = word_block_bytes(kQ6Super), panels = n / kPanel, panel_bytes = word_panel_bytes(kQ6Super, k);
+  auto packed = at::empty({panels, panel_bytes}, at::kByte);
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  const int8_t* qs = qc.data_ptr<int8_t>();
+  const int8_t* ss = sc.data_ptr<int8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    int8_t tile[kPanel][kBlock], low[kPanel][kBlock];
+    for (int64_t p = begin; p < end; ++p) {
+      uint8_t* panel = out + p * panel_bytes;
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* dst = panel + b * block;
+        for (int64_t i = 0; i < kPanel; ++i) {
+          const int64_t row = p * kPanel + i;
+          dst[i] = static_cast<uint8_t>(ss[row * 2 * blocks + 2 * b]);
+          dst[kPanel + i] = static_cast<uint8_t>(ss[row * 2 * blocks + 2 * b + 1]);
+          for (int64_t j = 0; j < kBlock; ++j) {
+            tile[i][j] = static_cast<int8_t>(qs[row * k + b * kBlock + j] + 32);  // 0..63
+            low[i][j] = static_cast<int8_t>(tile[i][j] & 15);
+          }
+        }
+        uint8_t* q_bytes = dst + word_header_bytes(kQ6Super);
+        arrange_words<true>(low, q_bytes);
+        for (int g = 0; g < 16; ++g) {
+          uint32_t fifth = 0, sixth = 0;
+          for (int t = 0; t < 32; ++t) {
+            fifth |= static_cast<uint32_t>((word_q(tile, g, t) >> 4) & 1) << t;
+            sixth |= static_cast<uint32_t>((word_q(tile, g, t) >> 5) & 1) << t;
+          }
+          std::memcpy(q_bytes + kBlock * kPanel / 2 + 8 * g, &fifth, 4);
+          std::memcpy(q_bytes + kBlock * kPanel / 2 + 8 * g + 4, &sixth, 4);
+        }
+      }
+      for (int64_t u = 0; u < supers; ++u) {
+        uint16_t halves[kPanel];
+        for (int64_t i = 0; i < kPanel; ++i) halves[i] = at::Half(dc.data_ptr<float>()[(p * kPanel + i) * supers + u]).x;
+        std::memcpy(panel + blocks * block + u * super_bytes(kQ6Super), halves, super_bytes(kQ6Super));
+      }
+    }
+  });
+  return {kQ6Super, packed};
 }
 
 // x [rows, in] (contiguous; float32, or bfloat16 for formats 3 to 16) times each weight `pack_blocks` or
@@ -1197,7 +1295,7 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
   std::vector<Part> parts;
   for (size_t i = 0; i < packed.size(); ++i) {
     const int64_t format = formats[i], out_features = outs[i];
-    TORCH_CHECK(format >= kQ4_1 && format <= kQ5SuperQuads, "blocks_linear: unknown format");
+    TORCH_CHECK(format >= kQ4_1 && format <= kQ6Super, "blocks_linear: unknown format");
     TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 "
                 "to 16 (it needs AVX512_VNNI)");
     TORCH_CHECK((format >= kQ4_1Words) == words && (words || packed.size() == 1), "blocks_linear: formats 1 and 2 "
@@ -1206,9 +1304,8 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
     const at::Tensor& p = packed[i];
     TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 2 && k % kBlock == 0 &&
                     out_features % kPanel == 0 && p.size(0) == out_features / kPanel &&
-                    (!super_scaled(word_base(format)) || k % (kBlock * kSuperBlocks) == 0) &&
-                    p.size(1) == (k / kBlock) * bytes + (super_scaled(word_base(format))
-                                                          ? k / (kBlock * kSuperBlocks) * kSuperBytes : 0),
+                    (super_bytes(word_base(format)) == 0 || k % (kBlock * kSuperBlocks) == 0) &&
+                    p.size(1) == (k / kBlock) * bytes + k / (kBlock * kSuperBlocks) * super_bytes(word_base(format)),
                 "blocks_linear: packed weight does not match x, format and out_features");
     parts.push_back(Part{p.data_ptr<uint8_t>(), static_cast<Format>(format), out_features, n});
     n += out_features;
