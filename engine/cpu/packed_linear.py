@@ -7,11 +7,13 @@ point z gives m = -d * z). The readers (engine/quantization/checkpoint.py) bring
 input channels in an order where every block of 32 has one scale (GPTQ's act-order groups are gathered once at
 load; the activations' columns are gathered to match at each product). `apply` packs the blocks into the native
 kernel's layout (engine/cpu/native/quantized_linear.cpp, formats 5, 6 and 9: d and m in float32, so m = -d * z is
-exact; 3, 4 and 8 where both are half-precision values), checks the product against the dequantized weights, and
-from then on the layer reads 4.5 (4-bit), 5.5 (5-bit) or 8.5 (8-bit) bits a weight plus its headers. GGUF Q6_K's
-scale per 16 inputs (w = d * q, q in -32..31) is the one other grouping: 8-bit q, scales [out, in / 16], no
-minimum (format 7, 10 bits a weight). The product takes 16-bit integer activations (each row's block of 32 inputs
-in steps of 2^-15 of its largest magnitude), as the GGUF blocks do under DTYPE=auto (docs/cpu-kernels.md).
+exact; 3, 4 and 8 where both are half-precision values; 19 and 20 where m = -8d or -16d follows from d), checks
+the product against the dequantized weights, and from then on the layer reads its q (4, 5 or 8 bits a weight) plus
+its headers. GGUF Q6_K's scale per 16 inputs (w = d * q, q in -32..31) is the one other grouping: scales [out,
+in / 16], no minimum. GGUF K-quants bring their two-level scales too (`supers`), which the kernel keeps as the file
+does (formats 23, 24 and Q6_K's 6-bit form 27); bitsandbytes' 4-bit codes index a table (`codes`, formats 17, 18).
+The product takes 16-bit integer activations (each row's block of 32 inputs in steps of 2^-15 of its largest
+magnitude), as the GGUF blocks do under DTYPE=auto, or 8-bit ones (docs/cpu-kernels.md).
 
 Without the kernel (a CPU without AVX512_VNNI, NATIVE_KERNELS=off) the layers expand their weights once to
 float32 and multiply those: the same weights, logged as the slower path it is.
