@@ -713,10 +713,7 @@ def test_bitsandbytes_codes_multiply_within_their_table_at_every_row_count(table
     """4-bit codes of bitsandbytes' tables (formats 17 and 18): every tile shape of rows and panels gives x W^T
     with W = absmax * table[q] within the 16-bit activations' rounding, plus, for NF4, the table's own rounding
     to steps of 1/2047 (FP4's values are multiples of 1/192: exact)."""
-    native_kernels.load("auto")
-    kernels = native_kernels.active()
-    if kernels is None or not kernels.word_blocks_supported():
-        pytest.skip("no packed product on this CPU")
+    kernels = _word_kernels()
     torch.manual_seed(5)
     q = torch.randint(0, 16, (48, 128), dtype=torch.int8)
     absmax = torch.rand(48, 4) * 10 ** torch.randint(-2, 3, (48, 4)).float()
@@ -741,10 +738,7 @@ def test_five_bit_blocks_multiply_exactly_at_every_row_count(form):
     headers (format 8), float32 ones (9), or, where every minimum is -16 scales (Q5_0), the scale alone (20):
     every tile shape gives x W^T within the 16-bit activations' rounding, each fifth bit counted where its
     weight is."""
-    native_kernels.load("auto")
-    kernels = native_kernels.active()
-    if kernels is None or not kernels.word_blocks_supported():
-        pytest.skip("no packed product on this CPU")
+    kernels = _word_kernels()
     torch.manual_seed(4)
     q = torch.randint(0, 32, (48, 96), dtype=torch.int8)
     scale = torch.rand(48, 3) * 0.1

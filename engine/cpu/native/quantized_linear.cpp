@@ -1152,6 +1152,24 @@ std::tuple<int64_t, at::Tensor> pack_coded(const at::Tensor& q, const at::Tensor
   return {f, packed};
 }
 
+// A weight of n outputs by k inputs packed in word format `base`, panels of 16 outputs in parallel: block(dst,
+// row0, b) writes block b of the panel whose first output is row0, super(dst, row0, u) its super-block u's scales.
+template <typename Block, typename Super>
+at::Tensor fill_panels(Format base, int64_t n, int64_t k, Block& block, Super& super) {
+  const int64_t blocks = k / kBlock, bytes = word_block_bytes(base), panel_bytes = word_panel_bytes(base, k);
+  auto packed = at::empty({n / kPanel, panel_bytes}, at::kByte);
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, n / kPanel, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      uint8_t* panel = out + p * panel_bytes;
+      for (int64_t b = 0; b < blocks; ++b) block(panel + b * bytes, p * kPanel, b);
+      for (int64_t u = 0; u < blocks / kSuperBlocks; ++u)
+        super(panel + blocks * bytes + u * super_bytes(base), p * kPanel, u);
+    }
+  });
+  return packed;
+}
+
 // GGUF Q4_K / Q5_K blocks with their two-level scales: q int8 [out, in] (0..15 or 0..31), D and M float32
 // [out, in / 256] (half-precision values), s and t uint8 [out, in / 32] (0..63): w = D s q - M t per block of
 // 32 -> (format, blocks): 23 or 24 (25 or 26 with `quads`, for 8-bit activations).
@@ -1177,43 +1195,33 @@ std::tuple<int64_t, at::Tensor> pack_super(const at::Tensor& q, const at::Tensor
   TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() < (1 << bits), "pack_super: q out of range");
   const Format base = bits == 4 ? kQ4Super : kQ5Super;
   const Format f = quads ? (bits == 4 ? kQ4SuperQuads : kQ5SuperQuads) : base;
-  const int64_t block = word_block_bytes(base), panels = n / kPanel, panel_bytes = word_panel_bytes(base, k);
-  auto packed = at::empty({panels, panel_bytes}, at::kByte);
-  uint8_t* out = packed.data_ptr<uint8_t>();
   const int8_t* qs = qc.data_ptr<int8_t>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  const uint8_t *ss = sc.data_ptr<uint8_t>(), *ts = tc.data_ptr<uint8_t>();
+  const float *ds = dc.data_ptr<float>(), *ms = mc.data_ptr<float>();
+  auto block = [&](uint8_t* dst, int64_t row0, int64_t b) {
     int8_t tile[kPanel][kBlock];
-    for (int64_t p = begin; p < end; ++p) {
-      uint8_t* panel = out + p * panel_bytes;
-      for (int64_t b = 0; b < blocks; ++b) {
-        uint8_t* dst = panel + b * block;
-        for (int64_t i = 0; i < kPanel; ++i) {
-          const int64_t row = p * kPanel + i;
-          dst[i] = sc.data_ptr<uint8_t>()[row * blocks + b];
-          dst[kPanel + i] = tc.data_ptr<uint8_t>()[row * blocks + b];
-          std::memcpy(tile[i], qs + row * k + b * kBlock, kBlock);
-        }
-        uint8_t* q_bytes = dst + word_header_bytes(base);
-        if (quads) {
-          if (bits == 5) arrange_quads<true>(tile, q_bytes);
-          else arrange_quads<false>(tile, q_bytes);
-        } else if (bits == 4) {
-          arrange_words<true>(tile, q_bytes);
-        } else {
-          arrange_five_bits(tile, q_bytes);
-        }
-      }
-      for (int64_t u = 0; u < supers; ++u) {
-        uint16_t halves[2 * kPanel];
-        for (int64_t i = 0; i < kPanel; ++i) {
-          const int64_t row = p * kPanel + i;
-          halves[i] = at::Half(dc.data_ptr<float>()[row * supers + u]).x;
-          halves[kPanel + i] = at::Half(mc.data_ptr<float>()[row * supers + u]).x;
-        }
-        std::memcpy(panel + blocks * block + u * super_bytes(base), halves, super_bytes(base));
-      }
+    for (int64_t i = 0; i < kPanel; ++i) {
+      dst[i] = ss[(row0 + i) * blocks + b];
+      dst[kPanel + i] = ts[(row0 + i) * blocks + b];
+      std::memcpy(tile[i], qs + (row0 + i) * k + b * kBlock, kBlock);
     }
-  });
+    uint8_t* q_bytes = dst + word_header_bytes(base);
+    if (quads) {
+      if (bits == 5) arrange_quads<true>(tile, q_bytes);
+      else arrange_quads<false>(tile, q_bytes);
+    } else if (bits == 4) {
+      arrange_words<true>(tile, q_bytes);
+    } else {
+      arrange_five_bits(tile, q_bytes);
+    }
+  };
+  auto super = [&](uint8_t* dst, int64_t row0, int64_t u) {
+    uint16_t halves[2 * kPanel];
+    for (int64_t i = 0; i < kPanel; ++i)
+      halves[i] = at::Half(ds[(row0 + i) * supers + u]).x, halves[kPanel + i] = at::Half(ms[(row0 + i) * supers + u]).x;
+    std::memcpy(dst, halves, sizeof halves);
+  };
+  const at::Tensor packed = fill_panels(base, n, k, block, super);
   return {f, packed};
 }
 
@@ -1234,45 +1242,38 @@ std::tuple<int64_t, at::Tensor> pack_six_bit(const at::Tensor& q, const at::Tens
               "pack_six_bit: s must be int8 [out, in / 16]");
   const at::Tensor qc = q.contiguous(), dc = big_d.contiguous(), sc = s.contiguous();
   TORCH_CHECK(qc.min().item<int>() >= -32 && qc.max().item<int>() <= 31, "pack_six_bit: q must be in -32..31");
-  const int64_t block = word_block_bytes(kQ6Super), panels = n / kPanel, panel_bytes = word_panel_bytes(kQ6Super, k);
-  auto packed = at::empty({panels, panel_bytes}, at::kByte);
-  uint8_t* out = packed.data_ptr<uint8_t>();
   const int8_t* qs = qc.data_ptr<int8_t>();
   const int8_t* ss = sc.data_ptr<int8_t>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  const float* ds = dc.data_ptr<float>();
+  auto block = [&](uint8_t* dst, int64_t row0, int64_t b) {
     int8_t tile[kPanel][kBlock], low[kPanel][kBlock];
-    for (int64_t p = begin; p < end; ++p) {
-      uint8_t* panel = out + p * panel_bytes;
-      for (int64_t b = 0; b < blocks; ++b) {
-        uint8_t* dst = panel + b * block;
-        for (int64_t i = 0; i < kPanel; ++i) {
-          const int64_t row = p * kPanel + i;
-          dst[i] = static_cast<uint8_t>(ss[row * 2 * blocks + 2 * b]);
-          dst[kPanel + i] = static_cast<uint8_t>(ss[row * 2 * blocks + 2 * b + 1]);
-          for (int64_t j = 0; j < kBlock; ++j) {
-            tile[i][j] = static_cast<int8_t>(qs[row * k + b * kBlock + j] + 32);  // 0..63
-            low[i][j] = static_cast<int8_t>(tile[i][j] & 15);
-          }
-        }
-        uint8_t* q_bytes = dst + word_header_bytes(kQ6Super);
-        arrange_words<true>(low, q_bytes);
-        for (int g = 0; g < 16; ++g) {
-          uint32_t fifth = 0, sixth = 0;
-          for (int t = 0; t < 32; ++t) {
-            fifth |= static_cast<uint32_t>((word_q(tile, g, t) >> 4) & 1) << t;
-            sixth |= static_cast<uint32_t>((word_q(tile, g, t) >> 5) & 1) << t;
-          }
-          std::memcpy(q_bytes + kBlock * kPanel / 2 + 8 * g, &fifth, 4);
-          std::memcpy(q_bytes + kBlock * kPanel / 2 + 8 * g + 4, &sixth, 4);
-        }
-      }
-      for (int64_t u = 0; u < supers; ++u) {
-        uint16_t halves[kPanel];
-        for (int64_t i = 0; i < kPanel; ++i) halves[i] = at::Half(dc.data_ptr<float>()[(p * kPanel + i) * supers + u]).x;
-        std::memcpy(panel + blocks * block + u * super_bytes(kQ6Super), halves, super_bytes(kQ6Super));
+    for (int64_t i = 0; i < kPanel; ++i) {
+      const int64_t row = row0 + i;
+      dst[i] = static_cast<uint8_t>(ss[row * 2 * blocks + 2 * b]);
+      dst[kPanel + i] = static_cast<uint8_t>(ss[row * 2 * blocks + 2 * b + 1]);
+      for (int64_t j = 0; j < kBlock; ++j) {
+        tile[i][j] = static_cast<int8_t>(qs[row * k + b * kBlock + j] + 32);  // 0..63
+        low[i][j] = static_cast<int8_t>(tile[i][j] & 15);
       }
     }
-  });
+    uint8_t* q_bytes = dst + word_header_bytes(kQ6Super);
+    arrange_words<true>(low, q_bytes);
+    for (int g = 0; g < 16; ++g) {
+      uint32_t fifth = 0, sixth = 0;
+      for (int t = 0; t < 32; ++t) {
+        fifth |= static_cast<uint32_t>((word_q(tile, g, t) >> 4) & 1) << t;
+        sixth |= static_cast<uint32_t>((word_q(tile, g, t) >> 5) & 1) << t;
+      }
+      std::memcpy(q_bytes + kBlock * kPanel / 2 + 8 * g, &fifth, 4);
+      std::memcpy(q_bytes + kBlock * kPanel / 2 + 8 * g + 4, &sixth, 4);
+    }
+  };
+  auto super = [&](uint8_t* dst, int64_t row0, int64_t u) {
+    uint16_t halves[kPanel];
+    for (int64_t i = 0; i < kPanel; ++i) halves[i] = at::Half(ds[(row0 + i) * supers + u]).x;
+    std::memcpy(dst, halves, sizeof halves);
+  };
+  const at::Tensor packed = fill_panels(kQ6Super, n, k, block, super);
   return {kQ6Super, packed};
 }
 
