@@ -306,6 +306,8 @@ def test_a_quantized_checkpoint_serves_the_dequantized_models_tokens(fmt, tmp_pa
         assert len(layers) == 2 * 7 and all(layer.packed is not None and layer.order is not None for layer in layers)
     else:  # every decoder projection from packed blocks, fused (qkv, o, gate_up, down a layer) for the compact forward
         assert len(layers) == 2 * 4 and all(layer.packed is not None for layer in layers)
+    if fmt in ("awq-gemm-g64", "gptq-4bit-g64-zero-points", "gptq-4bit-g32-sym"):  # kept at the file's size
+        assert {layer.block_format for layer in layers} == {19 if "sym" in fmt else 28}, fmt
     assert served.compact is not None, served.compact_reason
 
 
@@ -730,6 +732,33 @@ def test_bitsandbytes_codes_multiply_within_their_table_at_every_row_count(table
         if table == "fp4":  # exact table: bfloat16 rows, rounded once, agree too
             y = layer(x.bfloat16()).double()
             assert ((y - x.bfloat16().double() @ weight.T).abs() <= bound + 2 ** -8 * y.abs()).all(), rows
+
+
+@pytest.mark.parametrize("activation_bits", [16, 8])
+def test_zero_point_blocks_multiply_within_their_rounding_at_every_row_count(activation_bits):
+    """4-bit blocks with a zero point (AWQ, GPTQ with zero points: w = d (q - z), d half precision, z 0..15) keep
+    d and z (formats 28 and 29: 4.75 bits a weight) and give x W^T within the activations' rounding at every tile
+    shape; minimums that are not -d z for an integer z keep float32 headers (format 5)."""
+    kernels = _word_kernels()
+    torch.manual_seed(13)
+    n, k = 48, 128
+    q = torch.randint(0, 16, (n, k), dtype=torch.int8)
+    scale = (torch.rand(n, k // 32) * 0.1).half().float()
+    minimum = -scale * torch.randint(0, 16, (n, k // 32)).float()
+    layer = packed_linear.PackedLinear(q, scale, minimum, 4)
+    assert packed_linear.apply(torch.nn.Sequential(layer), kernels, activation_bits=activation_bits) == 1
+    assert layer.block_format == (28 if activation_bits == 16 else 29)
+    assert layer.packed.numel() * 8 / (n * k) == 4.75
+    dq = q.double().view(n, -1, 32) * scale.double()[..., None]
+    weight = (dq + minimum.double()[..., None]).view(n, k)
+    for rows in range(1, 41):
+        x = torch.randn(rows, k)
+        bound = 1e-4 * (x.double().abs() @ weight.abs().T) + 1e-6
+        if activation_bits == 8:
+            bound = bound + (x.double().abs().view(rows, -1, 32).amax(-1) / 254) @ dq.abs().sum(-1).T
+        assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
+    off = packed_linear.PackedLinear(q, scale, minimum + scale / 3, 4)  # z not an integer
+    assert packed_linear.apply(torch.nn.Sequential(off), kernels) == 1 and off.block_format == 5
 
 
 @pytest.mark.parametrize("form", ["centred", "half", "float32"])

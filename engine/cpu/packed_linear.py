@@ -7,7 +7,8 @@ point z gives m = -d * z). The readers (engine/quantization/checkpoint.py) bring
 input channels in an order where every block of 32 has one scale (GPTQ's act-order groups are gathered once at
 load; the activations' columns are gathered to match at each product). `apply` packs the blocks into the native
 kernel's layout (engine/cpu/native/quantized_linear.cpp, formats 5, 6 and 9: d and m in float32, so m = -d * z is
-exact; 3, 4 and 8 where both are half-precision values; 19 and 20 where m = -8d or -16d follows from d), checks
+exact; 3, 4 and 8 where both are half-precision values; 19 and 20 where m = -8d or -16d follows from d; 28
+where m = -d z, z a byte), checks
 the product against the dequantized weights, and from then on the layer reads its q (4, 5 or 8 bits a weight) plus
 its headers. GGUF Q6_K's scale per 16 inputs (w = d * q, q in -32..31) is the one other grouping: scales [out,
 in / 16], no minimum. GGUF K-quants bring their two-level scales too (`supers`), which the kernel keeps as the file
@@ -32,7 +33,7 @@ PANEL = 16  # outputs per panel of the kernel's layout
 _BITS = (4, 5, 8)  # the widths the kernel's formats hold (quantized_linear.cpp chooses the format at packing)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the kernel reads and writes as they are
 # blocks multiplied from 8-bit integer activations (quantized_linear.cpp)
-QUAD_FORMATS = (*range(10, 17), 21, 22, 25, 26)
+QUAD_FORMATS = (*range(10, 17), 21, 22, 25, 26, 29)
 SUPER = 256  # inputs of a GGUF K-quant super-block, whose D and M scale its blocks' 6-bit s and t
 ACTIVATIONS = {"int16": 16, "int8": 8}  # QUANTIZED_ACTIVATIONS
 # bitsandbytes' 4-bit tables (w = absmax * value[q]) and the integer levels that stand for 1 in the kernel's
@@ -217,6 +218,18 @@ def _centered(layer: PackedLinear) -> bool:
     return layer.bits in (4, 5) and torch.equal(layer.minimum, layer.scale * -(2 ** (layer.bits - 1)))
 
 
+def _zero_points(layer: PackedLinear) -> torch.Tensor | None:
+    """For a 4-bit layer whose scales are half-precision values and whose minimums are -scale * z with z an
+    integer in 0..255 (AWQ, GPTQ with zero points), z as uint8 [out, in / 32]: the kernel then keeps d and z, 4.75
+    bits a weight, not 6 with float32 d and m. Else None."""
+    if layer.bits != 4 or layer.group != BLOCK or not bool((layer.scale.half().float() == layer.scale).all()):
+        return None
+    z = torch.where(layer.scale != 0, -layer.minimum / layer.scale, torch.zeros_like(layer.scale)).round()
+    if not bool(((z >= 0) & (z <= 255)).all()) or not torch.equal(-(layer.scale * z), layer.minimum):
+        return None
+    return z.to(torch.uint8)
+
+
 def _agrees(layer: PackedLinear, weight: torch.Tensor, minimum: torch.Tensor) -> bool:
     """The packed product against the dequantized weights on random rows: each output within the 16-bit
     activations' rounding (2^-15 of each block's largest input, relative 1e-4 with float32's sums) of the sum
@@ -259,6 +272,8 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
                                                                   activation_bits == 8)
         elif usable and layer.supers is not None and activation_bits == 16:  # Q6_K's 6-bit form
             layer.block_format, layer.packed = kernels.pack_six_bit(layer.q, *layer.supers)
+        elif usable and not (_half_exact(layer) and _centered(layer)) and (z := _zero_points(layer)) is not None:
+            layer.block_format, layer.packed = kernels.pack_zero_points(layer.q, layer.scale, z, activation_bits == 8)
         elif usable:
             half = _half_exact(layer)
             layer.block_format, layer.packed = kernels.pack_scaled(layer.q, layer.scale, layer.minimum, layer.bits,

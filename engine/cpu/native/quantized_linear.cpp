@@ -76,12 +76,17 @@ enum Format : int64_t {
   // two 32-bit words of the fifth and sixth bits, w = D s (q - 32) with s a signed byte per 16 inputs (the block's
   // header: the 16 outputs' s of inputs 0..15, then of 16..31) and D half precision per output and super-block of
   // 256 inputs, after the panel's blocks. 6.5625 bits a weight, against 10 in format 7.
-  kQ6Super = 27
+  kQ6Super = 27,
+  // 4-bit q with a zero point (AWQ, GPTQ with zero points: w = d * (q - z)): d in half precision and z as a byte
+  // per output and block, m = -d z formed in float32 (exact: 11 bits times 8): 4.75 bits a weight, not 6 with
+  // float32 d and m. 29: the same for 8-bit activations.
+  kQ4Zero = 28, kQ4ZeroQuads = 29
 };
 constexpr bool quad_format(int64_t f) {
   return (f >= kQ4_1Quads && f <= kQ8HalvesQuads) || f == kQ4CenteredQuads || f == kQ5CenteredQuads ||
-         f == kQ4SuperQuads || f == kQ5SuperQuads;
+         f == kQ4SuperQuads || f == kQ5SuperQuads || f == kQ4ZeroQuads;
 }
+constexpr bool zero_point(int64_t f) { return f == kQ4Zero; }
 constexpr bool super_scaled(int64_t f) { return f == kQ4Super || f == kQ5Super; }
 constexpr bool six_bit(int64_t f) { return f == kQ6Super; }
 constexpr bool per_sixteen(int64_t f) { return f == kQ8Halves || f == kQ6Super; }  // a scale per 16 inputs
@@ -108,7 +113,7 @@ constexpr Format word_base(int64_t f) {
          : f == kQ5ScaledQuads ? kQ5Scaled : f == kQ8_0Quads ? kQ8_0Words : f == kQ8ScaledQuads ? kQ8Scaled
          : f == kQ8HalvesQuads ? kQ8Halves : f == kQ4CenteredQuads ? kQ4Centered
          : f == kQ5CenteredQuads ? kQ5Centered : f == kQ4SuperQuads ? kQ4Super
-         : f == kQ5SuperQuads ? kQ5Super : static_cast<Format>(f);
+         : f == kQ5SuperQuads ? kQ5Super : f == kQ4ZeroQuads ? kQ4Zero : static_cast<Format>(f);
 }
 
 // One part of a product (a layer, or one of the layers whose outputs a fused projection puts side by side): its
@@ -120,7 +125,7 @@ struct Part {
 };
 
 constexpr bool four_bit(Format f) {
-  return f == kQ4_1 || f == kQ4Scaled || coded(f) || f == kQ4Centered || f == kQ4Super;
+  return f == kQ4_1 || f == kQ4Scaled || coded(f) || f == kQ4Centered || f == kQ4Super || f == kQ4Zero;
 }
 constexpr bool five_bit(Format f) { return f == kQ5Words || f == kQ5Scaled || f == kQ5Centered || f == kQ5Super; }
 constexpr bool float_header(Format f) { return f == kQ4Scaled || f == kQ8Scaled || f == kQ8Halves || f == kQ5Scaled; }
@@ -134,6 +139,7 @@ constexpr int64_t block_bytes(Format f) { return header_bytes(f) + kBlock * inpu
 // Formats 3 and 4 keep d (and m) in half precision, as the GGUF file does: 5 bits a Q4_1 weight, not 6.
 constexpr int64_t word_header_bytes(Format f) {
   return coded(f) ? kPanel * 4
+         : zero_point(f) ? kPanel * 3
          : centered(f) || super_scaled(f) || six_bit(f) ? kPanel * 2
          : float_header(f) ? 2 * kPanel * 4
                            : (f == kQ4_1 || f == kQ5Words ? 2 : 1) * kPanel * 2;
@@ -540,6 +546,10 @@ inline void block_scales(const uint8_t* header, __m512& d, __m512& m, const uint
   } else if constexpr (float_header(F)) {
     d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
     m = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
+  } else if constexpr (zero_point(F)) {  // m = -d z
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
+    const __m128i z = _mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 2 * kPanel));
+    m = _mm512_sub_ps(m, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z))));
   } else if constexpr (centered(F)) {
     d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
     m = _mm512_mul_ps(d, _mm512_set1_ps(F == kQ4Centered ? -8.f : -16.f));
@@ -851,6 +861,8 @@ PairFn pair_fn(Format f) {
     case kQ4SuperQuads: return &pair_by_quads<kQ4Super>;
     case kQ5SuperQuads: return &pair_by_quads<kQ5Super>;
     case kQ6Super: return &pair_by_tiles<kQ6Super>;
+    case kQ4Zero: return &pair_by_tiles<kQ4Zero>;
+    case kQ4ZeroQuads: return &pair_by_quads<kQ4Zero>;
     case kFp4Words: return &pair_by_tiles<kFp4Words>;
     default: return &pair_by_tiles<kQ5Scaled>;
   }
@@ -964,6 +976,7 @@ int64_t packed_block_bytes(int64_t format) {
     case kQ4Super: return word_block_bytes(kQ4Super);
     case kQ5Super: return word_block_bytes(kQ5Super);
     case kQ6Super: return word_block_bytes(kQ6Super);
+    case kQ4Zero: return word_block_bytes(kQ4Zero);
     case kFp4Words: return word_block_bytes(kFp4Words);
     default: return word_block_bytes(kQ8Scaled);
   }
@@ -1170,6 +1183,43 @@ at::Tensor fill_panels(Format base, int64_t n, int64_t k, Block& block, Super& s
   return packed;
 }
 
+// 4-bit q int8 [out, in] (0..15) with a zero point: d float32 [out, in / 32] (half-precision values) and z uint8
+// [out, in / 32], w = d (q - z) -> (28, blocks), or 29 with `quads`.
+std::tuple<int64_t, at::Tensor> pack_zero_points(const at::Tensor& q, const at::Tensor& d, const at::Tensor& z,
+                                                 bool quads) {
+  TORCH_CHECK(word_blocks_supported(), "pack_zero_points: this build has no product for 16-bit activations (it "
+              "needs AVX512_VNNI)");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar, "pack_zero_points: q must be an "
+              "int8 CPU matrix");
+  const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock;
+  TORCH_CHECK(n % kPanel == 0 && k % kBlock == 0 && n > 0 && k > 0, "pack_zero_points: the weight's shape must "
+              "divide into 16 outputs by 32 inputs");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 2 && d.size(0) == n && d.size(1) == blocks &&
+              d.to(at::kHalf).to(at::kFloat).equal(d), "pack_zero_points: d must be float32 [out, in / 32] "
+              "half-precision values");
+  TORCH_CHECK(z.scalar_type() == at::kByte && z.dim() == 2 && z.size(0) == n && z.size(1) == blocks,
+              "pack_zero_points: z must be uint8 [out, in / 32]");
+  const at::Tensor qc = q.contiguous(), dc = d.contiguous(), zc = z.contiguous();
+  TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() <= 15, "pack_zero_points: q must be in 0..15");
+  const int8_t* qs = qc.data_ptr<int8_t>();
+  const float* ds = dc.data_ptr<float>();
+  const uint8_t* zs = zc.data_ptr<uint8_t>();
+  auto block = [&](uint8_t* dst, int64_t row0, int64_t b) {
+    int8_t tile[kPanel][kBlock];
+    uint16_t halves[kPanel];
+    for (int64_t i = 0; i < kPanel; ++i) {
+      halves[i] = at::Half(ds[(row0 + i) * blocks + b]).x;
+      dst[2 * kPanel + i] = zs[(row0 + i) * blocks + b];
+      std::memcpy(tile[i], qs + (row0 + i) * k + b * kBlock, kBlock);
+    }
+    std::memcpy(dst, halves, sizeof halves);
+    if (quads) arrange_quads<false>(tile, dst + word_header_bytes(kQ4Zero));
+    else arrange_words<true>(tile, dst + word_header_bytes(kQ4Zero));
+  };
+  auto no_supers = [](uint8_t*, int64_t, int64_t) {};
+  return {quads ? kQ4ZeroQuads : kQ4Zero, fill_panels(kQ4Zero, n, k, block, no_supers)};
+}
+
 // GGUF Q4_K / Q5_K blocks with their two-level scales: q int8 [out, in] (0..15 or 0..31), D and M float32
 // [out, in / 256] (half-precision values), s and t uint8 [out, in / 32] (0..63): w = D s q - M t per block of
 // 32 -> (format, blocks): 23 or 24 (25 or 26 with `quads`, for 8-bit activations).
@@ -1296,7 +1346,7 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
   std::vector<Part> parts;
   for (size_t i = 0; i < packed.size(); ++i) {
     const int64_t format = formats[i], out_features = outs[i];
-    TORCH_CHECK(format >= kQ4_1 && format <= kQ6Super, "blocks_linear: unknown format");
+    TORCH_CHECK(format >= kQ4_1 && format <= kQ4ZeroQuads, "blocks_linear: unknown format");
     TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 "
                 "to 16 (it needs AVX512_VNNI)");
     TORCH_CHECK((format >= kQ4_1Words) == words && (words || packed.size() == 1), "blocks_linear: formats 1 and 2 "
