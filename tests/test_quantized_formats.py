@@ -636,6 +636,20 @@ def test_gguf_blocks_read_as_ggufs_own_dequantization(kind):
     assert bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 5 if kind.startswith("Q5") else 8)
 
 
+def _check_every_row_count(layer, dq: torch.Tensor, minimum: torch.Tensor, activation_bits: int) -> None:
+    """layer(x) against x W^T, W = d q + m per block of 32 (dq [out, blocks, 32], minimum [out, blocks]), for 1 to
+    40 rows: within 1e-4 of the sum of |x| |w| (16-bit activations' rounding), plus, with 8-bit activations, half a
+    step (1/254 of each block's largest input) times the block's sum of |d q|."""
+    n, blocks, _ = dq.shape
+    weight = (dq + minimum.double()[..., None]).view(n, blocks * 32)
+    for rows in range(1, 41):
+        x = torch.randn(rows, blocks * 32)
+        bound = 1e-4 * (x.double().abs() @ weight.abs().T) + 1e-6
+        if activation_bits == 8:
+            bound = bound + (x.double().abs().view(rows, -1, 32).amax(-1) / 254) @ dq.abs().sum(-1).T
+        assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
+
+
 @pytest.mark.parametrize("bits", [4, 5])
 @pytest.mark.parametrize("activation_bits", [16, 8])
 def test_k_quant_two_level_scales_multiply_within_their_rounding_at_every_row_count(bits, activation_bits):
@@ -654,14 +668,7 @@ def test_k_quant_two_level_scales_multiply_within_their_rounding_at_every_row_co
     assert packed_linear.apply(torch.nn.Sequential(layer), kernels, activation_bits=activation_bits) == 1
     assert layer.block_format == {(4, 16): 23, (5, 16): 24, (4, 8): 25, (5, 8): 26}[bits, activation_bits]
     assert layer.packed.numel() * 8 / (n * k) == bits + 0.625
-    dq = q.double().view(n, -1, 32) * d.double()[..., None]
-    weight = (dq + m.double()[..., None]).view(n, k)
-    for rows in range(1, 41):
-        x = torch.randn(rows, k)
-        bound = 1e-4 * (x.double().abs() @ weight.abs().T) + 1e-6
-        if activation_bits == 8:
-            bound = bound + (x.double().abs().view(rows, -1, 32).amax(-1) / 254) @ dq.abs().sum(-1).T
-        assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
+    _check_every_row_count(layer, q.double().view(n, -1, 32) * d.double()[..., None], m, activation_bits)
 
 
 def test_q6_k_six_bit_form_multiplies_within_its_rounding_at_every_row_count():
@@ -749,14 +756,7 @@ def test_zero_point_blocks_multiply_within_their_rounding_at_every_row_count(act
     assert packed_linear.apply(torch.nn.Sequential(layer), kernels, activation_bits=activation_bits) == 1
     assert layer.block_format == (28 if activation_bits == 16 else 29)
     assert layer.packed.numel() * 8 / (n * k) == 4.75
-    dq = q.double().view(n, -1, 32) * scale.double()[..., None]
-    weight = (dq + minimum.double()[..., None]).view(n, k)
-    for rows in range(1, 41):
-        x = torch.randn(rows, k)
-        bound = 1e-4 * (x.double().abs() @ weight.abs().T) + 1e-6
-        if activation_bits == 8:
-            bound = bound + (x.double().abs().view(rows, -1, 32).amax(-1) / 254) @ dq.abs().sum(-1).T
-        assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
+    _check_every_row_count(layer, q.double().view(n, -1, 32) * scale.double()[..., None], minimum, activation_bits)
     off = packed_linear.PackedLinear(q, scale, minimum + scale / 3, 4)  # z not an integer
     assert packed_linear.apply(torch.nn.Sequential(off), kernels) == 1 and off.block_format == 5
 
