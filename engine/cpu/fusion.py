@@ -86,9 +86,8 @@ def _fuse_packed(module: torch.nn.Module, name: str, parts: list, new_forward=No
         for part in parts:
             part.become_part_of(fused, start)
             start += part.out_features
-    for part in parts:
-        if not isinstance(part, PackedLinear):  # multiplied by the SideBySide; no layout of its own
-            part.fused_into = True
+    for part in parts:  # computed by the fused layer: no layout or adapter of its own
+        part.fused_into = True
     return True
 
 

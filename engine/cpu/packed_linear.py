@@ -97,7 +97,9 @@ class PackedLinear(torch.nn.Module):
 
     def become_part_of(self, whole: "PackedLinear", start: int) -> None:
         """Give up this layer's blocks: its outputs are columns start.. of `whole`'s (fused q/k/v, gate/up)."""
-        self.whole, self.start = whole, start
+        # Not a submodule of the part: `whole` is its parent's (qkv_proj, gate_up_proj) and is found by that name.
+        object.__setattr__(self, "whole", whole)
+        self.start = start
         self.q = self.scale = self.minimum = self.bias = self.supers = None
 
     def weight_float(self) -> torch.Tensor:

@@ -28,7 +28,6 @@ from typing import Iterator
 import torch
 
 from engine.cpu import native_kernels
-from engine.cpu.packed_linear import SideBySide
 from engine.lora.adapters import LoraAdapter, adaptable
 
 _KERNEL_TYPES = (torch.float32, torch.bfloat16)  # the layer types the native kernel computes the term for
@@ -190,25 +189,16 @@ class AdaptedLayers:
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int):
         self.targets: dict[str, tuple[LoraLinear, int]] = {}
         self.wrappers: list[LoraLinear] = []
-        # Every name of every module: a packed part also holds its fused layer (`whole`), which is wrapped under
-        # the fused layer's own name only.
-        modules = dict(model.named_modules(remove_duplicate=False))
+        modules = dict(model.named_modules())
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        side_by_side = {id(part) for m in modules.values() if isinstance(m, SideBySide) for part in m.parts}
-        wholes = {id(m.whole) for m in modules.values() if getattr(m, "whole", None) is not None}
-        wrapped: set[int] = set()
         for name, module in modules.items():
-            if not adaptable(module) or module is head or id(module) in wrapped:
+            if not adaptable(module) or module is head:
                 continue
-            if getattr(module, "fused_into", False) or getattr(module, "whole", None) is not None \
-                    or id(module) in side_by_side:
-                continue  # computed by its fused layer (or packed parts' one product), wrapped below
+            if getattr(module, "fused_into", False):
+                continue  # computed by its fused layer, wrapped below
             parent_name, _, attr = name.rpartition(".")
             parts = _FUSED.get(attr)
-            if id(module) in wholes and parts is None:
-                continue
-            wrapped.add(id(module))
             if parts is not None:
                 parent = modules[parent_name]
                 wrapper = LoraLinear(module, [getattr(parent, part).out_features for part in parts], max_loras,
