@@ -8,9 +8,8 @@ input channels in an order where every block of 32 has one scale (GPTQ's act-ord
 load; the activations' columns are gathered to match at each product). `apply` packs the blocks into the native
 kernel's layout (engine/cpu/native/quantized_linear.cpp, formats 5, 6 and 9: d and m in float32, so m = -d * z is
 exact; 3, 4 and 8 where both are half-precision values; 19 and 20 where m = -8d or -16d follows from d; 28
-where m = -d z, z a byte), checks
-the product against the dequantized weights, and from then on the layer reads its q (4, 5 or 8 bits a weight) plus
-its headers. GGUF Q6_K's scale per 16 inputs (w = d * q, q in -32..31) is the one other grouping: scales [out,
+where m = -d z, z a byte), checks the product against the dequantized weights, and from then on the layer reads
+its q (4, 5 or 8 bits a weight) plus its headers. GGUF Q6_K's scale per 16 inputs (w = d * q, q in -32..31) is the one other grouping: scales [out,
 in / 16], no minimum. GGUF K-quants bring their two-level scales too (`supers`), which the kernel keeps as the file
 does (formats 23, 24 and Q6_K's 6-bit form 27); bitsandbytes' 4-bit codes index a table (`codes`, formats 17, 18).
 The product takes 16-bit integer activations (each row's block of 32 inputs in steps of 2^-15 of its largest
@@ -62,8 +61,8 @@ class PackedLinear(torch.nn.Module):
     order). With `codes` ("nf4", "fp4": bitsandbytes' 4-bit tables) q is a code and w = scale * table[q]
     (minimums zero). With `supers` (D, s, M, t: GGUF Q4_K / Q5_K's two-level scales, D and M float32 [out, in /
     256], s and t uint8 [out, in / 32]) scale = D s and minimum = -M t; with `supers` (D, s: GGUF Q6_K's, s int8
-    [out, in / 16]) on 8-bit q, scale = D s per 16 inputs. The kernel keeps the factors. Not a torch.nn.Linear, so that no rewrite made for dense weights (fusion's concatenation, layouts, GGUF
-    block recovery) touches it."""
+    [out, in / 16]) on 8-bit q, scale = D s per 16 inputs. The kernel keeps the factors. Not a torch.nn.Linear,
+    so that no rewrite made for dense weights (fusion's concatenation, layouts, GGUF block recovery) touches it."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
                  bias: torch.Tensor | None = None, order: torch.Tensor | None = None, source: str = "",
@@ -200,17 +199,20 @@ def layers(model: torch.nn.Module) -> list[PackedLinear]:
     return [m for m in model.modules() if isinstance(m, PackedLinear) and m.whole is None]
 
 
+def _half_values(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is a half-precision value (the kernel's half headers hold it exactly)."""
+    return bool((t.half().float() == t).all())
+
+
 def _half_exact(layer: PackedLinear) -> bool:
     """Whether the layer's scales and minimums are all half-precision values (and, for 8 bits, its minimums
     zero): then the kernel's half-precision headers hold them exactly (GPTQ's float16 scales with symmetric zero
     points, bitsandbytes' int8 rows often do), half a bit a weight less than float32 headers."""
-    def exact(t: torch.Tensor) -> bool:
-        return bool((t.half().float() == t).all())
     if layer.group != BLOCK:
         return False  # format 7 keeps float32 headers
     if layer.bits == 8:
-        return exact(layer.scale) and not bool(layer.minimum.any())
-    return exact(layer.scale) and exact(layer.minimum)
+        return _half_values(layer.scale) and not bool(layer.minimum.any())
+    return _half_values(layer.scale) and _half_values(layer.minimum)
 
 
 def _centered(layer: PackedLinear) -> bool:
@@ -224,12 +226,29 @@ def _zero_points(layer: PackedLinear) -> torch.Tensor | None:
     """For a 4-bit layer whose scales are half-precision values and whose minimums are -scale * z with z an
     integer in 0..255 (AWQ, GPTQ with zero points), z as uint8 [out, in / 32]: the kernel then keeps d and z, 4.75
     bits a weight, not 6 with float32 d and m. Else None."""
-    if layer.bits != 4 or layer.group != BLOCK or not bool((layer.scale.half().float() == layer.scale).all()):
+    if layer.bits != 4 or layer.group != BLOCK or not _half_values(layer.scale):
         return None
     z = torch.where(layer.scale != 0, -layer.minimum / layer.scale, torch.zeros_like(layer.scale)).round()
     if not bool(((z >= 0) & (z <= 255)).all()) or not torch.equal(-(layer.scale * z), layer.minimum):
         return None
     return z.to(torch.uint8)
+
+
+def _pack(layer: PackedLinear, kernels, activation_bits: int) -> tuple[int, torch.Tensor]:
+    """(format, blocks) of the kernel's most compact form that holds the layer's weights exactly."""
+    quads = activation_bits == 8
+    if layer.codes:  # bitsandbytes' 4-bit tables take 16-bit activations at any setting
+        return kernels.pack_coded(layer.q, layer.scale, layer.codes)
+    if layer.supers is not None and layer.bits != 8:
+        return kernels.pack_super(layer.q, *layer.supers, layer.bits, quads)
+    if layer.supers is not None and not quads:  # Q6_K's 6-bit form
+        return kernels.pack_six_bit(layer.q, *layer.supers)
+    half = _half_exact(layer)
+    centered = half and _centered(layer)
+    zero = None if centered else _zero_points(layer)
+    if zero is not None:
+        return kernels.pack_zero_points(layer.q, layer.scale, zero, quads)
+    return kernels.pack_scaled(layer.q, layer.scale, layer.minimum, layer.bits, half, quads, centered)
 
 
 def _agrees(layer: PackedLinear, weight: torch.Tensor, minimum: torch.Tensor) -> bool:
@@ -267,21 +286,8 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
     packed_bytes = dense_bytes = 0
     for layer in found:
         weight = layer.weight_float()
-        if usable and layer.codes:  # bitsandbytes' 4-bit tables take 16-bit activations at any setting
-            layer.block_format, layer.packed = kernels.pack_coded(layer.q, layer.scale, layer.codes)
-        elif usable and layer.supers is not None and layer.bits != 8:
-            layer.block_format, layer.packed = kernels.pack_super(layer.q, *layer.supers, layer.bits,
-                                                                  activation_bits == 8)
-        elif usable and layer.supers is not None and activation_bits == 16:  # Q6_K's 6-bit form
-            layer.block_format, layer.packed = kernels.pack_six_bit(layer.q, *layer.supers)
-        elif usable and not (_half_exact(layer) and _centered(layer)) and (z := _zero_points(layer)) is not None:
-            layer.block_format, layer.packed = kernels.pack_zero_points(layer.q, layer.scale, z, activation_bits == 8)
-        elif usable:
-            half = _half_exact(layer)
-            layer.block_format, layer.packed = kernels.pack_scaled(layer.q, layer.scale, layer.minimum, layer.bits,
-                                                                   half, activation_bits == 8,
-                                                                   half and _centered(layer))
         if usable:
+            layer.block_format, layer.packed = _pack(layer, kernels, activation_bits)
             layer.kernels = kernels
             if not _agrees(layer, weight, layer.minimum):
                 raise RuntimeError(f"the packed {layer.bits}-bit product differs from the dequantized weights "

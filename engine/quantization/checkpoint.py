@@ -266,8 +266,10 @@ class _Fp8:
 
 
 class _Bitsandbytes:
+    """bitsandbytes int8 or 4-bit: each layer's own tensors say which (SCB, or quant_state and its table)."""
+
     def __init__(self, qc: dict):
-        pass  # the layers' own tensors say int8 (SCB) or 4-bit (quant_state) and which table
+        del qc
 
     def read(self, t: _Tensors, name: str):
         if f"{name}.weight.absmax" in t:
@@ -283,7 +285,6 @@ class _Bitsandbytes:
                                 name)
         except ValueError as exc:
             raise QuantizationError(f"{name}: {exc}") from None
-
 
     @staticmethod
     def _four_bit(t: _Tensors, name: str) -> PackedLinear:
@@ -357,11 +358,10 @@ def load(folder: Path, config, method: str, dtype: torch.dtype, **model_kwargs) 
         if type(module) is not torch.nn.Linear:
             continue
         read = reader.read(tensors, name)
-        if isinstance(read, PackedLinear) and (read.out_features, read.in_features) != (
-                module.out_features, module.in_features):
-            raise QuantizationError(f"{name}: the checkpoint's {read.out_features}x{read.in_features} weight does not "
-                                    f"fit the model's {module.out_features}x{module.in_features} layer")
         if isinstance(read, PackedLinear):
+            if (read.out_features, read.in_features) != (module.out_features, module.in_features):
+                raise QuantizationError(f"{name}: the checkpoint's {read.out_features}x{read.in_features} weight "
+                                        f"does not fit the model's {module.out_features}x{module.in_features} layer")
             parent, child = _parent(model, name)
             setattr(parent, child, read)
             packed += 1
