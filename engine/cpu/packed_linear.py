@@ -9,8 +9,8 @@ load; the activations' columns are gathered to match at each product). `apply` p
 kernel's layout (engine/cpu/native/quantized_linear.cpp, formats 5, 6 and 9: d and m in float32, so m = -d * z is
 exact; 3, 4 and 8 where both are half-precision values; 19 and 20 where m = -8d or -16d follows from d; 28
 where m = -d z, z a byte), checks the product against the dequantized weights, and from then on the layer reads
-its q (4, 5 or 8 bits a weight) plus its headers. GGUF Q6_K's scale per 16 inputs (w = d * q, q in -32..31) is the one other grouping: scales [out,
-in / 16], no minimum. GGUF K-quants bring their two-level scales too (`supers`), which the kernel keeps as the file
+its q (4, 5 or 8 bits a weight) plus its headers. GGUF Q6_K's scale per 16 inputs (w = d * q, q in -32..31)
+is the one other grouping: scales [out, in / 16], no minimum. GGUF K-quants bring their two-level scales too (`supers`), which the kernel keeps as the file
 does (formats 23, 24 and Q6_K's 6-bit form 27); bitsandbytes' 4-bit codes index a table (`codes`, formats 17, 18).
 The product takes 16-bit integer activations (each row's block of 32 inputs in steps of 2^-15 of its largest
 magnitude), as the GGUF blocks do under DTYPE=auto, or 8-bit ones (docs/cpu-kernels.md).
