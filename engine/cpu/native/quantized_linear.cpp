@@ -526,50 +526,55 @@ inline __m512i block_group(const uint8_t* qs, int g) {
   }
 }
 
-// A panel's block header as the 16 outputs' scales d and minimums m (zero where the format has none); Q6_K's form
-// gives the scales of inputs 16..31 (those of 0..15 are taken mid-block).
+// 16 half-precision values, or 16 unsigned or signed bytes, at `p` as float32.
+inline __m512 halves_at(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 bytes_at(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 signed_bytes_at(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Block b's super-block scales after a panel's blocks (formats 23, 24 and 27; elsewhere unused).
 template <Format F>
-inline void block_scales(const uint8_t* header, __m512& d, __m512& m, const uint8_t* super = nullptr) {
+inline const uint8_t* block_super(const uint8_t* panel, int64_t b, int64_t blocks) {
+  return panel + blocks * word_block_bytes(F) + (b / kSuperBlocks) * super_bytes(F);
+}
+
+// The scales of inputs 0..15 (half 0) or 16..31 (half 1) of a block in a format with a scale per 16 inputs:
+// float32 in the header (7), or D times the header's signed bytes (27).
+template <Format F>
+inline __m512 half_scales(const uint8_t* header, const uint8_t* super, int half) {
+  if constexpr (six_bit(F)) return _mm512_mul_ps(halves_at(super), signed_bytes_at(header + half * kPanel));
+  else return _mm512_loadu_ps(reinterpret_cast<const float*>(header) + half * kPanel);
+}
+
+// A panel's block header as the 16 outputs' scales d and minimums m (zero where the format has none); the formats
+// with a scale per 16 inputs give those of inputs 16..31 (those of 0..15 are taken mid-block).
+template <Format F>
+inline void block_scales(const uint8_t* header, __m512& d, __m512& m, const uint8_t* super) {
   m = _mm512_setzero_ps();
-  if constexpr (six_bit(F)) {  // inputs 16..31's scales D s (those of 0..15 are taken mid-block: half_scales)
-    d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super))),
-                      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(header + kPanel)))));
+  if constexpr (per_sixteen(F)) {
+    d = half_scales<F>(header, super, 1);
   } else if constexpr (super_scaled(F)) {  // d = D s, m = -M t, each product rounded to float32 as ggml's
-    const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header))));
-    const __m512 t =
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + kPanel))));
-    d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super))), s);
-    m = _mm512_sub_ps(m, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 32))), t));
-  } else if constexpr (F == kQ8Halves || coded(F)) {
-    d = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + (coded(F) ? 0 : kPanel));
+    d = _mm512_mul_ps(halves_at(super), bytes_at(header));
+    m = _mm512_sub_ps(m, _mm512_mul_ps(halves_at(super + 2 * kPanel), bytes_at(header + kPanel)));
+  } else if constexpr (coded(F)) {
+    d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
   } else if constexpr (float_header(F)) {
     d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
     m = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
   } else if constexpr (zero_point(F)) {  // m = -d z
-    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
-    const __m128i z = _mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 2 * kPanel));
-    m = _mm512_sub_ps(m, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z))));
+    d = halves_at(header);
+    m = _mm512_sub_ps(m, _mm512_mul_ps(d, bytes_at(header + 2 * kPanel)));
   } else if constexpr (centered(F)) {
-    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
+    d = halves_at(header);
     m = _mm512_mul_ps(d, _mm512_set1_ps(F == kQ4Centered ? -8.f : -16.f));
   } else {
-    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
-    if constexpr (has_minimum(F)) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
-  }
-}
-
-// The scales of inputs 0..15 of block b of a panel in a format with a scale per 16 inputs (7: float32 in the
-// header; 27: D times the header's signed bytes).
-template <Format F>
-inline __m512 first_scales(const uint8_t* panel, int64_t b, int64_t blocks) {
-  const uint8_t* header = panel + b * word_block_bytes(F);
-  if constexpr (six_bit(F)) {
-    const uint8_t* super = panel + blocks * word_block_bytes(F) + (b / kSuperBlocks) * super_bytes(F);
-    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super))),
-                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header)))));
-  } else {
-    return _mm512_loadu_ps(reinterpret_cast<const float*>(header));
+    d = halves_at(header);
+    if constexpr (has_minimum(F)) m = halves_at(header + 2 * kPanel);
   }
 }
 
@@ -581,8 +586,7 @@ inline void end_block(const uint8_t* headers, int64_t panel_bytes, int64_t b, in
   for (int p = 0; p < P; ++p) {
     __m512 d, m;
     const uint8_t* panel = headers + p * panel_bytes;
-    block_scales<F>(panel + b * word_block_bytes(F), d, m,
-                    panel + blocks * word_block_bytes(F) + (b / kSuperBlocks) * super_bytes(F));
+    block_scales<F>(panel + b * word_block_bytes(F), d, m, block_super<F>(panel, b, blocks));
     add_scaled(p, d);
     if constexpr (has_minimum(F))
       for (int r = 0; r < R; ++r) sums[r][p] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sum[b * R + r]), sums[r][p]);
@@ -653,7 +657,8 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
       if constexpr (per_sixteen(F)) {
         if (g == 7) {  // inputs 0..15 done: their sums take the first scales, and the sums start again
           for (int p = 0; p < P; ++p) {
-            add_scaled(p, first_scales<F>(headers + p * panel_bytes, b, blocks));
+            const uint8_t* panel = headers + p * panel_bytes;
+            add_scaled(p, half_scales<F>(panel + b * word_block_bytes(F), block_super<F>(panel, b, blocks), 0));
             for (int a = 0; a < A; ++a)
               for (int r = 0; r < R; ++r) acc[a][r][p] = _mm512_setzero_si512();
           }
@@ -756,8 +761,7 @@ void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* h
         if constexpr (F == kQ8Halves) {
           if (j == 3) {  // inputs 0..15 done: their sums take the first scales, and the sums start again
             for (int p = 0; p < P; ++p)
-              add_scaled(p, _mm512_loadu_ps(reinterpret_cast<const float*>(headers + p * panel_bytes +
-                                                                            b * word_block_bytes(F))));
+              add_scaled(p, half_scales<F>(headers + p * panel_bytes + b * word_block_bytes(F), nullptr, 0));
             clear();
           }
         }
@@ -1085,8 +1089,9 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
                   : bits == 8 ? (half ? (quads ? kQ8_0Quads : kQ8_0Words) : (quads ? kQ8ScaledQuads : kQ8Scaled))
                   : half ? (quads ? kQ4_1Quads : kQ4_1Words) : (quads ? kQ4ScaledQuads : kQ4Scaled);
   const int64_t block = packed_block_bytes(f), panels = n / kPanel, panel_bytes = blocks * block;
-  const int64_t header_size =
-      centered ? word_header_bytes(kQ4Centered) : half ? word_header_bytes(bits == 4 ? kQ4_1 : bits == 5 ? kQ5Words : kQ8_0) : 2 * kPanel * 4;
+  const int64_t header_size = centered ? word_header_bytes(kQ4Centered)
+                              : half ? word_header_bytes(bits == 4 ? kQ4_1 : bits == 5 ? kQ5Words : kQ8_0)
+                                     : 2 * kPanel * 4;
   auto packed = at::empty({panels, panel_bytes}, at::kByte);
   uint8_t* out = packed.data_ptr<uint8_t>();
   const int8_t* qs = qc.data_ptr<int8_t>();
@@ -1125,6 +1130,31 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
   return {f, packed};
 }
 
+// A weight of n outputs by k inputs packed in word format `base`, panels of 16 outputs in parallel: block(dst,
+// row0, b) writes block b of the panel whose first output is row0, super(dst, row0, u) its super-block u's scales.
+template <typename Block, typename Super>
+at::Tensor fill_panels(Format base, int64_t n, int64_t k, Block& block, Super& super) {
+  const int64_t blocks = k / kBlock, bytes = word_block_bytes(base), panel_bytes = word_panel_bytes(base, k);
+  auto packed = at::empty({n / kPanel, panel_bytes}, at::kByte);
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, n / kPanel, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      uint8_t* panel = out + p * panel_bytes;
+      for (int64_t b = 0; b < blocks; ++b) block(panel + b * bytes, p * kPanel, b);
+      for (int64_t u = 0; u < blocks / kSuperBlocks; ++u)
+        super(panel + blocks * bytes + u * super_bytes(base), p * kPanel, u);
+    }
+  });
+  return packed;
+}
+
+// fill_panels for a format without super-blocks.
+template <typename Block>
+at::Tensor fill_panels(Format base, int64_t n, int64_t k, Block& block) {
+  auto none = [](uint8_t*, int64_t, int64_t) {};
+  return fill_panels(base, n, k, block, none);
+}
+
 // 4-bit codes q int8 [out, in] (0..15) of `table` ("nf4" or "fp4": bitsandbytes' tables) with a scale (absmax)
 // float32 [out, in / 32] per block -> (format, blocks): 17 or 18, w = scale * table[q] as kCodes rounds it.
 std::tuple<int64_t, at::Tensor> pack_coded(const at::Tensor& q, const at::Tensor& scale, const std::string& table) {
@@ -1142,45 +1172,19 @@ std::tuple<int64_t, at::Tensor> pack_coded(const at::Tensor& q, const at::Tensor
   TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() <= 15, "pack_coded: q must be in 0..15");
   const Format f = table == "nf4" ? kNf4Words : kFp4Words;
   const float levels = code_table(f).levels;
-  const int64_t block = packed_block_bytes(f), panels = n / kPanel, panel_bytes = blocks * block;
-  auto packed = at::empty({panels, panel_bytes}, at::kByte);
-  uint8_t* out = packed.data_ptr<uint8_t>();
   const int8_t* qs = qc.data_ptr<int8_t>();
   const float* ss = sc.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  auto block = [&](uint8_t* dst, int64_t row0, int64_t b) {
     int8_t tile[kPanel][kBlock];
     float d[kPanel];
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t b = 0; b < blocks; ++b) {
-        uint8_t* dst = out + p * panel_bytes + b * block;
-        for (int64_t i = 0; i < kPanel; ++i) {
-          const int64_t row = p * kPanel + i;
-          d[i] = ss[row * blocks + b] / levels;
-          std::memcpy(tile[i], qs + row * k + b * kBlock, kBlock);
-        }
-        std::memcpy(dst, d, sizeof d);
-        arrange_words<true>(tile, dst + sizeof d);
-      }
-  });
-  return {f, packed};
-}
-
-// A weight of n outputs by k inputs packed in word format `base`, panels of 16 outputs in parallel: block(dst,
-// row0, b) writes block b of the panel whose first output is row0, super(dst, row0, u) its super-block u's scales.
-template <typename Block, typename Super>
-at::Tensor fill_panels(Format base, int64_t n, int64_t k, Block& block, Super& super) {
-  const int64_t blocks = k / kBlock, bytes = word_block_bytes(base), panel_bytes = word_panel_bytes(base, k);
-  auto packed = at::empty({n / kPanel, panel_bytes}, at::kByte);
-  uint8_t* out = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, n / kPanel, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      uint8_t* panel = out + p * panel_bytes;
-      for (int64_t b = 0; b < blocks; ++b) block(panel + b * bytes, p * kPanel, b);
-      for (int64_t u = 0; u < blocks / kSuperBlocks; ++u)
-        super(panel + blocks * bytes + u * super_bytes(base), p * kPanel, u);
+    for (int64_t i = 0; i < kPanel; ++i) {
+      d[i] = ss[(row0 + i) * blocks + b] / levels;
+      std::memcpy(tile[i], qs + (row0 + i) * k + b * kBlock, kBlock);
     }
-  });
-  return packed;
+    std::memcpy(dst, d, sizeof d);
+    arrange_words<true>(tile, dst + sizeof d);
+  };
+  return {f, fill_panels(f, n, k, block)};
 }
 
 // 4-bit q int8 [out, in] (0..15) with a zero point: d float32 [out, in / 32] (half-precision values) and z uint8
@@ -1216,8 +1220,7 @@ std::tuple<int64_t, at::Tensor> pack_zero_points(const at::Tensor& q, const at::
     if (quads) arrange_quads<false>(tile, dst + word_header_bytes(kQ4Zero));
     else arrange_words<true>(tile, dst + word_header_bytes(kQ4Zero));
   };
-  auto no_supers = [](uint8_t*, int64_t, int64_t) {};
-  return {quads ? kQ4ZeroQuads : kQ4Zero, fill_panels(kQ4Zero, n, k, block, no_supers)};
+  return {quads ? kQ4ZeroQuads : kQ4Zero, fill_panels(kQ4Zero, n, k, block)};
 }
 
 // GGUF Q4_K / Q5_K blocks with their two-level scales: q int8 [out, in] (0..15 or 0..31), D and M float32
