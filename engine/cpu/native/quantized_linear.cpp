@@ -1048,6 +1048,21 @@ std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words
   return {kNone, at::empty({0}, at::kByte)};
 }
 
+// What every packer of a checkpoint's q checks: this build has the product, q is an int8 CPU matrix whose outputs
+// fill panels of 16 and inputs runs of `inputs` (a block of 32, or a super-block of 256), its values in lo..hi.
+// q contiguous.
+at::Tensor checked_q(const char* fn, const at::Tensor& q, int64_t inputs, int lo, int hi) {
+  TORCH_CHECK(word_blocks_supported(), fn, ": this build has no product for 16-bit activations (it needs AVX512_VNNI)");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar, fn, ": q must be an int8 CPU "
+              "matrix");
+  TORCH_CHECK(q.size(0) % kPanel == 0 && q.size(1) % inputs == 0 && q.numel() > 0, fn, ": the weight's shape must "
+              "divide into 16 outputs by ", inputs, " inputs");
+  const at::Tensor qc = q.contiguous();
+  if (lo > -128 || hi < 127)  // (int8 holds nothing else: no pass over q for 8-bit weights)
+    TORCH_CHECK(qc.min().item<int>() >= lo && qc.max().item<int>() <= hi, fn, ": q must be in ", lo, "..", hi);
+  return qc;
+}
+
 // A quantized checkpoint's weight [out, in] as w = scale * q + minimum per block of 32 inputs of one output:
 // q int8 [out, in] (0..15 for bits 4, -128..127 for 8), scale and minimum float32 [out, in / 32] -> (format,
 // blocks): 5 or 6 and the blocks in the product's layout for 16-bit integer activations. The product multiplies
@@ -1059,24 +1074,15 @@ std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words
 // every minimum is -8 or -16 times its scale) the header holds d alone (formats 19-22).
 std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
                                             int64_t bits, bool half, bool quads, bool centered) {
-  TORCH_CHECK(word_blocks_supported(), "pack_scaled: this build has no product for 16-bit activations (it needs "
-              "AVX512_VNNI)");
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "pack_scaled: bits must be 4, 5 or 8");
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar, "pack_scaled: q must be an int8 "
-              "CPU matrix");
+  const at::Tensor qc = checked_q("pack_scaled", q, kBlock, bits == 8 ? -128 : 0, bits == 8 ? 127 : (1 << bits) - 1);
   const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock;
-  TORCH_CHECK(n % kPanel == 0 && k % kBlock == 0 && n > 0 && k > 0, "pack_scaled: the weight's shape must divide "
-              "into 16 outputs by 32 inputs");
   const bool per_16 = scale.dim() == 2 && scale.size(1) == 2 * blocks;
   for (const at::Tensor* t : {&scale, &minimum})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == n &&
                     t->size(1) == (per_16 ? 2 : 1) * blocks, "pack_scaled: scale and minimum must be float32 "
                     "[out, in / 32] (or both [out, in / 16])");
-  const at::Tensor qc = q.contiguous(), sc = scale.contiguous(), mc = minimum.contiguous();
-  if (bits == 4)
-    TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() <= 15, "pack_scaled: 4-bit q must be in 0..15");
-  if (bits == 5)
-    TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() <= 31, "pack_scaled: 5-bit q must be in 0..31");
+  const at::Tensor sc = scale.contiguous(), mc = minimum.contiguous();
   TORCH_CHECK(!per_16 || (bits == 8 && !half && !mc.any().item<bool>()), "pack_scaled: a scale per 16 inputs needs "
               "8-bit q, float32 headers and zero minimums");
   TORCH_CHECK(!centered || (half && !per_16 && bits != 8 &&
@@ -1158,18 +1164,12 @@ at::Tensor fill_panels(Format base, int64_t n, int64_t k, Block& block) {
 // 4-bit codes q int8 [out, in] (0..15) of `table` ("nf4" or "fp4": bitsandbytes' tables) with a scale (absmax)
 // float32 [out, in / 32] per block -> (format, blocks): 17 or 18, w = scale * table[q] as kCodes rounds it.
 std::tuple<int64_t, at::Tensor> pack_coded(const at::Tensor& q, const at::Tensor& scale, const std::string& table) {
-  TORCH_CHECK(word_blocks_supported(), "pack_coded: this build has no product for 16-bit activations (it needs "
-              "AVX512_VNNI)");
   TORCH_CHECK(table == "nf4" || table == "fp4", "pack_coded: table must be nf4 or fp4");
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar, "pack_coded: q must be an int8 "
-              "CPU matrix");
+  const at::Tensor qc = checked_q("pack_coded", q, kBlock, 0, 15);
   const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock;
-  TORCH_CHECK(n % kPanel == 0 && k % kBlock == 0 && n > 0 && k > 0, "pack_coded: the weight's shape must divide "
-              "into 16 outputs by 32 inputs");
   TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == n &&
               scale.size(1) == blocks, "pack_coded: scale must be float32 [out, in / 32]");
-  const at::Tensor qc = q.contiguous(), sc = scale.contiguous();
-  TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() <= 15, "pack_coded: q must be in 0..15");
+  const at::Tensor sc = scale.contiguous();
   const Format f = table == "nf4" ? kNf4Words : kFp4Words;
   const float levels = code_table(f).levels;
   const int8_t* qs = qc.data_ptr<int8_t>();
@@ -1191,20 +1191,14 @@ std::tuple<int64_t, at::Tensor> pack_coded(const at::Tensor& q, const at::Tensor
 // [out, in / 32], w = d (q - z) -> (28, blocks), or 29 with `quads`.
 std::tuple<int64_t, at::Tensor> pack_zero_points(const at::Tensor& q, const at::Tensor& d, const at::Tensor& z,
                                                  bool quads) {
-  TORCH_CHECK(word_blocks_supported(), "pack_zero_points: this build has no product for 16-bit activations (it "
-              "needs AVX512_VNNI)");
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar, "pack_zero_points: q must be an "
-              "int8 CPU matrix");
+  const at::Tensor qc = checked_q("pack_zero_points", q, kBlock, 0, 15);
   const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock;
-  TORCH_CHECK(n % kPanel == 0 && k % kBlock == 0 && n > 0 && k > 0, "pack_zero_points: the weight's shape must "
-              "divide into 16 outputs by 32 inputs");
   TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 2 && d.size(0) == n && d.size(1) == blocks &&
               d.to(at::kHalf).to(at::kFloat).equal(d), "pack_zero_points: d must be float32 [out, in / 32] "
               "half-precision values");
   TORCH_CHECK(z.scalar_type() == at::kByte && z.dim() == 2 && z.size(0) == n && z.size(1) == blocks,
               "pack_zero_points: z must be uint8 [out, in / 32]");
-  const at::Tensor qc = q.contiguous(), dc = d.contiguous(), zc = z.contiguous();
-  TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() <= 15, "pack_zero_points: q must be in 0..15");
+  const at::Tensor dc = d.contiguous(), zc = z.contiguous();
   const int8_t* qs = qc.data_ptr<int8_t>();
   const float* ds = dc.data_ptr<float>();
   const uint8_t* zs = zc.data_ptr<uint8_t>();
@@ -1228,14 +1222,9 @@ std::tuple<int64_t, at::Tensor> pack_zero_points(const at::Tensor& q, const at::
 // 32 -> (format, blocks): 23 or 24 (25 or 26 with `quads`, for 8-bit activations).
 std::tuple<int64_t, at::Tensor> pack_super(const at::Tensor& q, const at::Tensor& big_d, const at::Tensor& s,
                                            const at::Tensor& big_m, const at::Tensor& t, int64_t bits, bool quads) {
-  TORCH_CHECK(word_blocks_supported(), "pack_super: this build has no product for 16-bit activations (it needs "
-              "AVX512_VNNI)");
   TORCH_CHECK(bits == 4 || bits == 5, "pack_super: bits must be 4 or 5");
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar, "pack_super: q must be an int8 "
-              "CPU matrix");
+  const at::Tensor qc = checked_q("pack_super", q, kBlock * kSuperBlocks, 0, (1 << bits) - 1);
   const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock, supers = blocks / kSuperBlocks;
-  TORCH_CHECK(n % kPanel == 0 && k % (kBlock * kSuperBlocks) == 0 && n > 0, "pack_super: the weight's shape must "
-              "divide into 16 outputs by 256 inputs");
   for (const at::Tensor* x : {&big_d, &big_m})
     TORCH_CHECK(x->scalar_type() == at::kFloat && x->dim() == 2 && x->size(0) == n && x->size(1) == supers &&
                 x->to(at::kHalf).to(at::kFloat).equal(*x), "pack_super: D and M must be float32 [out, in / 256] "
@@ -1243,9 +1232,7 @@ std::tuple<int64_t, at::Tensor> pack_super(const at::Tensor& q, const at::Tensor
   for (const at::Tensor* x : {&s, &t})
     TORCH_CHECK(x->scalar_type() == at::kByte && x->dim() == 2 && x->size(0) == n && x->size(1) == blocks,
                 "pack_super: s and t must be uint8 [out, in / 32]");
-  const at::Tensor qc = q.contiguous(), dc = big_d.contiguous(), mc = big_m.contiguous(), sc = s.contiguous(),
-                   tc = t.contiguous();
-  TORCH_CHECK(qc.min().item<int>() >= 0 && qc.max().item<int>() < (1 << bits), "pack_super: q out of range");
+  const at::Tensor dc = big_d.contiguous(), mc = big_m.contiguous(), sc = s.contiguous(), tc = t.contiguous();
   const Format base = bits == 4 ? kQ4Super : kQ5Super;
   const Format f = quads ? (bits == 4 ? kQ4SuperQuads : kQ5SuperQuads) : base;
   const int8_t* qs = qc.data_ptr<int8_t>();
@@ -1281,20 +1268,14 @@ std::tuple<int64_t, at::Tensor> pack_super(const at::Tensor& q, const at::Tensor
 // GGUF Q6_K blocks as the file holds them: q int8 [out, in] (-32..31), D float32 [out, in / 256] (half-precision
 // values), s int8 [out, in / 16]: w = D s q per 16 inputs -> (27, blocks).
 std::tuple<int64_t, at::Tensor> pack_six_bit(const at::Tensor& q, const at::Tensor& big_d, const at::Tensor& s) {
-  TORCH_CHECK(word_blocks_supported(), "pack_six_bit: this build has no product for 16-bit activations (it needs "
-              "AVX512_VNNI)");
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar, "pack_six_bit: q must be an int8 "
-              "CPU matrix");
+  const at::Tensor qc = checked_q("pack_six_bit", q, kBlock * kSuperBlocks, -32, 31);
   const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock, supers = blocks / kSuperBlocks;
-  TORCH_CHECK(n % kPanel == 0 && k % (kBlock * kSuperBlocks) == 0 && n > 0, "pack_six_bit: the weight's shape must "
-              "divide into 16 outputs by 256 inputs");
   TORCH_CHECK(big_d.scalar_type() == at::kFloat && big_d.dim() == 2 && big_d.size(0) == n && big_d.size(1) == supers &&
               big_d.to(at::kHalf).to(at::kFloat).equal(big_d), "pack_six_bit: D must be float32 [out, in / 256] "
               "half-precision values");
   TORCH_CHECK(s.scalar_type() == at::kChar && s.dim() == 2 && s.size(0) == n && s.size(1) == 2 * blocks,
               "pack_six_bit: s must be int8 [out, in / 16]");
-  const at::Tensor qc = q.contiguous(), dc = big_d.contiguous(), sc = s.contiguous();
-  TORCH_CHECK(qc.min().item<int>() >= -32 && qc.max().item<int>() <= 31, "pack_six_bit: q must be in -32..31");
+  const at::Tensor dc = big_d.contiguous(), sc = s.contiguous();
   const int8_t* qs = qc.data_ptr<int8_t>();
   const int8_t* ss = sc.data_ptr<int8_t>();
   const float* ds = dc.data_ptr<float>();
