@@ -107,32 +107,10 @@ def nf4_tensors(weight, blocksize: int = 64) -> dict:
             "weight.quant_state.bitsandbytes__nf4": torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)}
 
 
-def build_nf4(source: Path, out: Path) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    if (out / "config.json").is_file():
-        return out
-    out.mkdir(parents=True)
-    quantized = {}
-    for name, tensor in load_file(str(source / "model.safetensors")).items():
-        if name.endswith(".weight") and tensor.dim() == 2 and ".layers." in name:
-            layer = name.removesuffix(".weight")
-            quantized.update({f"{layer}.{k}": v for k, v in nf4_tensors(tensor).items()})
-        else:
-            quantized[name] = tensor.contiguous()
-    save_file(quantized, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
-                                     "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False,
-                                     "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8"}
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    for f in source.iterdir():
-        if f.name not in ("model.safetensors", "config.json"):
-            (out / f.name).write_bytes(f.read_bytes())
-    return out
-
-
-def build_gptq(source: Path, out: Path, group: int, head: bool) -> Path:
+def write_quantized(source: Path, out: Path, quantization_config: dict, layer_tensors, head: bool = False) -> Path:
+    """(Once) `source` in `out` with each decoder layer's 2-D weight (and, with `head`, the output head's own copy
+    of tied embeddings) replaced by layer_tensors(weight)'s tensors under its layer's name, `quantization_config`
+    in its config, and its other files copied."""
     from safetensors.torch import load_file, save_file
 
     if (out / "config.json").is_file():
@@ -145,13 +123,12 @@ def build_gptq(source: Path, out: Path, group: int, head: bool) -> Path:
     for name, tensor in state.items():
         layer = name.removesuffix(".weight")
         if name.endswith(".weight") and tensor.dim() == 2 and (".layers." in name or (head and layer == "lm_head")):
-            quantized.update({f"{layer}.{k}": v for k, v in gptq_tensors(tensor, group).items()})
+            quantized.update({f"{layer}.{k}": v for k, v in layer_tensors(tensor).items()})
         else:
             quantized[name] = tensor.contiguous()
     save_file(quantized, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
-                                     "sym": True, "checkpoint_format": "gptq", "lm_head": head}
+    config["quantization_config"] = quantization_config
     if head:
         config["tie_word_embeddings"] = False
     (out / "config.json").write_text(json.dumps(config, indent=1))
@@ -159,6 +136,19 @@ def build_gptq(source: Path, out: Path, group: int, head: bool) -> Path:
         if f.name not in ("model.safetensors", "config.json"):
             (out / f.name).write_bytes(f.read_bytes())
     return out
+
+
+def build_nf4(source: Path, out: Path) -> Path:
+    return write_quantized(source, out, {
+        "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": False, "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8"},
+        nf4_tensors)
+
+
+def build_gptq(source: Path, out: Path, group: int, head: bool) -> Path:
+    return write_quantized(source, out, {
+        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": True,
+        "checkpoint_format": "gptq", "lm_head": head}, lambda weight: gptq_tensors(weight, group), head)
 
 
 def throughput(folder: Path, args, env: tuple[str, ...] = ()) -> dict:
