@@ -867,9 +867,9 @@ def test_a_bfloat16_row_only_goes_to_the_integer_activation_formats():
                                        ("per16", False), (4, "centred"), (5, "centred")])
 def test_eight_bit_activations_stay_within_their_rounding_at_every_row_count(bits, half):
     """Formats 10-16, 21 and 22 (4-, 5- and 8-bit blocks, half or float32 headers, Q6_K's scale per 16, 4- and
-    5-bit centred blocks whose minimum the kernel derives, for 8-bit activations): every tile shape of rows gives x W^T within half an activation step (1/254 of each block's
-    largest input) times the block's |d q|, float32 and bfloat16 rows; a row's result does not depend on the rows
-    beside it."""
+    5-bit centred blocks whose minimum the kernel derives, for 8-bit activations): every tile shape of rows gives
+    x W^T within half an activation step (1/254 of each block's largest input) times the block's |d q|, float32
+    and bfloat16 rows; a row's result does not depend on the rows beside it."""
     kernels = _word_kernels()
     torch.manual_seed(7)
     group = 16 if bits == "per16" else 32
@@ -890,7 +890,8 @@ def test_eight_bit_activations_stay_within_their_rounding_at_every_row_count(bit
     assert packed_linear.apply(torch.nn.Sequential(layer), kernels, activation_bits=8) == 1
     assert packed_linear.apply(torch.nn.Sequential(words), kernels) == 1
     assert layer.block_format == {(4, True): 10, (4, False): 11, (5, True): 12, (5, False): 13, (8, True): 14,
-                                  (8, False): 15, ("per16", False): 16, (4, "centred"): 21, (5, "centred"): 22}[bits, half]
+                                  (8, False): 15, ("per16", False): 16, (4, "centred"): 21,
+                                  (5, "centred"): 22}[bits, half]
     assert layer.packed.numel() == words.packed.numel()  # the same bytes, arranged by quads
     dq = (q.double().view(48, -1, group) * scale.double()[..., None])  # d q per scale's group
     weight = (dq + minimum.double()[..., None]).view(48, 96)
