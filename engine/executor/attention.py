@@ -152,6 +152,41 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
     return out
 
 
+class DecodeAttention:
+    """A step of decode rows in one bucket, attending straight from the cache's blocks through the native kernel,
+    called by the compact forward for each layer. paged_attention decides the same per layer (the step's layout,
+    the pools' types, the kernel's conditions) and reshapes its query and output around it: 25 us a layer at one
+    stream, as long as the kernel itself."""
+
+    def __init__(self, kernels, cache, bucket):
+        self.kernels, self.cache = kernels, cache
+        self.blocks, self.lengths = bucket.blocks, bucket.lengths
+
+    def __call__(self, layer: int, query: torch.Tensor, scaling: float | None, window: int | None) -> torch.Tensor:
+        """query [rows, heads, dim] (last dimension contiguous) -> [rows, heads, value_dim]."""
+        k_pool, v_pool = self.cache.pools(layer)
+        out = query.new_empty((query.shape[0], query.shape[1], v_pool.shape[3]))
+        self.kernels.paged_decode_attention(query, k_pool, v_pool, self.blocks, self.lengths, window or 0,
+                                            scaling if scaling is not None else query.shape[-1] ** -0.5, out)
+        return out
+
+
+def decode_attention(dtype: torch.dtype) -> DecodeAttention | None:
+    """The running step's decode attention for queries of `dtype` when the step is one bucket of decode rows that
+    the native kernel serves in every layer (CPU pools of the queries' type, or 16-bit pools under float32
+    queries), else None: paged_attention then decides per layer."""
+    step = current_layout()
+    if step is None:
+        return None
+    cache, layout = step
+    kernels = native_kernels.active() if cache.native_kernels else None
+    if (kernels is None or layout.segments or len(layout.buckets) != 1
+            or any(shape.device.type != "cpu" for shape in cache.layers.values())
+            or not (cache.dtype == dtype or (dtype == torch.float32 and cache.dtype in (torch.float16, torch.bfloat16)))):
+        return None
+    return DecodeAttention(kernels, cache, layout.buckets[0])
+
+
 def layer_window(module, sliding_window: int | None) -> int | None:
     """The window an attention layer attends over: the one its model passes, else the one engine/executor/windows.py
     marked at load (models that build a sliding-window mask without passing the window here)."""

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as nn_module
 
-from engine.executor.attention import layer_window, paged_attention
+from engine.executor.attention import DecodeAttention, decode_attention, layer_window, paged_attention
 from engine.cpu.fusion import gated_mlp_forward
 from engine.executor.kv_cache import StepCache
 
@@ -113,10 +113,12 @@ class _Layer:
         return x + self.down(F.silu(gate) * up)
 
     def fused(self, x: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-              cache: StepCache, kernels, next_rms: tuple[torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
+              cache: StepCache, kernels, next_rms: tuple[torch.Tensor, float],
+              attend: DecodeAttention | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer through the native kernels (engine/cpu/native_kernels.py): x is the residual stream and `normed`
         its input norm; returns the new residual stream and its norm by `next_rms` (the next layer's input norm,
-        or the final one), so each residual add runs in one pass with the norm after it."""
+        or the final one), so each residual add runs in one pass with the norm after it. `attend`: the step's decode
+        attention where it is one bucket of decode rows (attention.decode_attention), else paged_attention."""
         tokens = x.shape[1]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv(normed).view(tokens, heads + 2 * kv_heads, dim)
@@ -126,9 +128,13 @@ class _Layer:
         k_pool, v_pool, slots = cache.write_target(self.index)
         kernels.rope_and_cache_(qkv, cos if self.rotary else None, sin if self.rotary else None, heads, kv_heads,
                                 k_pool, v_pool, slots)
-        out = paged_attention(self.attention, qkv[:, :heads].transpose(0, 1).unsqueeze(0),
-                              qkv[:, heads:heads + kv_heads].transpose(0, 1).unsqueeze(0),
-                              qkv[:, heads + kv_heads:].transpose(0, 1).unsqueeze(0), self.scaling, window=self.window)
+        if attend is not None:
+            out = attend(self.index, qkv[:, :heads], self.scaling, self.window)
+        else:
+            out = paged_attention(self.attention, qkv[:, :heads].transpose(0, 1).unsqueeze(0),
+                                  qkv[:, heads:heads + kv_heads].transpose(0, 1).unsqueeze(0),
+                                  qkv[:, heads + kv_heads:].transpose(0, 1).unsqueeze(0), self.scaling,
+                                  window=self.window)
         y = self.o_proj(out.reshape(1, tokens, -1))
         normed = kernels.add_rms_norm_(y, x, *self.post_rms)
         x = y
@@ -193,8 +199,9 @@ class CompactDecoder:
         if self.kernels is not None:
             cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [tokens, head_dim]
             x, normed = hidden, self.kernels.rms_norm(hidden, *self.layers[0].input_rms)
+            attend = decode_attention(hidden.dtype)
             for layer, next_rms in zip(self.layers, self.next_rms):
-                x, normed = layer.fused(x, normed, cos, sin, cache, self.kernels, next_rms)
+                x, normed = layer.fused(x, normed, cos, sin, cache, self.kernels, next_rms, attend)
             return self.head(normed.index_select(1, keep))
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # broadcast over heads
         x = hidden
