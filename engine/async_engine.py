@@ -79,7 +79,7 @@ def _generation_runner(model: LoadedModel, config: EngineConfig) -> ModelRunner:
                          gpu_memory_utilization=config.gpu_memory_utilization,
                          max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                          kv_dtype=kv_dtype, check_kv_dtype=check_kv_dtype, platform=model.platform,
-                         verdicts=model.verdicts)
+                         verdicts=model.verdicts, batch_invariant=model.batch_invariant)
     kv = runner.kv
     memory = (f" of {model.platform.simulated_memory / 2**30:.2f} GiB simulated" if model.platform.simulated
               else "")

@@ -253,7 +253,6 @@ def load(config: EngineConfig) -> LoadedModel:
                              "multiplied from packed integers by the CPU kernels (a quantized checkpoint's integer "
                              "layers, bitsandbytes' 4-bit codes excepted, QUANTIZATION=int8/int4's, or a GGUF file's "
                              "served from its blocks with DTYPE=auto), which are all it changes; unset it")
-    attention.set_batch_invariant(invariant)
     log.info("batch invariance: %s (BATCH_INVARIANT=%s)", "on" if invariant else "off",
              str(config.batch_invariant).lower())
     pooling = pooling_config(folder, model.config, task, config.pooling_type, config.embedding_normalize)

@@ -11,18 +11,18 @@ import pytest
 import torch
 
 from conftest import ROOT
-from engine import SamplingParams
+from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine_helpers import chat_ids, generate
 
 sys.path.insert(0, str(ROOT / "bench"))
 from throughput import PROMPTS, long_document_prompt  # noqa: E402
 
 
-def _cases(engine) -> list[tuple[list[int], SamplingParams]]:
+def _cases(engine, document: int) -> list[tuple[list[int], SamplingParams]]:
     greedy = dict(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
     seeded = dict(max_tokens=16, temperature=0.9, top_p=0.95, ignore_eos=True, logprobs=2)
     # ~1000 tokens: prefilled in two chunks alone, at other boundaries when the step's budget is shared
-    document = chat_ids(engine, long_document_prompt(3, 700))
+    document = chat_ids(engine, long_document_prompt(document, 700))
     assert len(document) > engine.config.max_num_batched_tokens
     return ([(chat_ids(engine, p), SamplingParams(**greedy)) for p in PROMPTS[:6]]
             + [(document, SamplingParams(**greedy)),
@@ -36,9 +36,26 @@ def _exact(result: dict) -> tuple:
 
 
 def test_mixed_concurrent_requests_equal_solo_runs_exactly(worker):
-    engine = worker.engine
-    assert engine.batch_invariant  # BATCH_INVARIANT=auto turns it on for the embedded GGUF model
-    cases = _cases(engine)
+    assert worker.engine.batch_invariant  # BATCH_INVARIANT=auto turns it on for the embedded GGUF model
+    _assert_mixed_equal_solo(worker.engine, document=3)
+
+
+def test_another_engine_in_the_process_leaves_this_ones_invariance(worker, tmp_path):
+    """Batch invariance belongs to the engine that chose it: starting a second engine without it in the same
+    process (a float32 safetensors model, BATCH_INVARIANT=false) must not turn it off for the first. It was one
+    switch for the whole process, set by the last engine to start."""
+    from tiny_models import build_small_model
+    other = AsyncEngine(EngineConfig(model=str(build_small_model(tmp_path)), batch_invariant=False))
+    asyncio.run(other.start())
+    try:
+        assert not other.batch_invariant and worker.engine.batch_invariant
+        _assert_mixed_equal_solo(worker.engine, document=4)  # not in the prefix cache from the test above
+    finally:
+        other.close()
+
+
+def _assert_mixed_equal_solo(engine, document: int) -> None:
+    cases = _cases(engine, document)
 
     async def solo():
         return [await generate(engine, f"alone-{i}", ids, p) for i, (ids, p) in enumerate(cases)]

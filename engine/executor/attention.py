@@ -25,15 +25,6 @@ ATTENTION_IMPLEMENTATION = "worker_paged"
 # Prompt chunks from this many tokens take the native prefill kernel; shorter ones keep SDPA, which is as fast or
 # faster there (the kernel's work is split by tiles of 16 tokens, too few to share out).
 NATIVE_PREFILL_MIN_TOKENS = 64
-# BATCH_INVARIANT: every chunk takes the native kernel, whose result for a token depends only on its position and
-# its sequence's keys (key tiles aligned to position 0), while SDPA rounds differently by chunk length and by
-# whether the chunk starts its sequence; how a prompt is chunked depends on what else shares the step.
-_batch_invariant = False
-
-
-def set_batch_invariant(on: bool) -> None:
-    global _batch_invariant
-    _batch_invariant = on
 WINDOW_ATTRIBUTE = "worker_sliding_window"
 
 
@@ -122,7 +113,11 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
     for index, seg in enumerate(layout.segments):
         span = slice(seg.offset, seg.offset + seg.length)
         q = query[:, :, span]
-        if prefill is not None and (_batch_invariant or seg.length >= NATIVE_PREFILL_MIN_TOKENS):
+        # Under BATCH_INVARIANT (the cache's engine's) every chunk takes the native kernel, whose result for a
+        # token depends only on its position and its sequence's keys (key tiles aligned to position 0), while SDPA
+        # rounds differently by chunk length and by whether the chunk starts its sequence; how a prompt is chunked
+        # depends on what else shares the step.
+        if prefill is not None and (cache.batch_invariant or seg.length >= NATIVE_PREFILL_MIN_TOKENS):
             # Straight from the cache's blocks in register tiles, over only the keys each token reads
             # (engine/cpu/native/prefill_attention.cpp): no gathered copy, no mask, no masked scores computed.
             o = (query.new_empty((seg.length, query.shape[1], value_dim), dtype=torch.float32)

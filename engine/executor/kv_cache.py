@@ -31,10 +31,12 @@ class LayerShape:
 
 class PagedKVCache:
     def __init__(self, device: torch.device, dtype: torch.dtype, layers: dict[int, LayerShape], num_blocks: int,
-                 native_kernels: bool = True):
+                 native_kernels: bool = True, batch_invariant: bool = False):
         self.device = device
         # Whether attention over it may take the native CPU kernels: not on the CUDA path, even simulated on the CPU.
         self.native_kernels = native_kernels
+        # Whether its engine serves BATCH_INVARIANT (attention.py then attends every prompt chunk alike).
+        self.batch_invariant = batch_invariant
         self.dtype = dtype
         self.layers = layers
         self.num_blocks = num_blocks

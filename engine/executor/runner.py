@@ -61,8 +61,9 @@ class ModelRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, kv_budget_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  kv_dtype: torch.dtype | None = None, check_kv_dtype: bool = False,
-                 platform: devices.Platform | None = None, verdicts=None):
+                 platform: devices.Platform | None = None, verdicts=None, batch_invariant: bool = False):
         self.model = model
+        self.batch_invariant = batch_invariant  # the engine's BATCH_INVARIANT, which its caches carry to attention
         # The checks' verdicts from earlier starts on this machine, model and code (engine/startup_cache.py; startup_checks.py asks them).
         self.verdicts = verdicts
         self.device = device
@@ -111,7 +112,7 @@ class ModelRunner:
 
     def new_cache(self, dtype: torch.dtype, num_blocks: int) -> PagedKVCache:
         return PagedKVCache(self.device, dtype, self.layer_shapes, num_blocks,
-                            native_kernels=self.platform.cpu_fast_paths)
+                            native_kernels=self.platform.cpu_fast_paths, batch_invariant=self.batch_invariant)
 
     @torch.inference_mode()
     def _cuda_blocks(self, utilization: float, profile_tokens: int) -> int:
