@@ -900,7 +900,11 @@ void word_products(const T* x, int64_t rows, int64_t k, const std::vector<Part>&
     for (int64_t first = 0; first < parts[i].n / kPanel; first += 2) pairs.emplace_back(i, first);
   // Pairs of panels, each widened once (by its first tile of rows) into a buffer the later tiles read from cache.
   at::parallel_for(0, static_cast<int64_t>(pairs.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<int16_t> storage(k * 2 * kPanel + 32);  // aligned below: split stores cost two
+    // The thread's buffer, kept from call to call: a new one every call was zero-filled by each thread, 60-160 KB
+    // a layer, though a call of one tile of rows never touches it.
+    thread_local std::vector<int16_t> storage;
+    const size_t needed = tiles.count > 1 ? k * 2 * kPanel + 32 : 0;
+    if (storage.size() < needed) storage.resize(needed);
     int16_t* w = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
     for (int64_t i = begin; i < end; ++i) {
       const Part& part = parts[pairs[i].first];
