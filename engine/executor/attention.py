@@ -175,9 +175,9 @@ def decode_attention(dtype: torch.dtype) -> DecodeAttention | None:
         return None
     cache, layout = step
     kernels = native_kernels.active() if cache.native_kernels else None
-    if (kernels is None or layout.segments or len(layout.buckets) != 1
-            or any(shape.device.type != "cpu" for shape in cache.layers.values())
-            or not (cache.dtype == dtype or (dtype == torch.float32 and cache.dtype in (torch.float16, torch.bfloat16)))):
+    pools_fit = cache.dtype == dtype or (dtype == torch.float32 and cache.dtype in (torch.float16, torch.bfloat16))
+    if (kernels is None or not pools_fit or layout.segments or len(layout.buckets) != 1
+            or any(shape.device.type != "cpu" for shape in cache.layers.values())):
         return None
     return DecodeAttention(kernels, cache, layout.buckets[0])
 
