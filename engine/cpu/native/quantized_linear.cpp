@@ -192,7 +192,8 @@ bool recover_block(const float* w, float& scale, float& minimum, int8_t* q) {
 // The byte of input group g's 32 (see Format) at position t: output t / 2, input 2g + t % 2.
 inline int8_t word_q(const int8_t (*q)[kBlock], int g, int t) { return q[t / 2][2 * g + t % 2]; }
 
-// A panel's block of q (16 outputs x 32 inputs) in the arrangement for 16-bit activations (see Format).
+// A panel's block of q (16 outputs x 32 inputs) in the arrangement for 16-bit activations (see Format); with
+// `Four`, the low 4 bits of each q.
 template <bool Four>
 void arrange_words(const int8_t (*q)[kBlock], uint8_t* qs) {
   if constexpr (Four) {
@@ -234,18 +235,42 @@ void arrange_quads8(const int8_t (*q)[kBlock], uint8_t* qs) {
       for (int t = 0; t < 4; ++t) qs[64 * j + 4 * i + t] = static_cast<uint8_t>(q[i][4 * j + t]);
 }
 
+// Bit `bit` of input group g's 32 q (see Format) as a 32-bit word, bit t for position t.
+inline uint32_t group_bits(const int8_t (*q)[kBlock], int g, int bit) {
+  uint32_t word = 0;
+  for (int t = 0; t < 32; ++t) word |= static_cast<uint32_t>((word_q(q, g, t) >> bit) & 1) << t;
+  return word;
+}
+
 // A panel's block of 5-bit q (0..31) for 16-bit activations: the low nibbles as the 4-bit formats hold them,
 // then per group of 32 pairs a 32-bit word of fifth bits.
 void arrange_five_bits(const int8_t (*tile)[kBlock], uint8_t* qs) {
-  int8_t low[kPanel][kBlock];
-  for (int64_t i = 0; i < kPanel; ++i)
-    for (int64_t j = 0; j < kBlock; ++j) low[i][j] = static_cast<int8_t>(tile[i][j] & 15);
-  arrange_words<true>(low, qs);
+  arrange_words<true>(tile, qs);
   for (int g = 0; g < 16; ++g) {
-    uint32_t high = 0;
-    for (int t = 0; t < 32; ++t) high |= static_cast<uint32_t>((word_q(tile, g, t) >> 4) & 1) << t;
-    std::memcpy(qs + kBlock * kPanel / 2 + 4 * g, &high, 4);
+    const uint32_t fifth = group_bits(tile, g, 4);
+    std::memcpy(qs + kBlock * kPanel / 2 + 4 * g, &fifth, 4);
   }
+}
+
+// A panel's block of 4-, 5- or 8-bit q in the arrangement its product reads: for 16-bit activations, or by quads
+// for 8-bit ones (`quads`).
+void arrange(const int8_t (*tile)[kBlock], uint8_t* qs, int64_t bits, bool quads) {
+  if (quads) {
+    if (bits == 8) arrange_quads8(tile, qs);
+    else if (bits == 5) arrange_quads<true>(tile, qs);
+    else arrange_quads<false>(tile, qs);
+  } else if (bits == 4) {
+    arrange_words<true>(tile, qs);
+  } else if (bits == 5) {
+    arrange_five_bits(tile, qs);
+  } else {
+    arrange_words<false>(tile, qs);
+  }
+}
+
+// The q of block b of the panel whose first output is row0, from q [out, k].
+inline void panel_tile(const int8_t* q, int64_t k, int64_t row0, int64_t b, int8_t (*tile)[kBlock]) {
+  for (int64_t i = 0; i < kPanel; ++i) std::memcpy(tile[i], q + (row0 + i) * k + b * kBlock, kBlock);
 }
 
 template <Format F>
@@ -1131,23 +1156,22 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
           else
             header[i] = ss[row * blocks + b], header[kPanel + i] = ms[row * blocks + b];
           halves[i] = at::Half(header[i]).x, halves[kPanel + i] = at::Half(header[kPanel + i]).x;
-          std::memcpy(tile[i], qs + row * k + b * kBlock, kBlock);
         }
         std::memcpy(dst, half ? static_cast<const void*>(halves) : static_cast<const void*>(header), header_size);
-        if (quads) {
-          if (bits == 8) arrange_quads8(tile, dst + header_size);
-          else if (bits == 5) arrange_quads<true>(tile, dst + header_size);
-          else arrange_quads<false>(tile, dst + header_size);
-        } else if (bits == 4) {
-          arrange_words<true>(tile, dst + header_size);
-        } else if (bits == 5) {
-          arrange_five_bits(tile, dst + header_size);
-        } else {
-          arrange_words<false>(tile, dst + header_size);
-        }
+        panel_tile(qs, k, p * kPanel, b, tile);
+        arrange(tile, dst + header_size, bits, quads);
       }
   });
   return {f, packed};
+}
+
+// What a packer checks of a per-block factor it is given: a CPU matrix of `type`, [rows, cols], and with
+// `half_values` float32 values that half precision holds exactly (the packed headers keep them so). `what`: the
+// message.
+void check_factor(const at::Tensor& t, at::ScalarType type, int64_t rows, int64_t cols, bool half_values,
+                  const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.dim() == 2 && t.size(0) == rows &&
+              t.size(1) == cols && (!half_values || t.to(at::kHalf).to(at::kFloat).equal(t)), what);
 }
 
 // A weight of n outputs by k inputs packed in word format `base`, panels of 16 outputs in parallel: block(dst,
@@ -1181,8 +1205,7 @@ std::tuple<int64_t, at::Tensor> pack_coded(const at::Tensor& q, const at::Tensor
   TORCH_CHECK(table == "nf4" || table == "fp4", "pack_coded: table must be nf4 or fp4");
   const at::Tensor qc = checked_q("pack_coded", q, kBlock, 0, 15);
   const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock;
-  TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == n &&
-              scale.size(1) == blocks, "pack_coded: scale must be float32 [out, in / 32]");
+  check_factor(scale, at::kFloat, n, blocks, false, "pack_coded: scale must be float32 [out, in / 32]");
   const at::Tensor sc = scale.contiguous();
   const Format f = table == "nf4" ? kNf4Words : kFp4Words;
   const float levels = code_table(f).levels;
@@ -1191,11 +1214,9 @@ std::tuple<int64_t, at::Tensor> pack_coded(const at::Tensor& q, const at::Tensor
   auto block = [&](uint8_t* dst, int64_t row0, int64_t b) {
     int8_t tile[kPanel][kBlock];
     float d[kPanel];
-    for (int64_t i = 0; i < kPanel; ++i) {
-      d[i] = ss[(row0 + i) * blocks + b] / levels;
-      std::memcpy(tile[i], qs + (row0 + i) * k + b * kBlock, kBlock);
-    }
+    for (int64_t i = 0; i < kPanel; ++i) d[i] = ss[(row0 + i) * blocks + b] / levels;
     std::memcpy(dst, d, sizeof d);
+    panel_tile(qs, k, row0, b, tile);
     arrange_words<true>(tile, dst + sizeof d);
   };
   return {f, fill_panels(f, n, k, block)};
@@ -1207,11 +1228,9 @@ std::tuple<int64_t, at::Tensor> pack_zero_points(const at::Tensor& q, const at::
                                                  bool quads) {
   const at::Tensor qc = checked_q("pack_zero_points", q, kBlock, 0, 15);
   const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock;
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 2 && d.size(0) == n && d.size(1) == blocks &&
-              d.to(at::kHalf).to(at::kFloat).equal(d), "pack_zero_points: d must be float32 [out, in / 32] "
-              "half-precision values");
-  TORCH_CHECK(z.scalar_type() == at::kByte && z.dim() == 2 && z.size(0) == n && z.size(1) == blocks,
-              "pack_zero_points: z must be uint8 [out, in / 32]");
+  check_factor(d, at::kFloat, n, blocks, true, "pack_zero_points: d must be float32 [out, in / 32] half-precision "
+               "values");
+  check_factor(z, at::kByte, n, blocks, false, "pack_zero_points: z must be uint8 [out, in / 32]");
   const at::Tensor dc = d.contiguous(), zc = z.contiguous();
   const int8_t* qs = qc.data_ptr<int8_t>();
   const float* ds = dc.data_ptr<float>();
@@ -1222,11 +1241,10 @@ std::tuple<int64_t, at::Tensor> pack_zero_points(const at::Tensor& q, const at::
     for (int64_t i = 0; i < kPanel; ++i) {
       halves[i] = at::Half(ds[(row0 + i) * blocks + b]).x;
       dst[2 * kPanel + i] = zs[(row0 + i) * blocks + b];
-      std::memcpy(tile[i], qs + (row0 + i) * k + b * kBlock, kBlock);
     }
     std::memcpy(dst, halves, sizeof halves);
-    if (quads) arrange_quads<false>(tile, dst + word_header_bytes(kQ4Zero));
-    else arrange_words<true>(tile, dst + word_header_bytes(kQ4Zero));
+    panel_tile(qs, k, row0, b, tile);
+    arrange(tile, dst + word_header_bytes(kQ4Zero), 4, quads);
   };
   return {quads ? kQ4ZeroQuads : kQ4Zero, fill_panels(kQ4Zero, n, k, block)};
 }
@@ -1240,12 +1258,10 @@ std::tuple<int64_t, at::Tensor> pack_super(const at::Tensor& q, const at::Tensor
   const at::Tensor qc = checked_q("pack_super", q, kBlock * kSuperBlocks, 0, (1 << bits) - 1);
   const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock, supers = blocks / kSuperBlocks;
   for (const at::Tensor* x : {&big_d, &big_m})
-    TORCH_CHECK(x->scalar_type() == at::kFloat && x->dim() == 2 && x->size(0) == n && x->size(1) == supers &&
-                x->to(at::kHalf).to(at::kFloat).equal(*x), "pack_super: D and M must be float32 [out, in / 256] "
-                "half-precision values");
+    check_factor(*x, at::kFloat, n, supers, true, "pack_super: D and M must be float32 [out, in / 256] half-precision "
+                 "values");
   for (const at::Tensor* x : {&s, &t})
-    TORCH_CHECK(x->scalar_type() == at::kByte && x->dim() == 2 && x->size(0) == n && x->size(1) == blocks,
-                "pack_super: s and t must be uint8 [out, in / 32]");
+    check_factor(*x, at::kByte, n, blocks, false, "pack_super: s and t must be uint8 [out, in / 32]");
   const at::Tensor dc = big_d.contiguous(), mc = big_m.contiguous(), sc = s.contiguous(), tc = t.contiguous();
   const Format base = bits == 4 ? kQ4Super : kQ5Super;
   const Format f = quads ? (bits == 4 ? kQ4SuperQuads : kQ5SuperQuads) : base;
@@ -1257,17 +1273,9 @@ std::tuple<int64_t, at::Tensor> pack_super(const at::Tensor& q, const at::Tensor
     for (int64_t i = 0; i < kPanel; ++i) {
       dst[i] = ss[(row0 + i) * blocks + b];
       dst[kPanel + i] = ts[(row0 + i) * blocks + b];
-      std::memcpy(tile[i], qs + (row0 + i) * k + b * kBlock, kBlock);
     }
-    uint8_t* q_bytes = dst + word_header_bytes(base);
-    if (quads) {
-      if (bits == 5) arrange_quads<true>(tile, q_bytes);
-      else arrange_quads<false>(tile, q_bytes);
-    } else if (bits == 4) {
-      arrange_words<true>(tile, q_bytes);
-    } else {
-      arrange_five_bits(tile, q_bytes);
-    }
+    panel_tile(qs, k, row0, b, tile);
+    arrange(tile, dst + word_header_bytes(base), bits, quads);
   };
   auto super = [&](uint8_t* dst, int64_t row0, int64_t u) {
     uint16_t halves[2 * kPanel];
@@ -1284,34 +1292,26 @@ std::tuple<int64_t, at::Tensor> pack_super(const at::Tensor& q, const at::Tensor
 std::tuple<int64_t, at::Tensor> pack_six_bit(const at::Tensor& q, const at::Tensor& big_d, const at::Tensor& s) {
   const at::Tensor qc = checked_q("pack_six_bit", q, kBlock * kSuperBlocks, -32, 31);
   const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock, supers = blocks / kSuperBlocks;
-  TORCH_CHECK(big_d.scalar_type() == at::kFloat && big_d.dim() == 2 && big_d.size(0) == n && big_d.size(1) == supers &&
-              big_d.to(at::kHalf).to(at::kFloat).equal(big_d), "pack_six_bit: D must be float32 [out, in / 256] "
-              "half-precision values");
-  TORCH_CHECK(s.scalar_type() == at::kChar && s.dim() == 2 && s.size(0) == n && s.size(1) == 2 * blocks,
-              "pack_six_bit: s must be int8 [out, in / 16]");
+  check_factor(big_d, at::kFloat, n, supers, true, "pack_six_bit: D must be float32 [out, in / 256] half-precision "
+               "values");
+  check_factor(s, at::kChar, n, 2 * blocks, false, "pack_six_bit: s must be int8 [out, in / 16]");
   const at::Tensor dc = big_d.contiguous(), sc = s.contiguous();
   const int8_t* qs = qc.data_ptr<int8_t>();
   const int8_t* ss = sc.data_ptr<int8_t>();
   const float* ds = dc.data_ptr<float>();
   auto block = [&](uint8_t* dst, int64_t row0, int64_t b) {
-    int8_t tile[kPanel][kBlock], low[kPanel][kBlock];
+    int8_t tile[kPanel][kBlock];
     for (int64_t i = 0; i < kPanel; ++i) {
       const int64_t row = row0 + i;
       dst[i] = static_cast<uint8_t>(ss[row * 2 * blocks + 2 * b]);
       dst[kPanel + i] = static_cast<uint8_t>(ss[row * 2 * blocks + 2 * b + 1]);
-      for (int64_t j = 0; j < kBlock; ++j) {
+      for (int64_t j = 0; j < kBlock; ++j)
         tile[i][j] = static_cast<int8_t>(qs[row * k + b * kBlock + j] + 32);  // 0..63
-        low[i][j] = static_cast<int8_t>(tile[i][j] & 15);
-      }
     }
     uint8_t* q_bytes = dst + word_header_bytes(kQ6Super);
-    arrange_words<true>(low, q_bytes);
+    arrange_words<true>(tile, q_bytes);  // the low nibbles
     for (int g = 0; g < 16; ++g) {
-      uint32_t fifth = 0, sixth = 0;
-      for (int t = 0; t < 32; ++t) {
-        fifth |= static_cast<uint32_t>((word_q(tile, g, t) >> 4) & 1) << t;
-        sixth |= static_cast<uint32_t>((word_q(tile, g, t) >> 5) & 1) << t;
-      }
+      const uint32_t fifth = group_bits(tile, g, 4), sixth = group_bits(tile, g, 5);
       std::memcpy(q_bytes + kBlock * kPanel / 2 + 8 * g, &fifth, 4);
       std::memcpy(q_bytes + kBlock * kPanel / 2 + 8 * g + 4, &sixth, 4);
     }
