@@ -674,8 +674,9 @@ def test_k_quant_two_level_scales_multiply_within_their_rounding_at_every_row_co
 def test_q6_k_six_bit_form_multiplies_within_its_rounding_at_every_row_count():
     """GGUF Q6_K packed as the file holds it (format 27: 6-bit q as nibbles and two words of high bits, a signed
     byte scale per 16 inputs, half-precision D per 256: 6.5625 bits a weight): every tile shape of rows gives
-    x W^T, W = D s q per 16 inputs, within the 16-bit activations' rounding; under 8-bit activations the layer takes
-    the 8-bit form (format 16)."""
+    x W^T, W = D s q per 16 inputs, within the 16-bit activations' rounding. Under 8-bit activations the layer keeps
+    its 6.5625 bits (format 30, not format 16's 10) and each output is within half an 8-bit step of each half
+    block's largest input times the half block's sum of |w| (the activations' rounding there)."""
     kernels = _word_kernels()
     torch.manual_seed(12)
     n, k = 48, 512
@@ -694,7 +695,12 @@ def test_q6_k_six_bit_form_multiplies_within_its_rounding_at_every_row_count():
         assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
     eight = packed_linear.PackedLinear(q, d, torch.zeros_like(d), 8, supers=(big_d, s))
     assert packed_linear.apply(torch.nn.Sequential(eight), kernels, activation_bits=8) == 1
-    assert eight.block_format == 16
+    assert eight.block_format == 30 and eight.packed.numel() * 8 / (n * k) == 6.5625
+    for rows in range(1, 41):
+        x = torch.randn(rows, k)
+        step = x.double().abs().view(rows, -1, 32).amax(-1).repeat_interleave(32, 1) / 254
+        bound = 1e-4 * (x.double().abs() @ weight.abs().T) + step @ weight.abs().T + 1e-6
+        assert ((eight(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
 
 
 def test_a_scale_per_16_inputs_multiplies_exactly_at_every_row_count():

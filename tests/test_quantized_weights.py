@@ -142,7 +142,7 @@ def test_bad_arguments_are_errors_not_crashes(kernels):
     with pytest.raises(RuntimeError, match="does not match"):
         kernels.blocks_linear(torch.randn(2, 64), packed, 2, 32)  # Q8_0 blocks are larger
     with pytest.raises(RuntimeError, match="unknown format"):
-        kernels.blocks_linear(torch.randn(2, 64), packed, 30, 32)  # formats 1-29 exist
+        kernels.blocks_linear(torch.randn(2, 64), packed, 31, 32)  # formats 1-30 exist
     with pytest.raises(RuntimeError, match="unknown format"):
         kernels.blocks_linear(torch.randn(2, 64), packed, 0, 32)
     with pytest.raises(RuntimeError, match="float32"):

@@ -11,7 +11,8 @@ exact; 3, 4 and 8 where both are half-precision values; 19 and 20 where m = -8d 
 where m = -d z, z a byte), checks the product against the dequantized weights, and from then on the layer reads
 its q (4, 5 or 8 bits a weight) plus its headers. GGUF Q6_K's scale per 16 inputs (w = d * q, q in -32..31)
 is the one other grouping: scales [out, in / 16], no minimum. GGUF K-quants bring their two-level scales too (`supers`), which the kernel keeps as the file
-does (formats 23, 24 and Q6_K's 6-bit form 27); bitsandbytes' 4-bit codes index a table (`codes`, formats 17, 18).
+does (formats 23, 24 and Q6_K's 6-bit form 27, or 30 for 8-bit activations); bitsandbytes' 4-bit codes index a
+table (`codes`, formats 17, 18).
 The product takes 16-bit integer activations (each row's block of 32 inputs in steps of 2^-15 of its largest
 magnitude), as the GGUF blocks do under DTYPE=auto, or 8-bit ones (docs/cpu-kernels.md).
 
@@ -32,7 +33,7 @@ PANEL = 16  # outputs per panel of the kernel's layout
 _BITS = (4, 5, 8)  # the widths the kernel's formats hold (quantized_linear.cpp chooses the format at packing)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the kernel reads and writes as they are
 # blocks multiplied from 8-bit integer activations (quantized_linear.cpp)
-QUAD_FORMATS = (*range(10, 17), 21, 22, 25, 26, 29)
+QUAD_FORMATS = (*range(10, 17), 21, 22, 25, 26, 29, 30)
 SUPER = 256  # inputs of a GGUF K-quant super-block, whose D and M scale its blocks' 6-bit s and t
 ACTIVATIONS = {"int16": 16, "int8": 8}  # QUANTIZED_ACTIVATIONS
 # bitsandbytes' 4-bit tables (w = absmax * value[q]) and the integer levels that stand for 1 in the kernel's
@@ -241,8 +242,8 @@ def _pack(layer: PackedLinear, kernels, activation_bits: int) -> tuple[int, torc
         return kernels.pack_coded(layer.q, layer.scale, layer.codes)
     if layer.supers is not None and layer.bits != 8:
         return kernels.pack_super(layer.q, *layer.supers, layer.bits, quads)
-    if layer.supers is not None and not quads:  # Q6_K's 6-bit form
-        return kernels.pack_six_bit(layer.q, *layer.supers)
+    if layer.supers is not None:  # Q6_K's 6-bit form
+        return kernels.pack_six_bit(layer.q, *layer.supers, quads)
     half = _half_exact(layer)
     centered = half and _centered(layer)
     zero = None if centered else _zero_points(layer)

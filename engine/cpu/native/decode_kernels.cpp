@@ -573,7 +573,8 @@ std::tuple<int64_t, at::Tensor> pack_scaled(const at::Tensor& q, const at::Tenso
 std::tuple<int64_t, at::Tensor> pack_coded(const at::Tensor& q, const at::Tensor& scale, const std::string& table);
 std::tuple<int64_t, at::Tensor> pack_super(const at::Tensor& q, const at::Tensor& big_d, const at::Tensor& s,
                                            const at::Tensor& big_m, const at::Tensor& t, int64_t bits, bool quads);
-std::tuple<int64_t, at::Tensor> pack_six_bit(const at::Tensor& q, const at::Tensor& big_d, const at::Tensor& s);
+std::tuple<int64_t, at::Tensor> pack_six_bit(const at::Tensor& q, const at::Tensor& big_d, const at::Tensor& s,
+                                             bool quads);
 std::tuple<int64_t, at::Tensor> pack_zero_points(const at::Tensor& q, const at::Tensor& d, const at::Tensor& z,
                                                  bool quads);
 // engine/native/prefill_attention.cpp
@@ -617,7 +618,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(w = D s q - M t)", py::arg("q"), py::arg("big_d"), py::arg("s"), py::arg("big_m"), py::arg("t"),
         py::arg("bits"), py::arg("quads") = false);
   m.def("pack_six_bit", &pack_six_bit, "(27, blocks): GGUF Q6_K blocks as the file holds them (w = D s q per 16 "
-        "inputs)", py::arg("q"), py::arg("big_d"), py::arg("s"));
+        "inputs); (30, blocks) with `quads`", py::arg("q"), py::arg("big_d"), py::arg("s"), py::arg("quads") = false);
   m.def("pack_zero_points", &pack_zero_points, "(28, blocks): 4-bit q with a zero point per 32 inputs (w = d (q - "
         "z))", py::arg("q"), py::arg("d"), py::arg("z"), py::arg("quads") = false);
   m.def("bf16_linear_supported", &bf16_linear_supported, "whether this build and CPU have the AVX512_BF16 product");

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -81,11 +82,16 @@ enum Format : int64_t {
   // 4-bit q with a zero point (AWQ, GPTQ with zero points: w = d * (q - z)): d in half precision and z as a byte
   // per output and block, m = -d z formed in float32 (exact: 11 bits times 8): 4.75 bits a weight, not 6 with
   // float32 d and m. 29: the same for 8-bit activations.
-  kQ4Zero = 28, kQ4ZeroQuads = 29
+  kQ4Zero = 28, kQ4ZeroQuads = 29,
+  // Format 27 for 8-bit activations: the nibbles by quads (as format 11 holds them), then per quad a 64-bit word of
+  // fifth bits and one of sixth bits (bit 4i + t: output i, input 4j + t). q 0..63 is VPDPBUSD's unsigned operand,
+  // and 32 times each row's integer sum over a half block comes off that half's integer sum: 6.5625 bits a
+  // weight, against format 16's 10.
+  kQ6SuperQuads = 30
 };
 constexpr bool quad_format(int64_t f) {
   return (f >= kQ4_1Quads && f <= kQ8HalvesQuads) || f == kQ4CenteredQuads || f == kQ5CenteredQuads ||
-         f == kQ4SuperQuads || f == kQ5SuperQuads || f == kQ4ZeroQuads;
+         f == kQ4SuperQuads || f == kQ5SuperQuads || f == kQ4ZeroQuads || f == kQ6SuperQuads;
 }
 constexpr bool zero_point(int64_t f) { return f == kQ4Zero; }
 constexpr bool super_scaled(int64_t f) { return f == kQ4Super || f == kQ5Super; }
@@ -114,7 +120,8 @@ constexpr Format word_base(int64_t f) {
          : f == kQ5ScaledQuads ? kQ5Scaled : f == kQ8_0Quads ? kQ8_0Words : f == kQ8ScaledQuads ? kQ8Scaled
          : f == kQ8HalvesQuads ? kQ8Halves : f == kQ4CenteredQuads ? kQ4Centered
          : f == kQ5CenteredQuads ? kQ5Centered : f == kQ4SuperQuads ? kQ4Super
-         : f == kQ5SuperQuads ? kQ5Super : f == kQ4ZeroQuads ? kQ4Zero : static_cast<Format>(f);
+         : f == kQ5SuperQuads ? kQ5Super : f == kQ4ZeroQuads ? kQ4Zero
+         : f == kQ6SuperQuads ? kQ6Super : static_cast<Format>(f);
 }
 
 // One part of a product (a layer, or one of the layers whose outputs a fused projection puts side by side): its
@@ -209,22 +216,22 @@ void arrange_words(const int8_t (*q)[kBlock], uint8_t* qs) {
   }
 }
 
-// A panel's block of 4- or 5-bit q in the arrangement for 8-bit activations: quad j (inputs 4j..4j+3) as 64
+// A panel's block of 4-, 5- or 6-bit q in the arrangement for 8-bit activations: quad j (inputs 4j..4j+3) as 64
 // bytes, byte 4i + t = q of output i at input 4j + t; quads 2v and 2v + 1 share 64 bytes (low and high nibbles).
-// 5-bit q add, per quad, a 64-bit word whose bit 4i + t is that q's fifth bit. The sizes are those of the
-// arrangement for 16-bit activations.
-template <bool Five>
+// 5- and 6-bit q add, per quad, a 64-bit word whose bit 4i + t is that q's fifth bit (and then one of sixth bits).
+// The sizes are those of the arrangement for 16-bit activations.
+template <int Bits>
 void arrange_quads(const int8_t (*q)[kBlock], uint8_t* qs) {
   for (int v = 0; v < 4; ++v)
     for (int i = 0; i < kPanel; ++i)
       for (int t = 0; t < 4; ++t)
         qs[64 * v + 4 * i + t] = static_cast<uint8_t>((q[i][8 * v + t] & 15) | ((q[i][8 * v + 4 + t] & 15) << 4));
-  if constexpr (Five)
-    for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < 8; ++j)
+    for (int bit = 4; bit < Bits; ++bit) {
       uint64_t high = 0;
       for (int i = 0; i < kPanel; ++i)
-        for (int t = 0; t < 4; ++t) high |= static_cast<uint64_t>((q[i][4 * j + t] >> 4) & 1) << (4 * i + t);
-      std::memcpy(qs + kBlock * kPanel / 2 + 8 * j, &high, 8);
+        for (int t = 0; t < 4; ++t) high |= static_cast<uint64_t>((q[i][4 * j + t] >> bit) & 1) << (4 * i + t);
+      std::memcpy(qs + kBlock * kPanel / 2 + 8 * ((Bits - 4) * j + bit - 4), &high, 8);
     }
 }
 
@@ -242,27 +249,32 @@ inline uint32_t group_bits(const int8_t (*q)[kBlock], int g, int bit) {
   return word;
 }
 
-// A panel's block of 5-bit q (0..31) for 16-bit activations: the low nibbles as the 4-bit formats hold them,
-// then per group of 32 pairs a 32-bit word of fifth bits.
-void arrange_five_bits(const int8_t (*tile)[kBlock], uint8_t* qs) {
+// A panel's block of 5- or 6-bit q (0..31, 0..63) for 16-bit activations: the low nibbles as the 4-bit formats
+// hold them, then per group of 32 pairs a 32-bit word of fifth bits (and then one of sixth bits).
+template <int Bits>
+void arrange_high_bits(const int8_t (*tile)[kBlock], uint8_t* qs) {
   arrange_words<true>(tile, qs);
-  for (int g = 0; g < 16; ++g) {
-    const uint32_t fifth = group_bits(tile, g, 4);
-    std::memcpy(qs + kBlock * kPanel / 2 + 4 * g, &fifth, 4);
-  }
+  for (int g = 0; g < 16; ++g)
+    for (int bit = 4; bit < Bits; ++bit) {
+      const uint32_t word = group_bits(tile, g, bit);
+      std::memcpy(qs + kBlock * kPanel / 2 + 4 * ((Bits - 4) * g + bit - 4), &word, 4);
+    }
 }
 
-// A panel's block of 4-, 5- or 8-bit q in the arrangement its product reads: for 16-bit activations, or by quads
-// for 8-bit ones (`quads`).
+// A panel's block of 4-, 5-, 6- or 8-bit q in the arrangement its product reads: for 16-bit activations, or by
+// quads for 8-bit ones (`quads`).
 void arrange(const int8_t (*tile)[kBlock], uint8_t* qs, int64_t bits, bool quads) {
   if (quads) {
     if (bits == 8) arrange_quads8(tile, qs);
-    else if (bits == 5) arrange_quads<true>(tile, qs);
-    else arrange_quads<false>(tile, qs);
+    else if (bits == 6) arrange_quads<6>(tile, qs);
+    else if (bits == 5) arrange_quads<5>(tile, qs);
+    else arrange_quads<4>(tile, qs);
   } else if (bits == 4) {
     arrange_words<true>(tile, qs);
   } else if (bits == 5) {
-    arrange_five_bits(tile, qs);
+    arrange_high_bits<5>(tile, qs);
+  } else if (bits == 6) {
+    arrange_high_bits<6>(tile, qs);
   } else {
     arrange_words<false>(tile, qs);
   }
@@ -446,12 +458,15 @@ void product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, flo
 // magnitude, about 256 times finer than bfloat16's. Every step of a row's result depends on that row alone, so
 // it does not change with how many rows share the call.
 // Rows are multiplied in tiles of at most kWordRows, of even sizes (13 rows: 5 + 4 + 4, 32: 6 + 6 + 5 + 5 + 5 + 5).
-constexpr int kWordRows = 6;
+// 8-bit activations take tiles of up to kQuadRows: their weights are unpacked again for each tile (nothing to
+// keep: no widening), so eight rows in one tile, not 4 + 4, took a 2816x1024 Q4_K layer from 139 to 122 us.
+constexpr int kWordRows = 6, kQuadRows = 8;
 
 struct RowTiles {
-  int64_t count, base, extra;  // the first `extra` tiles hold base + 1 rows, the others base
-  explicit RowTiles(int64_t rows)
-      : count((rows + kWordRows - 1) / kWordRows), base(rows / count), extra(rows % count) {}
+  int64_t count = 0, base = 0, extra = 0;  // the first `extra` tiles hold base + 1 rows, the others base
+  RowTiles() = default;
+  RowTiles(int64_t rows, int64_t most)
+      : count((rows + most - 1) / most), base(rows / count), extra(rows % count) {}
   int64_t size(int64_t t) const { return base + (t < extra); }
   int64_t first_row(int64_t t) const { return t * base + std::min(t, extra); }
   int64_t of_row(int64_t row) const {  // the tile holding `row`
@@ -468,6 +483,10 @@ template <typename Q>
 struct Rows {
   std::vector<Q> q;  // [rows * k]
   std::vector<float> scale, sum;  // [rows * k / 32]
+  // 8-bit rows only: each block's integer sums of qx over inputs 0..15 and 16..31, [rows * k / 16] at
+  // 2 * (the block's scale index) + half. Format 30's unsigned q stand for q - 32 (see Format).
+  std::vector<int32_t> halves;
+  RowTiles tiles;  // the tiles whose rows q interleaves
 };
 using QuantizedRows = Rows<int16_t>;
 using ByteRows = Rows<int8_t>;
@@ -486,8 +505,9 @@ Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k) {
   constexpr float kLevels = sizeof(Q) == 2 ? 32767.f : 127.f;
   constexpr int kUnit = 4 / sizeof(Q);  // the values a 32-bit lane multiplies: a pair or a quad
   const int64_t blocks = k / kBlock;
-  const RowTiles tiles(rows);
-  Rows<Q> out{std::vector<Q>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
+  const RowTiles tiles(rows, sizeof(Q) == 2 ? kWordRows : kQuadRows);
+  Rows<Q> out{std::vector<Q>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks),
+              std::vector<int32_t>(sizeof(Q) == 1 ? 2 * rows * blocks : 0), tiles};
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / blocks, b = i % blocks, tile = tiles.of_row(row);
@@ -519,6 +539,9 @@ Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k) {
         }
       }
       out.sum[at] = sum;
+      if constexpr (sizeof(Q) == 1)
+        for (int h = 0; h < 2; ++h)
+          out.halves[2 * at + h] = std::accumulate(qb + 16 * h, qb + 16 * h + 16, int32_t{0});
       Q* units = out.q.data() + row0 * k + (b * (kBlock / kUnit) * tile_rows + r) * kUnit;
       for (int g = 0; g < kBlock / kUnit; ++g) std::memcpy(units + g * tile_rows * kUnit, qb + kUnit * g, 4);
     }
@@ -729,11 +752,15 @@ inline void block_quads(const uint8_t* qs, int v, __m512i& low, __m512i& high) {
   const __m512i packed = _mm512_loadu_si512(qs + 64 * v);
   low = _mm512_and_si512(packed, _mm512_set1_epi8(0x0F));
   high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));
-  if constexpr (five_bit(F)) {
-    uint64_t bits[2];
-    std::memcpy(bits, qs + kBlock * kPanel / 2 + 16 * v, 16);
-    low = _mm512_mask_add_epi8(low, bits[0], low, _mm512_set1_epi8(16));
-    high = _mm512_mask_add_epi8(high, bits[1], high, _mm512_set1_epi8(16));
+  if constexpr (five_bit(F) || six_bit(F)) {  // each quad's words of fifth (and sixth) bits add 16 (and 32)
+    constexpr int H = six_bit(F) ? 2 : 1;
+    uint64_t bits[2 * H];
+    std::memcpy(bits, qs + kBlock * kPanel / 2 + 16 * H * v, 16 * H);
+    for (int h = 0; h < H; ++h) {
+      const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << h));
+      low = _mm512_mask_add_epi8(low, bits[h], low, add);
+      high = _mm512_mask_add_epi8(high, bits[H + h], high, add);
+    }
   }
 }
 
@@ -744,12 +771,13 @@ void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* h
                    float* out, int64_t n) {
   // 8-bit q are signed: the activations become the unsigned operand (qx + 128, by flipping each byte's top bit)
   // and 128 times the q's sum, taken by VPDPBUSD from ones once per block for every row, comes off.
-  constexpr bool kSigned = !four_bit(F) && !five_bit(F);
+  constexpr bool kSigned = !four_bit(F) && !five_bit(F) && !six_bit(F);
   constexpr int A = R * P <= 2 ? 2 : 1;  // split short chains of dependent VPDPBUSD in two
   const int64_t blocks = k / kBlock;
   const int32_t* x_quads = reinterpret_cast<const int32_t*>(xq.q.data() + row0 * k);
   const float* x_scale = xq.scale.data() + row0 * blocks;
   const float* x_sum = xq.sum.data() + row0 * blocks;
+  const int32_t* x_halves = xq.halves.data() + 2 * row0 * blocks;
   const int32_t flip = kSigned ? static_cast<int32_t>(0x80808080u) : 0;
   __m512 sums[R][P];
   for (int r = 0; r < R; ++r)
@@ -762,12 +790,15 @@ void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* h
           for (int p = 0; p < P; ++p) acc[a][r][p] = _mm512_setzero_si512();
       for (int p = 0; p < P; ++p) qsum[p] = _mm512_setzero_si512();
     };
+    int half = 0;  // the half block whose sums add_scaled takes, in the formats with a scale per 16 inputs
     // Panel p's integer sums (of the block, or of Q6_K's half block) times d and each row's scale into the sums.
     auto add_scaled = [&](int p, __m512 d) {
       for (int r = 0; r < R; ++r) {
         __m512i total = acc[0][r][p];
         if constexpr (A == 2) total = _mm512_add_epi32(total, acc[1][r][p]);
         if constexpr (kSigned) total = _mm512_sub_epi32(total, _mm512_slli_epi32(qsum[p], 7));
+        if constexpr (six_bit(F))
+          total = _mm512_sub_epi32(total, _mm512_set1_epi32(32 * x_halves[2 * (b * R + r) + half]));
         sums[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(x_scale[b * R + r])),
                                      sums[r][p]);
       }
@@ -814,6 +845,16 @@ void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* h
             acc[A - 1][r][p] = _mm512_dpbusd_epi32(acc[A - 1][r][p], high[p], x_high);
           }
         }
+        if constexpr (six_bit(F)) {
+          if (v == 1) {  // inputs 0..15 done: their sums take the first scales, and the sums start again
+            for (int p = 0; p < P; ++p) {
+              const uint8_t* panel = headers + p * panel_bytes;
+              add_scaled(p, half_scales<F>(panel + b * word_block_bytes(F), block_super<F>(panel, b, blocks), 0));
+            }
+            clear();
+            half = 1;
+          }
+        }
       }
     }
     end_block<F, R, P>(headers, panel_bytes, b, blocks, x_sum, add_scaled, sums);
@@ -829,7 +870,7 @@ constexpr std::array<QuadFn, sizeof...(I)> quad_table(std::integer_sequence<int,
 }
 template <Format F, int P>
 QuadFn quad_tile(int64_t rows) {
-  static const auto table = quad_table<F, P>(std::make_integer_sequence<int, kWordRows>{});
+  static const auto table = quad_table<F, P>(std::make_integer_sequence<int, kQuadRows>{});
   return table[rows - 1];
 }
 
@@ -852,9 +893,10 @@ struct Activations {
 };
 
 template <Format F>
-void pair_by_tiles(const Activations& xq, const RowTiles& tiles, int64_t k, int16_t* w, const uint8_t* blocks,
-                   int64_t first, int64_t width, float* out, int64_t stride) {
+void pair_by_tiles(const Activations& xq, int64_t k, int16_t* w, const uint8_t* blocks, int64_t first, int64_t width,
+                   float* out, int64_t stride) {
   const int64_t panel_bytes = word_panel_bytes(F, k);
+  const RowTiles& tiles = xq.words.tiles;
   for (int64_t t = 0; t < tiles.count; ++t) {
     const int64_t r0 = tiles.first_row(t), r = tiles.size(t);
     (width == 2 ? word_tile<F, 2> : word_tile<F, 1>)(r, t, tiles.count)(
@@ -863,9 +905,10 @@ void pair_by_tiles(const Activations& xq, const RowTiles& tiles, int64_t k, int1
 }
 
 template <Format F>
-void pair_by_quads(const Activations& xq, const RowTiles& tiles, int64_t k, int16_t*, const uint8_t* blocks,
-                   int64_t first, int64_t width, float* out, int64_t stride) {
+void pair_by_quads(const Activations& xq, int64_t k, int16_t*, const uint8_t* blocks, int64_t first, int64_t width,
+                   float* out, int64_t stride) {
   const int64_t panel_bytes = word_panel_bytes(F, k);
+  const RowTiles& tiles = xq.bytes.tiles;
   for (int64_t t = 0; t < tiles.count; ++t) {
     const int64_t r0 = tiles.first_row(t), r = tiles.size(t);
     (width == 2 ? quad_tile<F, 2> : quad_tile<F, 1>)(r)(xq.bytes, r0, k, blocks + first * panel_bytes, panel_bytes,
@@ -873,8 +916,7 @@ void pair_by_quads(const Activations& xq, const RowTiles& tiles, int64_t k, int1
   }
 }
 
-using PairFn = void (*)(const Activations&, const RowTiles&, int64_t, int16_t*, const uint8_t*, int64_t, int64_t,
-                        float*, int64_t);
+using PairFn = void (*)(const Activations&, int64_t, int16_t*, const uint8_t*, int64_t, int64_t, float*, int64_t);
 PairFn pair_fn(Format f) {
   switch (f) {
     case kQ4_1Quads: return &pair_by_quads<kQ4_1>;
@@ -902,6 +944,7 @@ PairFn pair_fn(Format f) {
     case kQ6Super: return &pair_by_tiles<kQ6Super>;
     case kQ4Zero: return &pair_by_tiles<kQ4Zero>;
     case kQ4ZeroQuads: return &pair_by_quads<kQ4Zero>;
+    case kQ6SuperQuads: return &pair_by_quads<kQ6Super>;
     case kFp4Words: return &pair_by_tiles<kFp4Words>;
     default: return &pair_by_tiles<kQ5Scaled>;
   }
@@ -919,7 +962,6 @@ void word_products(const T* x, int64_t rows, int64_t k, const std::vector<Part>&
   Activations xq;
   if (words) xq.words = quantize_rows<int16_t>(x, rows, k);
   if (quads) xq.bytes = quantize_rows<int8_t>(x, rows, k);
-  const RowTiles tiles(rows);
   std::vector<std::pair<int64_t, int64_t>> pairs;  // (part, first panel)
   for (int64_t i = 0; i < static_cast<int64_t>(parts.size()); ++i)
     for (int64_t first = 0; first < parts[i].n / kPanel; first += 2) pairs.emplace_back(i, first);
@@ -928,13 +970,13 @@ void word_products(const T* x, int64_t rows, int64_t k, const std::vector<Part>&
     // The thread's buffer, kept from call to call: a new one every call was zero-filled by each thread, 60-160 KB
     // a layer, though a call of one tile of rows never touches it.
     thread_local std::vector<int16_t> storage;
-    const size_t needed = tiles.count > 1 ? k * 2 * kPanel + 32 : 0;
+    const size_t needed = xq.words.tiles.count > 1 ? k * 2 * kPanel + 32 : 0;
     if (storage.size() < needed) storage.resize(needed);
     int16_t* w = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
     for (int64_t i = begin; i < end; ++i) {
       const Part& part = parts[pairs[i].first];
       const int64_t first = pairs[i].second, width = std::min<int64_t>(2, part.n / kPanel - first);
-      pair_fn(part.format)(xq, tiles, k, w, part.blocks, first, width, out + part.col, n);
+      pair_fn(part.format)(xq, k, w, part.blocks, first, width, out + part.col, n);
       if (bias == nullptr && out16 == nullptr) continue;
       const int64_t col = part.col + first * kPanel;
       for (int64_t r = 0; r < rows; ++r)
@@ -1061,7 +1103,7 @@ std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words
             std::memcpy(&lane, qs + 64 * h + 2 * t, 2);
             for (int j = 0; j < 4; ++j) q[t / 2][2 * (4 * h + j) + t % 2] = static_cast<int8_t>((lane >> (4 * j)) & 15);
           }
-        arrange_quads<false>(q, qs);
+        arrange_quads<4>(q, qs);
       }
     });
     return {kQ4_1Quads, packed};
@@ -1288,8 +1330,9 @@ std::tuple<int64_t, at::Tensor> pack_super(const at::Tensor& q, const at::Tensor
 }
 
 // GGUF Q6_K blocks as the file holds them: q int8 [out, in] (-32..31), D float32 [out, in / 256] (half-precision
-// values), s int8 [out, in / 16]: w = D s q per 16 inputs -> (27, blocks).
-std::tuple<int64_t, at::Tensor> pack_six_bit(const at::Tensor& q, const at::Tensor& big_d, const at::Tensor& s) {
+// values), s int8 [out, in / 16]: w = D s q per 16 inputs -> (27, blocks), or 30 with `quads`.
+std::tuple<int64_t, at::Tensor> pack_six_bit(const at::Tensor& q, const at::Tensor& big_d, const at::Tensor& s,
+                                             bool quads) {
   const at::Tensor qc = checked_q("pack_six_bit", q, kBlock * kSuperBlocks, -32, 31);
   const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock, supers = blocks / kSuperBlocks;
   check_factor(big_d, at::kFloat, n, supers, true, "pack_six_bit: D must be float32 [out, in / 256] half-precision "
@@ -1308,13 +1351,7 @@ std::tuple<int64_t, at::Tensor> pack_six_bit(const at::Tensor& q, const at::Tens
       for (int64_t j = 0; j < kBlock; ++j)
         tile[i][j] = static_cast<int8_t>(qs[row * k + b * kBlock + j] + 32);  // 0..63
     }
-    uint8_t* q_bytes = dst + word_header_bytes(kQ6Super);
-    arrange_words<true>(tile, q_bytes);  // the low nibbles
-    for (int g = 0; g < 16; ++g) {
-      const uint32_t fifth = group_bits(tile, g, 4), sixth = group_bits(tile, g, 5);
-      std::memcpy(q_bytes + kBlock * kPanel / 2 + 8 * g, &fifth, 4);
-      std::memcpy(q_bytes + kBlock * kPanel / 2 + 8 * g + 4, &sixth, 4);
-    }
+    arrange(tile, dst + word_header_bytes(kQ6Super), 6, quads);
   };
   auto super = [&](uint8_t* dst, int64_t row0, int64_t u) {
     uint16_t halves[kPanel];
@@ -1322,7 +1359,7 @@ std::tuple<int64_t, at::Tensor> pack_six_bit(const at::Tensor& q, const at::Tens
     std::memcpy(dst, halves, sizeof halves);
   };
   const at::Tensor packed = fill_panels(kQ6Super, n, k, block, super);
-  return {kQ6Super, packed};
+  return {quads ? kQ6SuperQuads : kQ6Super, packed};
 }
 
 // x [rows, in] (contiguous; float32, or bfloat16 for formats 3 to 16) times each weight `pack_blocks` or
@@ -1344,7 +1381,7 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
   std::vector<Part> parts;
   for (size_t i = 0; i < packed.size(); ++i) {
     const int64_t format = formats[i], out_features = outs[i];
-    TORCH_CHECK(format >= kQ4_1 && format <= kQ4ZeroQuads, "blocks_linear: unknown format");
+    TORCH_CHECK(format >= kQ4_1 && format <= kQ6SuperQuads, "blocks_linear: unknown format");
     TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 "
                 "to 16 (it needs AVX512_VNNI)");
     TORCH_CHECK((format >= kQ4_1Words) == words && (words || packed.size() == 1), "blocks_linear: formats 1 and 2 "
