@@ -485,8 +485,12 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
   const int64_t threads = at::get_num_threads();
   const int64_t spans = std::min(kv_heads, std::max<int64_t>(1, (2 * threads + rows * parts - 1) / (rows * parts)));
   const int64_t q_row = query.stride(0), q_head = query.stride(1), o_row = out.stride(0), o_head = out.stride(1);
-  // Each part's terms: top and total [pairs * parts, group], acc [pairs * parts, group, value_dim].
-  std::vector<float> tops(pairs * parts * group), totals(pairs * parts * group), accs(pairs * parts * group * value_dim);
+  // Each part's terms: top and total [pairs * parts, group], acc [pairs * parts, group, value_dim]. With one part a
+  // row (short contexts: every step of a few streams) each task finishes its own heads instead, and the merge's
+  // parallel region and these buffers are not needed.
+  const bool split = parts > 1;
+  const int64_t terms = split ? pairs * parts * group : 0;
+  std::vector<float> tops(terms), totals(terms), accs(terms * value_dim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     using T = scalar_t;
     const T* qp = query.data_ptr<T>();
@@ -515,6 +519,14 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
           }
           attend(q.data(), kp, vp, bp + r * width, p0, p1, block_size, kv_heads, kh0, kh1, group, dim, value_dim,
                  scores, top.data(), total.data(), acc.data());
+          if (!split) {  // the row's one part: normalised into out as the merge computes it, bit for bit
+            for (int64_t h = 0; h < count; ++h) {
+              const float inv = 1.f / (0.f + total[h]);
+              T* dst = op + r * o_row + (h0 + h) * o_head;
+              for (int64_t j = 0; j < value_dim; ++j) dst[j] = round_to<T>((0.f + acc[h * value_dim + j]) * inv);
+            }
+            continue;
+          }
           for (int64_t kh = kh0; kh < kh1; ++kh) {  // into the (row, key head, part) slots the merge reads
             const int64_t at = (r * kv_heads + kh) * parts + part, from = (kh - kh0) * group;
             std::copy_n(top.data() + from, group, tops.data() + at * group);
@@ -532,6 +544,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
       attend_all(k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>());
     }
     // Merge each (row, key head)'s parts: rescale every part's terms to the largest top, then normalise.
+    if (!split) return;
     at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> merged(value_dim);
       for (int64_t pair = begin; pair < end; ++pair) {
