@@ -857,6 +857,31 @@ def test_layers_of_different_formats_side_by_side_share_one_product():
             assert torch.equal(got, torch.cat([p(x) for p in parts], dim=-1)), (dtype, rows)
 
 
+def test_the_direct_product_is_the_forwards_own_and_gives_way_to_a_wrapper():
+    """The bound kernel call the compact decoder uses in place of a layer's forward (`direct`) gives the forward's
+    result bit for bit, for single layers and a shared product of parts; there is none for a part of a fused layer,
+    for gathered inputs, for another dtype, or once something (a LoRA wrapper) replaces the layer's forward."""
+    kernels = _word_kernels()
+    torch.manual_seed(8)
+    layers = _packed_layers(kernels, [4, 5, 8, "per16"], bias=True)
+    fused = packed_linear.SideBySide(_packed_layers(kernels, [5, 8], bias=True))
+    fused.share_product()
+    for dtype in (torch.float32, torch.bfloat16):
+        for layer in [*layers, fused]:
+            call = layer.direct(dtype)
+            for rows in (1, 7, 17):
+                x = torch.randn(rows, 96).to(dtype)
+                assert torch.equal(call(x), layer(x)), (type(layer).__name__, dtype, rows)
+    assert layers[0].direct(torch.float16) is None
+    gathered = _packed_layers(kernels, [4])[0]
+    gathered.order = torch.arange(95, -1, -1)
+    assert gathered.direct(torch.float32) is None
+    wrapped = layers[1]
+    base = wrapped.forward
+    wrapped.forward = lambda x: base(x) + 1  # as engine/lora/layers.py's LoraLinear replaces it
+    assert wrapped.direct(torch.float32) is None
+
+
 def test_a_bfloat16_row_only_goes_to_the_integer_activation_formats():
     """Formats 1 and 2 (float32 activations) refuse bfloat16 rows with an error, not a wrong product."""
     kernels = _word_kernels()

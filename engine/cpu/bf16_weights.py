@@ -43,6 +43,16 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], self.out_features)
 
 
+def _direct(self, dtype: torch.dtype):
+    """_forward's kernel call for contiguous bfloat16 rows [tokens, in], bound (see PackedLinear.direct), or None
+    where an adapter wraps the forward or the rows are of another type."""
+    if getattr(self.forward, "__func__", None) is not _forward or dtype is not torch.bfloat16:
+        return None
+    product, packed, out_features, bias = self.bf16_kernels.bf16_linear, self.weight_bf16, self.out_features, \
+        self.bias_float
+    return lambda rows: product(rows, packed, out_features, bias)
+
+
 def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """Linear layers in step order (fused projections' parts, which run only when the fused product cannot, left
     out) with 2-D bfloat16 CPU weights."""
@@ -155,6 +165,7 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
         module.bf16_kernels = kernels
         module.dense_forward = module.forward  # for inputs of another type
         module.forward = types.MethodType(_forward, module)
+        module.direct = types.MethodType(_direct, module)
         released += cpu_layout.release_packed(module)  # no other product serves these layers now
     log.info("linear weights: %d bfloat16 layers multiply through the AVX512_BF16 product at every batch size "
              "(engine/cpu/native/bf16_linear.cpp, a %.0f MB copy): %s", len(modules),

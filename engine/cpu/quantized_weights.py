@@ -51,6 +51,18 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], self.out_features)
 
 
+def _direct(self, dtype: torch.dtype):
+    """_forward's kernel call for contiguous float32 rows [tokens, in], bound (see PackedLinear.direct): more rows
+    than `blocks_until` take the dense forward, as _forward does. None where an adapter wraps the forward, the
+    layer has a bias or the rows are of another type."""
+    if getattr(self.forward, "__func__", None) is not _forward or dtype is not torch.float32 or self.bias is not None:
+        return None
+    product, blocks, block_format, out_features = (self.block_kernels.blocks_linear, self.weight_blocks,
+                                                   self.block_format, self.out_features)
+    until, dense = self.blocks_until, self.dense_forward
+    return lambda rows: product(rows, blocks, block_format, out_features) if rows.shape[0] <= until else dense(rows)
+
+
 def rounds_activations(model: torch.nn.Module) -> bool:
     """Whether linear layers of `model` multiply 16-bit integer activations: start-up checks that compare two
     forwards then allow for their rounding (on the embedded model the logits move by about 3e-4 of the largest,
@@ -246,6 +258,7 @@ def apply(model: torch.nn.Module, kernels, integer_activations: bool = False, ev
         module.block_kernels = kernels
         module.dense_forward = module.forward
         module.forward = types.MethodType(_forward, module)
+        module.direct = types.MethodType(_direct, module)
         if until == EVERY_SIZE:  # no float32 product serves these layers now: their packed copies go
             released += cpu_layout.release_packed(module)
     log.info("linear weights: %d layers multiply from their exact GGUF blocks (%s; engine/cpu/native/quantized_linear.cpp"

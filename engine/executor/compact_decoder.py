@@ -48,6 +48,15 @@ def _rms_weights(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
     return None
 
 
+def _rows_product(module: torch.nn.Module, dtype: torch.dtype | None):
+    """A linear layer's product of contiguous rows [tokens, in] of `dtype`: its kernel call with the layer's own
+    arguments bound (`direct`: engine/cpu/packed_linear.py, engine/cpu/bf16_weights.py) where it has one, else its
+    forward."""
+    direct = getattr(module, "direct", None)
+    call = direct(dtype) if callable(direct) and dtype is not None else None
+    return call or module.forward
+
+
 def _has_hooks(model: torch.nn.Module) -> bool:
     """Hooks (accelerate's device placement, adapters) run only through Module.__call__, which this skips."""
     if any(getattr(nn_module, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")):
@@ -58,9 +67,9 @@ def _has_hooks(model: torch.nn.Module) -> bool:
 class _Layer:
     __slots__ = ("index", "attention", "input_norm", "qkv", "q_norm", "k_norm", "rotary", "o_proj", "post_norm",
                  "mlp", "gate_up", "down", "intermediate", "heads", "kv_heads", "head_dim", "scaling", "window",
-                 "input_rms", "post_rms")
+                 "input_rms", "post_rms", "rows")
 
-    def __init__(self, layer: torch.nn.Module):
+    def __init__(self, layer: torch.nn.Module, dtype: torch.dtype | None = None):
         attention = layer.self_attn
         self.index = attention.layer_idx
         self.attention = attention
@@ -80,6 +89,10 @@ class _Layer:
                   and type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation"))
         self.gate_up = mlp.gate_up_proj.forward if inline else None
         self.down = mlp.down_proj.forward if inline else None
+        # The fused path's products of 2-D rows of the model's type (q/k/v, o, and gate/up and down when inline).
+        self.rows = (_rows_product(attention.qkv_proj, dtype), _rows_product(attention.o_proj, dtype),
+                     _rows_product(mlp.gate_up_proj, dtype) if inline else None,
+                     _rows_product(mlp.down_proj, dtype) if inline else None)
         self.intermediate = (mlp.gate_proj.out_features, mlp.up_proj.out_features) if inline else None
         self.head_dim = attention.head_dim
         self.heads = attention.q_proj.out_features // self.head_dim
@@ -115,13 +128,15 @@ class _Layer:
     def fused(self, x: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
               cache: StepCache, kernels, next_rms: tuple[torch.Tensor, float],
               attend: DecodeAttention | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer through the native kernels (engine/cpu/native_kernels.py): x is the residual stream and `normed`
-        its input norm; returns the new residual stream and its norm by `next_rms` (the next layer's input norm,
-        or the final one), so each residual add runs in one pass with the norm after it. `attend`: the step's decode
-        attention where it is one bucket of decode rows (attention.decode_attention), else paged_attention."""
-        tokens = x.shape[1]
+        """The layer through the native kernels (engine/cpu/native_kernels.py): x is the residual stream [tokens,
+        hidden] and `normed` its input norm; returns the new residual stream and its norm by `next_rms` (the next
+        layer's input norm, or the final one), so each residual add runs in one pass with the norm after it.
+        `attend`: the step's decode attention where it is one bucket of decode rows (attention.decode_attention),
+        else paged_attention."""
+        tokens = x.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        qkv = self.qkv(normed).view(tokens, heads + 2 * kv_heads, dim)
+        qkv_rows, o_rows, gate_up_rows, down_rows = self.rows
+        qkv = qkv_rows(normed).view(tokens, heads + 2 * kv_heads, dim)
         if self.q_norm is not None:
             qkv[:, :heads] = self.q_norm(qkv[:, :heads])
             qkv[:, heads:heads + kv_heads] = self.k_norm(qkv[:, heads:heads + kv_heads])
@@ -135,11 +150,13 @@ class _Layer:
                                   qkv[:, heads:heads + kv_heads].transpose(0, 1).unsqueeze(0),
                                   qkv[:, heads + kv_heads:].transpose(0, 1).unsqueeze(0), self.scaling,
                                   window=self.window)
-        y = self.o_proj(out.reshape(1, tokens, -1))
+        y = o_rows(out.reshape(tokens, -1))
         normed = kernels.add_rms_norm_(y, x, *self.post_rms)
         x = y
-        y = self.mlp(normed) if self.gate_up is None else self.down(kernels.silu_mul(self.gate_up(normed),
-                                                                                       self.intermediate[0]))
+        if gate_up_rows is None:  # the model's own MLP block, which takes [1, tokens, hidden]
+            y = self.mlp(normed.unsqueeze(0))[0]
+        else:
+            y = down_rows(kernels.silu_mul(gate_up_rows(normed), self.intermediate[0]))
         return y, kernels.add_rms_norm_(y, x, *next_rms)
 
 
@@ -151,9 +168,11 @@ class CompactDecoder:
         inner = model.model
         self.embed = inner.embed_tokens.forward
         self.rotary = inner.rotary_emb
-        self.layers = [_Layer(layer) for layer in inner.layers]
+        dtype = getattr(getattr(inner.embed_tokens, "weight", None), "dtype", None)  # the residual stream's
+        self.layers = [_Layer(layer, dtype) for layer in inner.layers]
         self.norm = inner.norm.forward
         self.head = model.lm_head.forward
+        self.head_rows = _rows_product(model.lm_head, dtype)
         final_rms = _rms_weights(inner.norm)
         # The native kernels where every norm is a plain RMS norm and the MLP's gate and up halves are equal.
         if kernels is not None and final_rms is not None and all(
@@ -198,11 +217,12 @@ class CompactDecoder:
         cos, sin = self.rotary(hidden, positions)  # [1, tokens, head_dim]
         if self.kernels is not None:
             cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [tokens, head_dim]
-            x, normed = hidden, self.kernels.rms_norm(hidden, *self.layers[0].input_rms)
+            x = hidden[0]  # [tokens, hidden]
+            normed = self.kernels.rms_norm(x, *self.layers[0].input_rms)
             attend = decode_attention(hidden.dtype)
             for layer, next_rms in zip(self.layers, self.next_rms):
                 x, normed = layer.fused(x, normed, cos, sin, cache, self.kernels, next_rms, attend)
-            return self.head(normed.index_select(1, keep))
+            return self.head_rows(normed.index_select(0, keep)).unsqueeze(0)
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # broadcast over heads
         x = hidden
         for layer in self.layers:
