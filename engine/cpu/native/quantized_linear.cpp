@@ -458,8 +458,10 @@ void product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, flo
 // magnitude, about 256 times finer than bfloat16's. Every step of a row's result depends on that row alone, so
 // it does not change with how many rows share the call.
 // Rows are multiplied in tiles of at most kWordRows, of even sizes (13 rows: 5 + 4 + 4, 32: 6 + 6 + 5 + 5 + 5 + 5).
-// 8-bit activations take tiles of up to kQuadRows: their weights are unpacked again for each tile (nothing to
-// keep: no widening), so eight rows in one tile, not 4 + 4, took a 2816x1024 Q4_K layer from 139 to 122 us.
+// 8-bit activations take one tile of up to kQuadRows where that is all the rows: a call's first tile reads the
+// weights from memory while it multiplies, the others from cache, so 7 or 8 rows in one tile, not two, took a
+// 2816x1024 Q4_K layer from 107 to 97 and from 128-139 to 111-122 us. More rows keep tiles of up to kWordRows
+// (tiles of 8 spill registers: 32 rows as 4 x 8 were 4-6% slower than as 6 tiles).
 constexpr int kWordRows = 6, kQuadRows = 8;
 
 struct RowTiles {
@@ -505,7 +507,7 @@ Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k) {
   constexpr float kLevels = sizeof(Q) == 2 ? 32767.f : 127.f;
   constexpr int kUnit = 4 / sizeof(Q);  // the values a 32-bit lane multiplies: a pair or a quad
   const int64_t blocks = k / kBlock;
-  const RowTiles tiles(rows, sizeof(Q) == 2 ? kWordRows : kQuadRows);
+  const RowTiles tiles(rows, sizeof(Q) == 1 && rows <= kQuadRows ? kQuadRows : kWordRows);
   Rows<Q> out{std::vector<Q>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks),
               std::vector<int32_t>(sizeof(Q) == 1 ? 2 * rows * blocks : 0), tiles};
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
