@@ -50,8 +50,8 @@ def _rms_weights(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
 
 def _rows_product(module: torch.nn.Module, dtype: torch.dtype | None):
     """A linear layer's product of contiguous rows [tokens, in] of `dtype`: its kernel call with the layer's own
-    arguments bound (`direct`: engine/cpu/packed_linear.py, engine/cpu/bf16_weights.py) where it has one, else its
-    forward."""
+    arguments bound (`direct`: engine/cpu/packed_linear.py, engine/cpu/bf16_weights.py,
+    engine/cpu/quantized_weights.py) where it has one, else its forward."""
     direct = getattr(module, "direct", None)
     call = direct(dtype) if callable(direct) and dtype is not None else None
     return call or module.forward

@@ -485,8 +485,9 @@ template <typename Q>
 struct Rows {
   std::vector<Q> q;  // [rows * k]
   std::vector<float> scale, sum;  // [rows * k / 32]
-  // 8-bit rows only: each block's integer sums of qx over inputs 0..15 and 16..31, [rows * k / 16] at
-  // 2 * (the block's scale index) + half. Format 30's unsigned q stand for q - 32 (see Format).
+  // 8-bit rows for format 30 only (asked for by quantize_rows' `halves`): each block's integer sums of qx over
+  // inputs 0..15 and 16..31, [rows * k / 16] at 2 * (the block's scale index) + half. Format 30's unsigned q stand
+  // for q - 32 (see Format).
   std::vector<int32_t> halves;
   RowTiles tiles;  // the tiles whose rows q interleaves
 };
@@ -501,15 +502,16 @@ inline __m512 load16(const c10::BFloat16* x) {
 }
 
 // Rows x [rows, k] as Q integers per block of 32 inputs: 16-bit (qx in -32767..32767, steps of the block's
-// largest magnitude / 32767) or 8-bit (-127..127, / 127, as llama.cpp's Q8 activations), interleaved by tiles.
+// largest magnitude / 32767) or 8-bit (-127..127, / 127, as llama.cpp's Q8 activations), interleaved by tiles;
+// `halves`: the 8-bit rows' half-block sums as well.
 template <typename Q, typename T>
-Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k) {
+Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k, bool halves = false) {
   constexpr float kLevels = sizeof(Q) == 2 ? 32767.f : 127.f;
   constexpr int kUnit = 4 / sizeof(Q);  // the values a 32-bit lane multiplies: a pair or a quad
   const int64_t blocks = k / kBlock;
   const RowTiles tiles(rows, sizeof(Q) == 1 && rows <= kQuadRows ? kQuadRows : kWordRows);
   Rows<Q> out{std::vector<Q>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks),
-              std::vector<int32_t>(sizeof(Q) == 1 ? 2 * rows * blocks : 0), tiles};
+              std::vector<int32_t>(sizeof(Q) == 1 && halves ? 2 * rows * blocks : 0), tiles};
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / blocks, b = i % blocks, tile = tiles.of_row(row);
@@ -541,7 +543,7 @@ Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k) {
         }
       }
       out.sum[at] = sum;
-      if constexpr (sizeof(Q) == 1)
+      if (sizeof(Q) == 1 && halves)
         for (int h = 0; h < 2; ++h)
           out.halves[2 * at + h] = std::accumulate(qb + 16 * h, qb + 16 * h + 16, int32_t{0});
       Q* units = out.q.data() + row0 * k + (b * (kBlock / kUnit) * tile_rows + r) * kUnit;
@@ -806,6 +808,16 @@ void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* h
       }
     };
     clear();
+    // Inputs 0..15 done, in the formats with a scale per 16 inputs: their sums take the first scales, and the sums
+    // start again.
+    auto end_first_half = [&]() {
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* panel = headers + p * panel_bytes;
+        add_scaled(p, half_scales<F>(panel + b * word_block_bytes(F), block_super<F>(panel, b, blocks), 0));
+      }
+      clear();
+      half = 1;
+    };
     const int32_t* xb = x_quads + b * 8 * R;
     const uint8_t* qs[P];
     for (int p = 0; p < P; ++p) {
@@ -826,13 +838,8 @@ void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* h
           const __m512i x = _mm512_set1_epi32(xb[j * R + r] ^ flip);
           for (int p = 0; p < P; ++p) acc[j % A][r][p] = _mm512_dpbusd_epi32(acc[j % A][r][p], x, w[p]);
         }
-        if constexpr (F == kQ8Halves) {
-          if (j == 3) {  // inputs 0..15 done: their sums take the first scales, and the sums start again
-            for (int p = 0; p < P; ++p)
-              add_scaled(p, half_scales<F>(headers + p * panel_bytes + b * word_block_bytes(F), nullptr, 0));
-            clear();
-          }
-        }
+        if constexpr (per_sixteen(F))
+          if (j == 3) end_first_half();
       }
     } else {
 #pragma GCC unroll 4
@@ -847,16 +854,8 @@ void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* h
             acc[A - 1][r][p] = _mm512_dpbusd_epi32(acc[A - 1][r][p], high[p], x_high);
           }
         }
-        if constexpr (six_bit(F)) {
-          if (v == 1) {  // inputs 0..15 done: their sums take the first scales, and the sums start again
-            for (int p = 0; p < P; ++p) {
-              const uint8_t* panel = headers + p * panel_bytes;
-              add_scaled(p, half_scales<F>(panel + b * word_block_bytes(F), block_super<F>(panel, b, blocks), 0));
-            }
-            clear();
-            half = 1;
-          }
-        }
+        if constexpr (per_sixteen(F))
+          if (v == 1) end_first_half();
       }
     }
     end_block<F, R, P>(headers, panel_bytes, b, blocks, x_sum, add_scaled, sums);
@@ -959,11 +958,14 @@ PairFn pair_fn(Format f) {
 template <typename T>
 void word_products(const T* x, int64_t rows, int64_t k, const std::vector<Part>& parts, int64_t n, float* out,
                    c10::BFloat16* out16, const float* bias) {
-  bool words = false, quads = false;
-  for (const Part& part : parts) (quad_format(part.format) ? quads : words) = true;
+  bool words = false, quads = false, halves = false;
+  for (const Part& part : parts) {
+    (quad_format(part.format) ? quads : words) = true;
+    halves = halves || part.format == kQ6SuperQuads;
+  }
   Activations xq;
   if (words) xq.words = quantize_rows<int16_t>(x, rows, k);
-  if (quads) xq.bytes = quantize_rows<int8_t>(x, rows, k);
+  if (quads) xq.bytes = quantize_rows<int8_t>(x, rows, k, halves);
   std::vector<std::pair<int64_t, int64_t>> pairs;  // (part, first panel)
   for (int64_t i = 0; i < static_cast<int64_t>(parts.size()); ++i)
     for (int64_t first = 0; first < parts[i].n / kPanel; first += 2) pairs.emplace_back(i, first);
