@@ -350,7 +350,8 @@ class Engine(GenerationLoop):
         return rest_rows, rest_seqs
 
     def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
-        picked = logits[rows]
+        # A decode-only step samples every row in order: the logits themselves, not a copy.
+        picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
         try:
             results = [(seqs, self.sampler.sample(picked, [s.sampling for s in seqs],
                                                   [s.num_generated for s in seqs]))]

