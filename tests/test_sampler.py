@@ -1,9 +1,17 @@
 """The sampler's random draws: one token per row from the row's probabilities, checked by counting."""
 import math
 
+import pytest
 import torch
 
+from engine.cpu import native_kernels
 from engine.sampling.sampler import Sampler, SamplingParams, SequenceSamplingState, draw
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    assert native_kernels.load(), native_kernels.reason()  # scripts/install.sh builds them
+    return native_kernels.active()
 
 
 def _chi_square_ok(counts: torch.Tensor, expected: torch.Tensor) -> tuple[bool, float, int]:
@@ -49,11 +57,12 @@ def test_the_ends_of_the_unit_interval_take_the_first_and_last_possible_tokens()
     assert middle.tolist() == [1500, 1500]
 
 
-def test_sampled_rows_keep_temperature_and_top_k():
+@pytest.mark.parametrize("native", [True, False], ids=["native kernel", "pytorch"])
+def test_sampled_rows_keep_temperature_and_top_k(kernels, native):
     vocab = 64
     logits = torch.full((vocab,), -4.0)
     logits[[3, 9, 40]] = torch.tensor([2.0, 1.0, 0.5])
-    sampler = Sampler(frozenset(), vocab)
+    sampler = Sampler(frozenset(), vocab, cpu_fast_paths=native)
     counts = {"plain": torch.zeros(vocab), "top_k": torch.zeros(vocab)}
     params = {"plain": SamplingParams(max_tokens=8, temperature=0.7), "top_k": SamplingParams(max_tokens=8, temperature=1.3, top_k=2)}
     rows = 400
@@ -74,19 +83,44 @@ def test_sampled_rows_keep_temperature_and_top_k():
     assert counts["top_k"].sum() == counts["top_k"][[3, 9]].sum()
 
 
-def test_a_seeded_row_draws_the_same_tokens_whatever_rows_share_its_step():
+@pytest.mark.parametrize("top_p", [1.0, 0.9], ids=["temperature only", "top-p"])
+def test_a_seeded_row_draws_the_same_tokens_whatever_rows_share_its_step(kernels, top_p):
     vocab = 5000
     torch.manual_seed(1)
     logits = torch.randn(vocab)
     sampler = Sampler(frozenset(), vocab)
-    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=1234)
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, top_p=top_p, seed=1234)
+    # Batch-mates of both kinds: rows with temperature alone take the native kernel, rows with top-p PyTorch.
+    mates = [SamplingParams(max_tokens=8, temperature=0.8), SamplingParams(max_tokens=8, temperature=1.0, top_p=0.5)]
 
     def run(batch: int) -> list[int]:
         states = [SequenceSamplingState(seeded, [], 0, vocab, "cpu")]
-        states += [SequenceSamplingState(SamplingParams(max_tokens=8, temperature=1.0), [], 0, vocab, "cpu") for _ in range(batch)]
+        states += [SequenceSamplingState(mates[i % 2], [], 0, vocab, "cpu") for i in range(batch)]
         return [sampler.sample(logits.expand(len(states), vocab), states, [0] * len(states))[0][0]
                 for _ in range(12)]
 
     alone = run(0)
+    assert run(1) == alone
     assert run(5) == alone
     assert len(set(alone)) > 1  # a real draw, not a constant
+
+
+def test_the_native_draw_follows_softmax_over_the_temperature(kernels):
+    torch.manual_seed(2)
+    vocab = 700  # spans of 256, the last one short
+    logits = torch.randn(vocab) * 2.0
+    logits[::5] = float("-inf")  # impossible tokens
+    logits[255] = float("-inf")  # the last token of a span
+    for temperature in (1.0, 0.6):
+        rows, rounds = 400, 50
+        counts = torch.zeros(vocab)
+        # A view of wider rows, as the sampler passes the logits of a vocabulary padded past the tokenizer's.
+        wide = torch.zeros(rows, vocab + 13)
+        wide[:, :vocab] = logits
+        scale = torch.full((rows,), 1.0 / temperature)
+        for _ in range(rounds):
+            tokens = kernels.draw_tokens(wide[:, :vocab], scale, torch.rand(rows, dtype=torch.float64))
+            counts += torch.bincount(tokens, minlength=vocab).float()
+        assert counts[logits == float("-inf")].sum() == 0
+        ok, chi2, df = _chi_square_ok(counts, torch.softmax(logits / temperature, -1) * rows * rounds)
+        assert ok, (temperature, chi2, df)

@@ -36,6 +36,7 @@ import hashlib
 import importlib.util
 import itertools
 import logging
+import math
 import os
 import platform
 import shutil
@@ -324,6 +325,13 @@ def self_check(kernels, dtype: torch.dtype = torch.float32) -> str:
         gate_up = rand(3, 2 * 24)
         if not _close(F.silu(gate_up[:, :24]) * gate_up[:, 24:], kernels.silu_mul(gate_up, 24)):
             return "silu_mul"
+        # Three tokens of weight 1, 2, 1 (the rest -inf) across three spans; each uniform's token by the intervals.
+        logits = torch.full((7, 600), float("-inf"))
+        logits[:, [3, 300, 599]] = torch.tensor([0.0, math.log(2.0), 0.0])
+        scale = torch.tensor([1.0] * 6 + [0.5])  # the last row at temperature 2: weights 1, 2 ** 0.5, 1
+        uniforms = torch.tensor([0.0, 0.1, 0.3, 0.74, 0.8, 1.0 - 2.0 ** -53, 0.5], dtype=torch.float64)
+        if kernels.draw_tokens(logits, scale, uniforms).tolist() != [3, 3, 300, 300, 599, 599, 300]:
+            return "draw_tokens"
         heads, kv_heads, dim, block = 4, 2, 8, 4
         qkv, cos, sin = rand(3, heads + 2 * kv_heads, dim), rand(3, dim), rand(3, dim)
         k_pool, v_pool = torch.zeros(6, block, kv_heads, dim, dtype=dtype), torch.zeros(6, block, kv_heads, dim, dtype=dtype)

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.cpu import native_kernels
+
 if TYPE_CHECKING:
     from engine.sampling.structured import GrammarSpec
 
@@ -60,6 +62,11 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     # Where rounding carried the target past the chunk's last token of mass, its likeliest token instead.
     at = torch.where(inner.gather(1, at) > 0, at, inner.argmax(dim=-1, keepdim=True))
     return (chunk * _DRAW_CHUNK + at).view(rows)
+
+
+def _temperature_only(params: "SamplingParams", vocab: int) -> bool:
+    """No top-k, min-p or top-p: the row's distribution is the softmax of its logits over its temperature."""
+    return not 0 < params.top_k < vocab and params.min_p <= 0.0 and params.top_p >= 1.0
 
 
 @dataclass(frozen=True)
@@ -319,21 +326,36 @@ class Sampler:
             row = self._adjust_row(row.clone(), state, generated)
         return self._probabilities(row.view(1, -1), [state])[0]
 
-    @staticmethod
-    def _draw(logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
-        """Temperature, top-k, min-p and top-p for the drawn rows at once, then one draw per row."""
-        probs = Sampler._probabilities(logits, states)
+    def _draw(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
+        """One draw per row, each with its own uniform number: rows with temperature alone through the native
+        kernel where the CPU kernels are active (engine/cpu/native_kernels.py: one call, softmax included), the
+        others (top-k, min-p, top-p) through PyTorch. Which path a row takes depends on its own parameters only, so
+        a seeded row's tokens do not depend on the rows beside it."""
         device = logits.device
-        uniforms = torch.empty(len(states), dtype=torch.float64, device=device)
+        rows, vocab = logits.shape
+        uniforms = torch.empty(rows, dtype=torch.float64, device=device)
         unseeded = [row for row, state in enumerate(states) if state.generator is None]
-        if len(unseeded) == len(states):
+        if len(unseeded) == rows:
             uniforms.uniform_()
         elif unseeded:
             uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=device)
         for row, state in enumerate(states):
             if state.generator is not None:
                 uniforms[row] = torch.rand((), generator=state.generator, dtype=torch.float64, device=device)
-        return draw(probs, uniforms)
+        kernels = native_kernels.active() if self.cpu_fast_paths and device.type == "cpu" else None
+        plain = [row for row, state in enumerate(states) if kernels is not None and _temperature_only(state.params,
+                                                                                                     vocab)]
+        if not plain:
+            return draw(self._probabilities(logits, states), uniforms)
+        scale = torch.tensor([1.0 / states[row].params.temperature for row in plain], dtype=torch.float32)
+        if len(plain) == rows:
+            return kernels.draw_tokens(logits, scale, uniforms)
+        tokens = torch.empty(rows, dtype=torch.long, device=device)
+        tokens[plain] = kernels.draw_tokens(logits[plain], scale, uniforms[plain])
+        own = set(plain)
+        rest = [row for row in range(rows) if row not in own]
+        tokens[rest] = draw(self._probabilities(logits[rest], [states[row] for row in rest]), uniforms[rest])
+        return tokens
 
     @staticmethod
     def _probabilities(logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
