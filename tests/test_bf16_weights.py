@@ -29,14 +29,15 @@ def _bf16(*shape, seed):
 # (outputs, inputs): a single block, partial blocks and panels (17, 70, 100), odd inputs (7, 129), one input
 @pytest.mark.parametrize("out_features, in_features", [(16, 64), (17, 7), (70, 129), (100, 1), (200, 960)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_product_is_float32_sums_of_the_bfloat16_values(kernels, out_features, in_features, with_bias):
+@pytest.mark.parametrize("widen", [False, True])  # VDPBF16PS, or float32 FMAs on the widened weights
+def test_the_product_is_float32_sums_of_the_bfloat16_values(kernels, out_features, in_features, with_bias, widen):
     weight = _bf16(out_features, in_features, seed=1)
     bias = _bf16(out_features, seed=2).float() if with_bias else None
     packed = kernels.bf16_pack(weight)
     for rows in range(1, 34):
         x = _bf16(rows, in_features, seed=rows)
         exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
-        got = kernels.bf16_linear(x, packed, out_features, bias)
+        got = kernels.bf16_linear(x, packed, out_features, bias, widen)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
         # Rounded once to bfloat16 (half a unit in its last place: 2^-9 of the value, 2^-8 bounds it) from float32
         # sums, whose error is bounded by a few float32 units of the sum of |x| |w|.
@@ -45,17 +46,18 @@ def test_the_product_is_float32_sums_of_the_bfloat16_values(kernels, out_feature
         assert bool(((got.double() - exact).abs() <= bound).all()), rows
 
 
-def test_unit_rows_give_back_the_weights_and_rows_do_not_depend_on_their_batch(kernels):
+@pytest.mark.parametrize("widen", [False, True])
+def test_unit_rows_give_back_the_weights_and_rows_do_not_depend_on_their_batch(kernels, widen):
     weight = _bf16(75, 33, seed=3)
     packed = kernels.bf16_pack(weight)
     units = torch.eye(33, dtype=torch.bfloat16)
-    assert torch.equal(kernels.bf16_linear(units, packed, 75), weight.t())
+    assert torch.equal(kernels.bf16_linear(units, packed, 75, None, widen), weight.t())
     # Transposed (column-major) weights pack to the same layout.
     assert torch.equal(kernels.bf16_pack(weight.t().contiguous().t()), packed)
     x = _bf16(40, 33, seed=4)
-    batched = kernels.bf16_linear(x, packed, 75)
+    batched = kernels.bf16_linear(x, packed, 75, None, widen)
     for rows in (slice(0, 1), slice(3, 5), slice(7, 20), slice(39, 40)):
-        assert torch.equal(kernels.bf16_linear(x[rows].contiguous(), packed, 75), batched[rows])
+        assert torch.equal(kernels.bf16_linear(x[rows].contiguous(), packed, 75, None, widen), batched[rows])
 
 
 def test_bad_arguments_are_errors_not_crashes(kernels):

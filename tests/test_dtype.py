@@ -16,11 +16,46 @@ from engine_helpers import BFLOAT16_NEAR_TIE
 
 def test_auto_takes_bfloat16_only_where_the_probe_finds_it_faster(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(cpu_layout, "bfloat16_gain", lambda: 3.2)
+    monkeypatch.setattr(cpu_layout, "bfloat16_gain", lambda **_: 3.2)
     assert loader.resolve_dtype("auto", cpu) == torch.bfloat16
-    monkeypatch.setattr(cpu_layout, "bfloat16_gain", lambda: 1.1)
+    monkeypatch.setattr(cpu_layout, "bfloat16_gain", lambda **_: 1.1)
     assert loader.resolve_dtype("auto", cpu) == torch.float32
     assert loader.resolve_dtype("float32", cpu) == torch.float32
+
+
+def test_the_probe_takes_the_fastest_bfloat16_product_and_refuses_a_prompt_chunk_loss(monkeypatch):
+    """With the native kernel the probe times torch's bfloat16 product and the kernel's two arithmetics at a
+    decode size and a prompt chunk's size: bfloat16 is worth its decode gain where the best product at the chunk's
+    size loses at most 10%, else that loss (which rules it out). The speed-ups are given (the order of the
+    products: torch's, VDPBF16PS, float32 FMAs); the products themselves are not timed here."""
+    class Kernels:  # the kernel's product is not called: only its presence and packing matter to the probe
+        def bf16_linear_supported(self):
+            return True
+
+        def bf16_pack(self, weight):
+            return weight
+
+    monkeypatch.setattr(cpu_layout, "bfloat16_is_native", lambda: True)
+    for decode, prefill, expected in (((1.1, 1.6, 2.4), (0.6, 0.64, 1.04), 2.4),
+                                      ((1.1, 1.6, 2.4), (0.6, 0.64, 0.85), 0.85),
+                                      ((1.8, 1.7, 1.2), (1.9, 0.9, 0.9), 1.8)):
+        given = iter(decode + prefill)
+        monkeypatch.setattr(cpu_layout, "speedup", lambda *_, **__: next(given))
+        assert cpu_layout.bfloat16_gain(kernels=Kernels()) == expected
+    given = iter((1.1, 0.61))  # without the kernel: torch's product alone at each size
+    monkeypatch.setattr(cpu_layout, "speedup", lambda *_, **__: next(given))
+    assert cpu_layout.bfloat16_gain() == 0.61
+
+
+def test_only_dense_checkpoints_weigh_the_native_product(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    assert loader._dense_checkpoint(EngineConfig(), folder, None)
+    assert not loader._dense_checkpoint(EngineConfig(quantization="int8"), folder, None)
+    assert not loader._dense_checkpoint(EngineConfig(), folder, folder / "model.gguf")
+    (folder / "config.json").write_text('{"model_type": "llama", "quantization_config": {"quant_method": "gptq"}}')
+    assert not loader._dense_checkpoint(EngineConfig(), folder, None)
 
 
 def test_probe_reports_no_gain_without_native_bfloat16(monkeypatch):
@@ -82,7 +117,7 @@ def test_auto_serves_a_gguf_model_from_its_blocks_where_they_beat_bfloat16(monke
 
     if not (native_kernels.load("auto") and native_kernels.active().word_blocks_supported()):
         pytest.skip("the block product for 16-bit activations needs the native kernels and AVX512_VNNI")
-    monkeypatch.setattr(cpu_layout, "bfloat16_gain", lambda: 3.2)
+    monkeypatch.setattr(cpu_layout, "bfloat16_gain", lambda **_: 3.2)
     probed = []
     monkeypatch.setattr(quantized_weights, "beats_bfloat16", lambda model, kernels: probed.append(
         model.dtype) or blocks_win)

@@ -28,7 +28,7 @@ def float32_under_auto(monkeypatch):
     probe reads here as on a CPU without them, so that these models load as float32."""
     from engine.cpu import layout as cpu_layout
 
-    monkeypatch.setattr(cpu_layout, "bfloat16_gain", lambda: 0.0)
+    monkeypatch.setattr(cpu_layout, "bfloat16_gain", lambda **_: 0.0)
 
 
 def _kv(engine: AsyncEngine):

@@ -39,7 +39,7 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     if x.dtype is not torch.bfloat16:
         return self.dense_forward(x)
     out = self.bf16_kernels.bf16_linear(x.reshape(-1, x.shape[-1]).contiguous(), self.weight_bf16,
-                                        self.out_features, self.bias_float)
+                                        self.out_features, self.bias_float, self.bf16_widen)
     return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -48,9 +48,22 @@ def _direct(self, dtype: torch.dtype):
     where an adapter wraps the forward or the rows are of another type."""
     if getattr(self.forward, "__func__", None) is not _forward or dtype is not torch.bfloat16:
         return None
-    product, packed, out_features, bias = self.bf16_kernels.bf16_linear, self.weight_bf16, self.out_features, \
-        self.bias_float
-    return lambda rows: product(rows, packed, out_features, bias)
+    product, packed, out_features, bias, widen = (self.bf16_kernels.bf16_linear, self.weight_bf16,
+                                                  self.out_features, self.bias_float, self.bf16_widen)
+    return lambda rows: product(rows, packed, out_features, bias, widen)
+
+
+def widens(modules: list[torch.nn.Linear], packs: list[torch.Tensor], kernels, layer_count: int) -> bool:
+    """Whether the kernel's float32 FMAs beat its VDPBF16PS here (bf16_linear.cpp), timed at a prompt chunk's size
+    over the first `layer_count` weights, where the product is bound by its multiplies (at a few rows both read the
+    weights at the same pace). The two agree within float32 rounding of the same sums."""
+    timed = list(zip(modules, packs))[:layer_count]
+    x_for = {m.in_features: torch.randn(_PREFILL_ROWS, m.in_features, dtype=torch.bfloat16) for m, _ in timed}
+    bias = {m: _bias(m) for m, _ in timed}
+
+    def product(widen: bool):
+        return lambda: [kernels.bf16_linear(x_for[m.in_features], p, m.out_features, bias[m], widen) for m, p in timed]
+    return cpu_layout.speedup(product(False), product(True), repeats=5) > 1.0
 
 
 def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -66,23 +79,25 @@ def _bias(module: torch.nn.Linear) -> torch.Tensor | None:
 
 
 def agrees(module: torch.nn.Linear, kernels, packed: torch.Tensor) -> bool:
-    """The kernel's product against float32 sums of the same bfloat16 values (+ bias) at 1, 7 and 17 rows: each
-    output within its rounding to bfloat16 (half a unit in the last place) plus float32 summation error."""
+    """The kernel's product in both arithmetics against float32 sums of the same bfloat16 values (+ bias) at 1, 7
+    and 17 rows: each output within its rounding to bfloat16 (half a unit in the last place) plus float32 summation
+    error."""
     weight = module.weight.detach().float()
     bias = _bias(module)
     gen = torch.Generator().manual_seed(0)
     for rows in (1, 7, 17):
         x = torch.randn(rows, module.in_features, generator=gen).bfloat16()
         expected = F.linear(x.float(), weight, bias)
-        got = kernels.bf16_linear(x, packed, module.out_features, bias).float()
         bound = expected.abs() * 2.0**-8 + 1e-5 * F.linear(x.float().abs(), weight.abs()) + 1e-30
-        if got.shape != expected.shape or not bool(((got - expected).abs() <= bound).all()):
-            return False
+        for widen in (False, True):
+            got = kernels.bf16_linear(x, packed, module.out_features, bias, widen).float()
+            if got.shape != expected.shape or not bool(((got - expected).abs() <= bound).all()):
+                return False
     return True
 
 
 def _gains(modules: list[torch.nn.Linear], packs: list[torch.Tensor], kernels,
-           layer_count: int) -> dict[int, float]:
+           layer_count: int, widen: bool) -> dict[int, float]:
     """The kernel's speed-up over each layer's current forward at each probed batch size, timed in turns over a
     step's weights in order (up to cpu_layout.PROBE_BYTES, and the output head), a prompt chunk's size over the
     first `layer_count` weights."""
@@ -102,7 +117,7 @@ def _gains(modules: list[torch.nn.Linear], packs: list[torch.Tensor], kernels,
         bias = {m: _bias(m) for m, _ in timed}
         gains[rows] = cpu_layout.speedup(
             lambda: [m.forward(x_for[m.in_features]) for m, _ in timed],
-            lambda: [kernels.bf16_linear(x_for[m.in_features], p, m.out_features, bias[m]) for m, p in timed],
+            lambda: [kernels.bf16_linear(x_for[m.in_features], p, m.out_features, bias[m], widen) for m, p in timed],
             repeats=5)
     return gains
 
@@ -133,7 +148,7 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
         return 0
     name = _verdict_name(modules)
     stored, value = verdicts.cached(name) if verdicts is not None else (False, None)
-    serves, timed = value if stored else (False, "")
+    serves, timed, widen = value if stored else (False, "", False)
     if stored and not serves and not (every_size and timed != "differs"):
         return 0
     with torch.inference_mode():
@@ -149,12 +164,15 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
                             "this machine; not used")
                 serves, timed = False, "differs"
             else:
-                gains = _gains(modules, packs, kernels, _layer_count(model, modules))
+                layer_count = _layer_count(model, modules)
+                widen = widens(modules, packs, kernels, layer_count)
+                gains = _gains(modules, packs, kernels, layer_count, widen)
                 decode = math.prod(gains[rows] for rows in _DECODE_ROWS) ** (1 / len(_DECODE_ROWS))
                 serves = decode >= _GAIN_NEEDED and min(gains.values()) >= _LOSS_ALLOWED
-                timed = ", ".join(f"{g:.2f}x at {rows}" for rows, g in gains.items()) + " rows"
+                timed = (", ".join(f"{g:.2f}x at {rows}" for rows, g in gains.items()) + " rows, "
+                         + ("float32 FMAs" if widen else "VDPBF16PS"))
             if verdicts is not None:
-                verdicts.get(name, lambda: [serves, timed])
+                verdicts.get(name, lambda: [serves, timed, widen])
     if not (serves or (every_size and timed != "differs")):
         log.info("linear weights: the AVX512_BF16 product is not faster here (%s); the layout's products kept", timed)
         return 0
@@ -163,6 +181,7 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
         module.weight_bf16 = packed
         module.bias_float = _bias(module)
         module.bf16_kernels = kernels
+        module.bf16_widen = widen
         module.dense_forward = module.forward  # for inputs of another type
         module.forward = types.MethodType(_forward, module)
         module.direct = types.MethodType(_direct, module)

@@ -26,14 +26,31 @@ BFLOAT16_GAIN_NEEDED = 1.5
 _BLOCK_SHARE_NEEDED = 0.5  # the share of a GGUF file's weights in Q4_1 / Q8_0 blocks worth serving from
 
 
-def weights_dtype(verdicts) -> torch.dtype:
+def weights_dtype(verdicts, native_kernels_mode: str = "off") -> torch.dtype:
     """DTYPE=auto on CPU: bfloat16 halves the bytes every decode step reads and, where the CPU has native bfloat16
-    products, multiplies several times faster; a probe confirms the gain on this machine before it is used."""
-    gain = verdicts.get("bfloat16_gain", layout.bfloat16_gain)
+    products, multiplies several times faster; a probe confirms the gain on this machine before it is used, with
+    the AVX512_BF16 kernel among the products it times where NATIVE_KERNELS (`native_kernels_mode`) allows it."""
+    kernels = _probe_kernels(native_kernels_mode)
+    if kernels is None:
+        gain = verdicts.get("bfloat16_gain", layout.bfloat16_gain)
+    else:
+        gain = verdicts.get("bfloat16_gain:native", lambda: layout.bfloat16_gain(kernels=kernels))
     chosen = torch.bfloat16 if gain >= BFLOAT16_GAIN_NEEDED else torch.float32
     log.info("DTYPE=auto on CPU: bfloat16 products %.2fx float32 here; using %s", gain,
              str(chosen).removeprefix("torch."))
     return chosen
+
+
+def _probe_kernels(mode: str):
+    """The native kernels' module for the bfloat16 probe where `mode` allows and this CPU has their AVX512_BF16
+    product, else None. Built (or found) here, before the weights load; load_kernels checks it afterwards."""
+    if mode == "off" or not layout.bfloat16_is_native():
+        return None
+    try:
+        kernels = native_kernels.build()
+    except Exception:  # no build for this CPU: load_kernels says why
+        return None
+    return kernels if kernels.bf16_linear_supported() else None
 
 
 def try_gguf_blocks(config: EngineConfig, dtype: torch.dtype, gguf: Path | None, verdicts) -> bool:

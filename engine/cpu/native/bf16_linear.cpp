@@ -10,9 +10,17 @@
 // same copy: a panel (at most 4 x 16 x K x 2 bytes, 320 KB at K = 2560) stays in L2 while every row tile of a
 // call passes over it. Sums are float32 in input-pair order, the bias is added in float32 and the result rounded
 // once to bfloat16 (round to nearest even), as oneDNN does. Each row's sums do not depend on the other rows.
+//
+// `widen`: the same copy multiplied with float32 FMAs instead. Each 64 bytes widen to two registers of float32
+// weights (input 2g: the pair's low halves shifted up 16 bits; input 2g + 1: the high halves masked), each product
+// exact and rounded once as it is added, where VDPBF16PS adds a pair's two products into a sum at once. Some CPUs
+// run VDPBF16PS at half the rate of their float32 FMAs (a 2-core Intel Xeon with AVX512_BF16: 168 against 326
+// GFLOP/s), where prompt chunks, bound by the multiplies, run twice as fast this way; at a few rows both are bound
+// by reading the weights. engine/cpu/bf16_weights.py times the two and keeps one for every batch size.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -48,10 +56,43 @@ struct Ahead {
   int64_t lines = 0;          // lines requested per input pair
 };
 
-template <int R, int NB>
+// The float32 value of a bfloat16 (its bits are the top half of the float's).
+inline float widened(uint16_t v) { return std::bit_cast<float>(static_cast<uint32_t>(v) << 16); }
+
+// acc[r][j] += the pair's products of rows r with block j's 64 bytes at w, by VDPBF16PS or (Widen) float32 FMAs.
+// `xw`: the rows' inputs as float32 (row stride xs; Widen only), `x` as bfloat16; `k` the pair's first input and
+// `both` whether its second is an input too (not the zero the packing added after an odd last input).
+template <int R, int NB, bool Widen>
+__attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline))
+inline void pair_products(__m512 (&acc)[R][NB], const uint16_t* w, const uint16_t* x, const float* xw, int64_t xs,
+                          int64_t k, bool both) {
+  if constexpr (Widen) {
+    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (int j = 0; j < NB; ++j) {
+      const __m512i packed = _mm512_loadu_si512(w + j * 32);
+      const __m512 first = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
+      const __m512 second = _mm512_castsi512_ps(_mm512_and_si512(packed, high));
+      for (int r = 0; r < R; ++r) {
+        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xw[r * xs + k]), first, acc[r][j]);
+        if (both) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xw[r * xs + k + 1]), second, acc[r][j]);
+      }
+    }
+  } else {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * 32);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair = static_cast<int32_t>(x[r * xs + k]);
+      if (both) std::memcpy(&pair, x + r * xs + k, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+}
+
+template <int R, int NB, bool Widen>
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
-void panel_tile(const uint16_t* x, int64_t xs, int64_t K, const uint16_t* panel, int64_t first_out, int64_t N,
-                const float* bias, uint16_t* out, int64_t os, Ahead next) {
+void panel_tile(const uint16_t* x, const float* xw, int64_t xs, int64_t K, const uint16_t* panel, int64_t first_out,
+                int64_t N, const float* bias, uint16_t* out, int64_t os, Ahead next) {
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -62,23 +103,10 @@ void panel_tile(const uint16_t* x, int64_t xs, int64_t K, const uint16_t* panel,
   for (int64_t g = 0; g < full; ++g, w += step) {
     for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + ahead + j * 32), _MM_HINT_T0);
     for (int64_t l = 0; l < next.lines && next.at < next.end; ++l, next.at += 64) _mm_prefetch(next.at, _MM_HINT_T1);
-    __m512bh wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * 32);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * xs + 2 * g, 4);
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
-    }
+    pair_products<R, NB, Widen>(acc, w, x, xw, xs, 2 * g, true);
   }
-  if (K & 1) {  // the last input alone: its pair's second weight is a zero the packing added, its input is zero too
-    __m512bh wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * 32);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[r * xs + K - 1]));
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
-    }
-  }
+  // the last input alone: its pair's second weight is a zero the packing added, its input is zero too
+  if (K & 1) pair_products<R, NB, Widen>(acc, w, x, xw, xs, K - 1, false);
   for (int j = 0; j < NB; ++j) {
     const int64_t o = first_out + j * kLanes;
     const int64_t lanes = N - o < kLanes ? N - o : kLanes;
@@ -91,26 +119,27 @@ void panel_tile(const uint16_t* x, int64_t xs, int64_t K, const uint16_t* panel,
   }
 }
 
-template <int R>
-void panel_rows(int nb, const uint16_t* x, int64_t xs, int64_t K, const uint16_t* panel, int64_t first_out,
-                int64_t N, const float* bias, uint16_t* out, int64_t os, Ahead next) {
+template <int R, bool Widen>
+void panel_rows(int nb, const uint16_t* x, const float* xw, int64_t xs, int64_t K, const uint16_t* panel,
+                int64_t first_out, int64_t N, const float* bias, uint16_t* out, int64_t os, Ahead next) {
   switch (nb) {
-    case 4: return panel_tile<R, 4>(x, xs, K, panel, first_out, N, bias, out, os, next);
-    case 3: return panel_tile<R, 3>(x, xs, K, panel, first_out, N, bias, out, os, next);
-    case 2: return panel_tile<R, 2>(x, xs, K, panel, first_out, N, bias, out, os, next);
-    default: return panel_tile<R, 1>(x, xs, K, panel, first_out, N, bias, out, os, next);
+    case 4: return panel_tile<R, 4, Widen>(x, xw, xs, K, panel, first_out, N, bias, out, os, next);
+    case 3: return panel_tile<R, 3, Widen>(x, xw, xs, K, panel, first_out, N, bias, out, os, next);
+    case 2: return panel_tile<R, 2, Widen>(x, xw, xs, K, panel, first_out, N, bias, out, os, next);
+    default: return panel_tile<R, 1, Widen>(x, xw, xs, K, panel, first_out, N, bias, out, os, next);
   }
 }
 
-void tile(int rows, int nb, const uint16_t* x, int64_t xs, int64_t K, const uint16_t* panel, int64_t first_out,
-          int64_t N, const float* bias, uint16_t* out, int64_t os, Ahead next) {
+template <bool Widen>
+void tile(int rows, int nb, const uint16_t* x, const float* xw, int64_t xs, int64_t K, const uint16_t* panel,
+          int64_t first_out, int64_t N, const float* bias, uint16_t* out, int64_t os, Ahead next) {
   switch (rows) {
-    case 6: return panel_rows<6>(nb, x, xs, K, panel, first_out, N, bias, out, os, next);
-    case 5: return panel_rows<5>(nb, x, xs, K, panel, first_out, N, bias, out, os, next);
-    case 4: return panel_rows<4>(nb, x, xs, K, panel, first_out, N, bias, out, os, next);
-    case 3: return panel_rows<3>(nb, x, xs, K, panel, first_out, N, bias, out, os, next);
-    case 2: return panel_rows<2>(nb, x, xs, K, panel, first_out, N, bias, out, os, next);
-    default: return panel_rows<1>(nb, x, xs, K, panel, first_out, N, bias, out, os, next);
+    case 6: return panel_rows<6, Widen>(nb, x, xw, xs, K, panel, first_out, N, bias, out, os, next);
+    case 5: return panel_rows<5, Widen>(nb, x, xw, xs, K, panel, first_out, N, bias, out, os, next);
+    case 4: return panel_rows<4, Widen>(nb, x, xw, xs, K, panel, first_out, N, bias, out, os, next);
+    case 3: return panel_rows<3, Widen>(nb, x, xw, xs, K, panel, first_out, N, bias, out, os, next);
+    case 2: return panel_rows<2, Widen>(nb, x, xw, xs, K, panel, first_out, N, bias, out, os, next);
+    default: return panel_rows<1, Widen>(nb, x, xw, xs, K, panel, first_out, N, bias, out, os, next);
   }
 }
 
@@ -200,9 +229,10 @@ at::Tensor bf16_pack(const at::Tensor& weight) {
   return packed;
 }
 
-// x [M, K] bfloat16 by the weight `bf16_pack` made of a [N, K] weight (+ bias [N]) -> [M, N] bfloat16.
+// x [M, K] bfloat16 by the weight `bf16_pack` made of a [N, K] weight (+ bias [N]) -> [M, N] bfloat16; `widen`:
+// by float32 FMAs (see the top of this file).
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, bool widen) {
 #if defined(LLM_BF16_PRODUCT)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "bf16_linear: x must be a contiguous 2-D bfloat16 tensor");
@@ -221,6 +251,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  std::vector<float> x_wide(widen ? M * K : 0);  // the rows as float32 once, for the FMAs' broadcasts
+  for (int64_t i = 0; i < static_cast<int64_t>(x_wide.size()); ++i) x_wide[i] = widened(xp[i]);
+  const float* xw = x_wide.data();
   // Row tiles of nearly equal size (8 rows: 4 + 4, not 6 + 2).
   const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
   const int64_t panel_bytes = kPanel * K2 * 2 * 2;
@@ -246,7 +279,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
           next.end = following + std::min(next_bytes, (t + 1) * share);
           next.lines = std::max<int64_t>(1, (share / 64 + K2 - 1) / K2);
         }
-        tile(static_cast<int>(r1 - r0), nb, xp + r0 * K, K, K, panel, p * kPanel, N, bp, op + r0 * N, N, next);
+        (widen ? tile<true> : tile<false>)(static_cast<int>(r1 - r0), nb, xp + r0 * K, widen ? xw + r0 * K : nullptr,
+                                           K, K, panel, p * kPanel, N, bp, op + r0 * N, N, next);
         r0 = r1;
       }
     }

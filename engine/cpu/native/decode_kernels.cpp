@@ -647,7 +647,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
   });
 }
 
-// engine/native/quantized_linear.cpp
+// engine/cpu/native/quantized_linear.cpp
 bool blocks_supported();
 bool word_blocks_supported();
 std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words, bool quads);
@@ -665,18 +665,18 @@ std::tuple<int64_t, at::Tensor> pack_six_bit(const at::Tensor& q, const at::Tens
                                              bool quads);
 std::tuple<int64_t, at::Tensor> pack_zero_points(const at::Tensor& q, const at::Tensor& d, const at::Tensor& z,
                                                  bool quads);
-// engine/native/prefill_attention.cpp
+// engine/cpu/native/prefill_attention.cpp
 bool prefill_attention_supported();
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
                              const at::Tensor& blocks, int64_t start, int64_t window, double scale, at::Tensor& out);
-// engine/native/bf16_linear.cpp
+// engine/cpu/native/bf16_linear.cpp
 bool bf16_linear_supported();
 double bf16_peak_gflops(double seconds);
 at::Tensor bf16_pack(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                       const c10::optional<at::Tensor>& bias);
+                       const c10::optional<at::Tensor>& bias, bool widen);
 
-// engine/native/lora_linear.cpp
+// engine/cpu/native/lora_linear.cpp
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const std::vector<at::Tensor>& bs,
                const at::Tensor& slots, int64_t rank);
 
@@ -714,7 +714,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_peak_gflops", &bf16_peak_gflops, "VDPBF16PS's rate on every thread for about `seconds` (0: none)",
         py::arg("seconds") = 0.2);
   m.def("bf16_pack", &bf16_pack, "a bfloat16 weight laid out for bf16_linear");
-  m.def("bf16_linear", &bf16_linear, "bfloat16 rows times a weight packed by bf16_pack (+ bias)",
-        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.def("bf16_linear", &bf16_linear, "bfloat16 rows times a weight packed by bf16_pack (+ bias); `widen`: by "
+        "float32 FMAs instead of VDPBF16PS", py::arg("x"), py::arg("packed"), py::arg("out_features"),
+        py::arg("bias") = py::none(), py::arg("widen") = false);
   m.def("lora_add_", &lora_add_, "y += each row's LoRA term from its adapter slot (slot 0: none)");
 }
