@@ -58,12 +58,21 @@ def widens(modules: list[torch.nn.Linear], packs: list[torch.Tensor], kernels, l
     over the first `layer_count` weights, where the product is bound by its multiplies (at a few rows both read the
     weights at the same pace). The two agree within float32 rounding of the same sums."""
     timed = list(zip(modules, packs))[:layer_count]
-    x_for = {m.in_features: torch.randn(_PREFILL_ROWS, m.in_features, dtype=torch.bfloat16) for m, _ in timed}
-    bias = {m: _bias(m) for m, _ in timed}
+    x_for = _inputs(timed, _PREFILL_ROWS)
+    return cpu_layout.speedup(_kernel_pass(kernels, timed, x_for, False), _kernel_pass(kernels, timed, x_for, True),
+                              repeats=5) > 1.0
 
-    def product(widen: bool):
-        return lambda: [kernels.bf16_linear(x_for[m.in_features], p, m.out_features, bias[m], widen) for m, p in timed]
-    return cpu_layout.speedup(product(False), product(True), repeats=5) > 1.0
+
+def _inputs(timed: list[tuple[torch.nn.Linear, torch.Tensor]], rows: int) -> dict[int, torch.Tensor]:
+    """Random bfloat16 rows [rows, in] for each input width of the timed layers."""
+    return {m.in_features: torch.randn(rows, m.in_features, dtype=torch.bfloat16) for m, _ in timed}
+
+
+def _kernel_pass(kernels, timed: list[tuple[torch.nn.Linear, torch.Tensor]], x_for: dict[int, torch.Tensor],
+                 widen: bool):
+    """One pass of the kernel over the timed (layer, packed copy) pairs in order, as a callable to time."""
+    bias = {m: _bias(m) for m, _ in timed}
+    return lambda: [kernels.bf16_linear(x_for[m.in_features], p, m.out_features, bias[m], widen) for m, p in timed]
 
 
 def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -113,12 +122,9 @@ def _gains(modules: list[torch.nn.Linear], packs: list[torch.Tensor], kernels,
     gains = {}
     for rows in (*_DECODE_ROWS, _PREFILL_ROWS):
         timed = chosen[:layer_count] if rows == _PREFILL_ROWS else chosen
-        x_for = {m.in_features: torch.randn(rows, m.in_features, dtype=torch.bfloat16) for m, _ in timed}
-        bias = {m: _bias(m) for m, _ in timed}
-        gains[rows] = cpu_layout.speedup(
-            lambda: [m.forward(x_for[m.in_features]) for m, _ in timed],
-            lambda: [kernels.bf16_linear(x_for[m.in_features], p, m.out_features, bias[m], widen) for m, p in timed],
-            repeats=5)
+        x_for = _inputs(timed, rows)
+        gains[rows] = cpu_layout.speedup(lambda: [m.forward(x_for[m.in_features]) for m, _ in timed],
+                                         _kernel_pass(kernels, timed, x_for, widen), repeats=5)
     return gains
 
 
