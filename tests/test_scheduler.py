@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.loader import model_folder
 from engine.sampling.sampler import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence, SequenceGroup
+from engine.core.sequence import Sequence, SequenceGroup, Status
 from engine.tokenizer import Tokenizer
 
 
@@ -78,3 +78,47 @@ def test_the_prefix_cache_evicts_the_block_released_longest_ago(tokenizer):
     cache_prefix(blocks, list(range(70, 70 + BLOCK_SIZE)))  # a third cached block pushes the oldest out
     assert len(blocks.lookup(first, BLOCK_SIZE)) == 1
     assert blocks.lookup(second, BLOCK_SIZE) == []
+
+
+def run_prefills(scheduler: Scheduler) -> list[list[tuple[str, int]]]:
+    """Plan steps until no prompt is left to compute, marking each planned chunk computed as the loop does;
+    returns each step's (request, tokens) chunks."""
+    steps = []
+    while True:
+        plan = scheduler.schedule()
+        if not plan.prefills:
+            return steps
+        steps.append([(work.seq.group.request_id, work.length) for work in plan.prefills])
+        for work in plan.prefills:
+            scheduler.computed(work.seq, work.length)
+            if work.seq.num_computed == work.seq.prefill_target:
+                work.seq.status = Status.DECODING
+
+
+def test_a_finishing_prompt_does_not_wait_for_a_later_prompts_chunk(tokenizer):
+    """Two long documents at once over a 512-token budget: the step that finishes the first computes nothing of
+    the second, whose chunk made the first one's first token wait (1049 tokens: 512, then 537 shared 25 / 487),
+    and chunks are even, so no step is a sliver."""
+    scheduler = Scheduler(BlockManager(num_blocks=200, max_cached_blocks=0), max_num_seqs=4,
+                          max_num_batched_tokens=512)
+    scheduler.add(group(tokenizer, "first", list(range(1000, 2049))))
+    scheduler.add(group(tokenizer, "second", list(range(3000, 4049))))
+    steps = run_prefills(scheduler)
+    assert steps[:3] == [[("first", 350)], [("first", 350)], [("first", 349)]], steps
+    assert all(("first", n) not in step for step in steps[3:] for n in range(1050)), steps
+    # the second starts in the step after the first finishes (one decode row then shares the budget)
+    assert sum(n for step in steps[3:] for _, n in step) == 1049 and len(steps) == 6, steps
+
+
+def test_short_prompts_share_a_long_prompts_step_whole(tokenizer):
+    """A short prompt behind a long one joins the long prompt's chunk whole (its first token after one step), and
+    a long prompt behind a finishing one waits for the next step rather than fill it with a chunk."""
+    scheduler = Scheduler(BlockManager(num_blocks=200, max_cached_blocks=0), max_num_seqs=4,
+                          max_num_batched_tokens=512)
+    scheduler.add(group(tokenizer, "long", list(range(1000, 1700))))
+    scheduler.add(group(tokenizer, "short", list(range(2000, 2040))))
+    scheduler.add(group(tokenizer, "later", list(range(3000, 3600))))
+    steps = run_prefills(scheduler)
+    assert steps[0] == [("long", 350), ("short", 40)], steps
+    assert steps[1] == [("long", 350)], steps
+    assert [name for step in steps[2:] for name, _ in step] == ["later", "later"], steps

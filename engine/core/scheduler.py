@@ -3,8 +3,11 @@
 - Admission is first come, first served, by budget: a request starts when its prompt's blocks (less those found in
   the prefix cache) fit in the free pool with one block of growth room per running sequence, and the sequence cap
   (MAX_NUM_SEQS) allows.
-- Each step decodes one token for every decoding sequence, then fills the rest of the token budget
-  (MAX_NUM_BATCHED_TOKENS) with prefill chunks, oldest request first.
+- Each step decodes one token for every decoding sequence, then spends the rest of the token budget
+  (MAX_NUM_BATCHED_TOKENS) on prompts, oldest first: every prompt that fits whole, and at most one chunk of a
+  prompt that does not, only in a step where no older prompt finishes. A step's time is its tokens', so a
+  finishing prompt's first token never waits for a later prompt's chunk (4 documents of 1049 tokens at once:
+  first tokens after 1, 2, 3 and 4 documents' time rather than after 1.5, 2.5, 3.5 and 4).
 - When a decoding sequence needs a new block and none is free, the youngest running request is preempted: its
   blocks are freed and it goes back to the front of the queue, to be recomputed later from its tokens (its
   sampling state is kept, so a seeded or greedy run continues exactly as it would have).
@@ -125,6 +128,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(plan.decodes)
         budget -= self._plan_verifies(plan, budget)
         prefilling = [(g, s) for g in self.running for s in g.seqs if s.status == Status.PREFILLING]
+        finishing = partial = False
         for group, seq in prefilling:
             remaining = seq.prefill_target - seq.num_computed
             if self.whole_prompts:  # in arrival order
@@ -133,10 +137,20 @@ class Scheduler:
                 take = remaining
             elif budget <= 0:
                 break
+            elif remaining <= budget:
+                take = remaining
+            elif finishing or partial:
+                # A chunk that does not finish its prompt would only make this step, and so the first tokens
+                # of the prompts finishing in it, later; it goes first in a step of its own.
+                continue
             else:
-                take = min(remaining, budget)
+                # Even chunks (1049 tokens over a 512 budget: 350, 350, 349), so the prompt's last step is not a
+                # sliver and the next prompt's chunk need not fill it.
+                take = -(-remaining // -(-remaining // budget))
+                partial = True
             fresh = not group.started
             last = seq.num_computed + take == seq.prefill_target
+            finishing = finishing or last
             wants_all = fresh and group.params.prompt_logprobs is not None
             plan.prefills.append(PrefillWork(seq, take, "all" if wants_all else
                                              "last" if (fresh and last) else "none"))
