@@ -208,12 +208,16 @@ def test_prefill_attention_over_the_blocks_equals_sdpa(kernels, heads, kv_heads,
     assert not out_buffer[untouched].any()  # nothing written outside the view
 
 
+@pytest.mark.parametrize("bf16_products", [True, False])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (15, 5, 64), (14, 2, 128)])
 @pytest.mark.parametrize("tokens, start, window", [(64, 0, 0), (70, 0, 0), (33, 100, 0), (80, 151, 64), (130, 500, 0)])
-def test_a_bfloat16_models_prompt_chunk_equals_sdpa(kernels, heads, kv_heads, dim, tokens, start, window):
+def test_a_bfloat16_models_prompt_chunk_equals_sdpa(kernels, heads, kv_heads, dim, tokens, start, window,
+                                                    bf16_products):
     """A bfloat16 model's chunk (its queries bfloat16 values widened, its cache bfloat16) multiplies in bfloat16
     where the CPU has AVX512_BF16 (odd numbers of keys pair the last one with a zero weight): equal to SDPA over the
-    same values within bfloat16's rounding, as the model's own bfloat16 attention is."""
+    same values within bfloat16's rounding, as the model's own bfloat16 attention is. With `bf16_products` off (CPUs
+    where VDPBF16PS is slower than float32 FMAs) it multiplies the widened values in float32: equal within float32's
+    rounding."""
     if not kernels.prefill_attention_supported():
         pytest.skip("this build has no AVX-512")
     gen = torch.Generator().manual_seed(heads + tokens + start + window + dim)
@@ -226,9 +230,9 @@ def test_a_bfloat16_models_prompt_chunk_equals_sdpa(kernels, heads, kv_heads, di
     packed = (torch.randn(tokens + 3, heads + 2 * kv_heads, dim, generator=gen) * 2).bfloat16().float()
     query = packed[2:2 + tokens, :heads]
     out = torch.empty(tokens, heads, dim)
-    kernels.paged_prefill_attention(query, k_pool, v_pool, blocks, start, window, dim ** -0.5, out)
+    kernels.paged_prefill_attention(query, k_pool, v_pool, blocks, start, window, dim ** -0.5, out, bf16_products)
     expected = _reference_prefill(query, k_pool.float(), v_pool.float(), blocks, start, window, dim ** -0.5)
-    _close(expected, out, torch.bfloat16)
+    _close(expected, out, torch.bfloat16 if bf16_products else torch.float32)
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float16, torch.bfloat16])
@@ -321,7 +325,9 @@ class _Wrong:
             out = real(*args)
             if out is not None:
                 return out + 0.01
-            args[-1 if "attention" in name else 0].add_(0.01)  # the in-place kernels; attention writes its out
+            # the in-place kernels; attention writes its out, its last tensor argument
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            tensors[-1 if "attention" in name else 0].add_(0.01)
         return off_by_a_little
 
 

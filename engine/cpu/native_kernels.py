@@ -377,22 +377,24 @@ def self_check(kernels, dtype: torch.dtype = torch.float32) -> str:
                     if not _close(expected.to(dtype), out[row]):
                         return "paged_decode_attention"
         # Prefill attention takes float32 queries: a float32 model's (over its own or a float16 cache), or a
-        # bfloat16 model's widened (over its bfloat16 cache: multiplied in bfloat16 where the CPU has AVX512_BF16).
+        # bfloat16 model's widened (over its bfloat16 cache: multiplied in bfloat16 where the CPU has AVX512_BF16, or
+        # with float32 FMAs where the runner finds those faster).
         prefill_pools = {torch.float32: pool_types, torch.bfloat16: (torch.bfloat16,)}.get(dtype, ())
         for pool_type in prefill_pools if kernels.prefill_attention_supported() else ():
             # A chunk of 70 tokens after 50 cached ones (five token tiles, the last one partial), whole and
-            # within a window of 30, against SDPA with the causal mask over the gathered keys.
+            # within a window of 30, and in float32 FMAs, against SDPA with the causal mask over the gathered keys.
             start, tokens, table = 50, 70, [6, 2, 0, 7, 4, 1, 3, 5]
             k_pool, v_pool = rand(8, 16, kv_heads, 64).to(pool_type), rand(8, 16, kv_heads, 64).to(pool_type)
             query, out = rand(tokens, heads, 64).float(), torch.empty(tokens, heads, 64)
             keys = k_pool[table].reshape(-1, kv_heads, 64)[:start + tokens].transpose(0, 1)[None].float()
             vals = v_pool[table].reshape(-1, kv_heads, 64)[:start + tokens].transpose(0, 1)[None].float()
             positions = torch.arange(start + tokens)
-            for window in (0, 30):
+            for window, bf16_products in ((0, True), (30, True), (0, False)):
                 mask = positions[None] <= positions[start:, None]
                 if window:
                     mask &= positions[None] > positions[start:, None] - window
-                kernels.paged_prefill_attention(query, k_pool, v_pool, torch.tensor(table), start, window, 0.3, out)
+                kernels.paged_prefill_attention(query, k_pool, v_pool, torch.tensor(table), start, window, 0.3, out,
+                                                bf16_products)
                 expected = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys, vals, attn_mask=mask,
                                                           scale=0.3, enable_gqa=True)[0].transpose(0, 1)
                 if not _close(expected.to(dtype), out):

@@ -31,10 +31,13 @@ class LayerShape:
 
 class PagedKVCache:
     def __init__(self, device: torch.device, dtype: torch.dtype, layers: dict[int, LayerShape], num_blocks: int,
-                 native_kernels: bool = True, batch_invariant: bool = False):
+                 native_kernels: bool = True, batch_invariant: bool = False, bf16_products: bool = True):
         self.device = device
         # Whether attention over it may take the native CPU kernels: not on the CUDA path, even simulated on the CPU.
         self.native_kernels = native_kernels
+        # Whether a bfloat16 model's prompt chunks attend with VDPBF16PS rather than float32 FMAs (the runner's
+        # probe: attention.bfloat16_products_pay).
+        self.bf16_products = bf16_products
         # Whether its engine serves BATCH_INVARIANT (attention.py then attends every prompt chunk alike).
         self.batch_invariant = batch_invariant
         self.dtype = dtype

@@ -10,6 +10,8 @@ import torch
 
 from engine import devices
 from engine.core.block_manager import BLOCK_SIZE, blocks_for
+from engine.cpu import native_kernels
+from engine.executor.attention import bfloat16_products_pay
 from engine.executor.compact_decoder import CompactDecoder
 from engine.executor.kv_cache import DecodeBucket, PagedKVCache, PrefillSegment, StepCache, StepLayout
 from engine.executor.startup_checks import StartupChecks, cache_argument
@@ -82,6 +84,7 @@ class ModelRunner:
         self.states = RecurrentStates(state_shapes, max_num_seqs) if state_shapes else None
         if check_kv_dtype and (self.states is not None or not self.layer_shapes):
             self.kv_dtype = dtype  # the probe below covers attention-only models
+        self.bf16_attention = self._bf16_attention(checks)
         self.kv = self._allocate_kv(kv_budget_bytes, gpu_memory_utilization, max_num_batched_tokens)
         # Whether a prompt may be computed in chunks: always for attention, for recurrent layers when they continue
         # a multi-token pass from the state an earlier one left (found out by trying).
@@ -98,6 +101,16 @@ class ModelRunner:
                     self.kv = self._allocate_kv(kv_budget_bytes, gpu_memory_utilization, max_num_batched_tokens)
             self.compact, self.compact_reason = checks.compact_decoder()
 
+    def _bf16_attention(self, checks: StartupChecks) -> bool:
+        """Whether a bfloat16 cache's prompt chunks attend with VDPBF16PS (attention.bfloat16_products_pay), timed
+        once per model shape and machine."""
+        kernels = native_kernels.active() if self.platform.cpu_fast_paths else None
+        shape = next(iter(self.layer_shapes.values()), None)
+        if kernels is None or shape is None or torch.bfloat16 not in (self.kv_dtype, self.dtype):
+            return True
+        return checks.kept(f"bf16_attention:{shape.kv_heads}:{shape.key_dim}",
+                           lambda: bfloat16_products_pay(kernels, 4 * shape.kv_heads, shape.kv_heads, shape.key_dim))
+
     def _allocate_kv(self, kv_budget_bytes: int | None, gpu_memory_utilization: float,
                      max_num_batched_tokens: int) -> PagedKVCache:
         """The paged KV cache in kv_dtype, as many blocks as the budget holds."""
@@ -112,7 +125,8 @@ class ModelRunner:
 
     def new_cache(self, dtype: torch.dtype, num_blocks: int) -> PagedKVCache:
         return PagedKVCache(self.device, dtype, self.layer_shapes, num_blocks,
-                            native_kernels=self.platform.cpu_fast_paths, batch_invariant=self.batch_invariant)
+                            native_kernels=self.platform.cpu_fast_paths, batch_invariant=self.batch_invariant,
+                            bf16_products=self.bf16_attention)
 
     @torch.inference_mode()
     def _cuda_blocks(self, utilization: float, profile_tokens: int) -> int:

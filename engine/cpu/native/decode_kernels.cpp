@@ -668,7 +668,8 @@ std::tuple<int64_t, at::Tensor> pack_zero_points(const at::Tensor& q, const at::
 // engine/cpu/native/prefill_attention.cpp
 bool prefill_attention_supported();
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                             const at::Tensor& blocks, int64_t start, int64_t window, double scale, at::Tensor& out);
+                             const at::Tensor& blocks, int64_t start, int64_t window, double scale, at::Tensor& out,
+                             bool bf16_products);
 // engine/cpu/native/bf16_linear.cpp
 bool bf16_linear_supported();
 double bf16_peak_gflops(double seconds);
@@ -688,7 +689,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache_", &rope_and_cache_, "rotary embedding in place, then the keys and values to the cache");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache's blocks");
   m.def("prefill_attention_supported", &prefill_attention_supported, "whether this build has prefill attention");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "a prompt chunk's causal attention over the paged cache");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "a prompt chunk's causal attention over the paged cache",
+        py::arg("query"), py::arg("k_pool"), py::arg("v_pool"), py::arg("blocks"), py::arg("start"), py::arg("window"),
+        py::arg("scale"), py::arg("out"), py::arg("bf16_products") = true);
   m.def("blocks_supported", &blocks_supported, "whether this build has the block product");
   m.def("word_blocks_supported", &word_blocks_supported, "whether this build has the product for 16-bit activations");
   m.def("pack_blocks", &pack_blocks, "(format, blocks): a float32 weight's exact Q4_1 or Q8_0 blocks, or (0, empty)",

@@ -270,9 +270,11 @@ bool prefill_attention_supported() {
 // as they are gathered) holding the sequence's keys
 // and values up to position start + tokens (the chunk's own already written); blocks the sequence's block ids,
 // from position 0. Query head h reads key head h / (heads / kv_heads). window > 0: each token reads only its
-// last `window` positions. Head sizes 64 and 128.
+// last `window` positions. Head sizes 64 and 128. bf16_products: a bfloat16 model's chunk over its bfloat16 cache
+// multiplies with VDPBF16PS (else float32 FMAs over the widened values).
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                             const at::Tensor& blocks, int64_t start, int64_t window, double scale, at::Tensor& out) {
+                             const at::Tensor& blocks, int64_t start, int64_t window, double scale, at::Tensor& out,
+                             bool bf16_products) {
 #if defined(__AVX512F__)
   TORCH_CHECK(query.device().is_cpu() && query.dim() == 3 && query.stride(2) == 1 && out.dim() == 3 &&
                   out.stride(2) == 1 && query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
@@ -311,8 +313,9 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, 
   // Keys transposed ([dim, ldk]) and values packed ([ldk, dim]) per key head, for as many key heads at a time as
   // fit kScratchBytes, about a core's L2 (a gathered head is used while it is still there).
   // A bfloat16 model (bfloat16 cache, every query a bfloat16 value widened) multiplies in bfloat16 where the CPU
-  // has AVX512_BF16: the keys and values are gathered as bfloat16 pairs instead of float32.
-  const bool b16 = pool_type == at::kBFloat16 && bf16_linear_supported() && bfloat16_values(query);
+  // has AVX512_BF16 and the caller asks (`bf16_products`: where VDPBF16PS outpaces float32 FMAs; on some CPUs it
+  // runs at half their rate): the keys and values are gathered as bfloat16 pairs instead of float32.
+  const bool b16 = bf16_products && pool_type == at::kBFloat16 && bf16_linear_supported() && bfloat16_values(query);
   constexpr int64_t kScratchBytes = 1 << 20;
   const int64_t per_head = 2 * ldk * dim;
   const int64_t heads_per_pass = std::clamp<int64_t>(kScratchBytes / (per_head * (b16 ? 2 : 4)), 1, kv_heads);
