@@ -34,7 +34,7 @@ def test_the_product_is_float32_sums_of_the_bfloat16_values(kernels, out_feature
     weight = _bf16(out_features, in_features, seed=1)
     bias = _bf16(out_features, seed=2).float() if with_bias else None
     packed = kernels.bf16_pack(weight)
-    for rows in range(1, 34):
+    for rows in (*range(1, 34), 200, 301):  # from 187 rows float32 FMAs widen each panel once for all rows
         x = _bf16(rows, in_features, seed=rows)
         exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
         got = kernels.bf16_linear(x, packed, out_features, bias, widen)
@@ -54,9 +54,9 @@ def test_unit_rows_give_back_the_weights_and_rows_do_not_depend_on_their_batch(k
     assert torch.equal(kernels.bf16_linear(units, packed, 75, None, widen), weight.t())
     # Transposed (column-major) weights pack to the same layout.
     assert torch.equal(kernels.bf16_pack(weight.t().contiguous().t()), packed)
-    x = _bf16(40, 33, seed=4)
+    x = _bf16(300, 33, seed=4)  # a prompt chunk's size: float32 FMAs take the panels widened once
     batched = kernels.bf16_linear(x, packed, 75, None, widen)
-    for rows in (slice(0, 1), slice(3, 5), slice(7, 20), slice(39, 40)):
+    for rows in (slice(0, 1), slice(3, 5), slice(7, 20), slice(39, 40), slice(0, 40), slice(100, 290)):
         assert torch.equal(kernels.bf16_linear(x[rows].contiguous(), packed, 75, None, widen), batched[rows])
 
 
