@@ -144,9 +144,12 @@ class Scheduler:
                 # of the prompts finishing in it, later; it goes first in a step of its own.
                 continue
             else:
-                # Even chunks (1049 tokens over a 512 budget: 350, 350, 349), so the prompt's last step is not a
-                # sliver and the next prompt's chunk need not fill it.
-                take = -(-remaining // -(-remaining // budget))
+                # Even chunks, so the prompt's last step is not a sliver and the next prompt's chunk need not fill
+                # it, each ending on a block boundary (1049 tokens over a 512 budget: 352, 352, 345): a block's keys
+                # come from one step, and the prefill kernel's 16-token tiles are whole.
+                share = -(-remaining // -(-remaining // budget))
+                end = -(-(seq.num_computed + share) // BLOCK_SIZE) * BLOCK_SIZE
+                take = min(budget, end - seq.num_computed)
                 partial = True
             fresh = not group.started
             last = seq.num_computed + take == seq.prefill_target
