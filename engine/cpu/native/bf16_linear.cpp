@@ -161,50 +161,18 @@ void widen_panel(const uint16_t* panel, int nb, int64_t K2, float* wide) {
     }
 }
 
-template <int R, bool Widen>
-void panel_rows(int nb, const uint16_t* x, const float* xw, int64_t xs, int64_t K, const uint16_t* panel,
-                int64_t first_out, int64_t N, const float* bias, uint16_t* out, int64_t os, Ahead next) {
+// f.template operator()<R, NB>() for a register tile of `rows` rows (1 to kMaxRows) by `nb` blocks (1 to
+// kPanelBlocks): both tile kinds take their shape through this one dispatch.
+template <int R = kMaxRows, typename F>
+void with_tile_shape(int rows, int nb, const F& f) {
+  if constexpr (R > 1) {
+    if (rows < R) return with_tile_shape<R - 1>(rows, nb, f);
+  }
   switch (nb) {
-    case 4: return panel_tile<R, 4, Widen>(x, xw, xs, K, panel, first_out, N, bias, out, os, next);
-    case 3: return panel_tile<R, 3, Widen>(x, xw, xs, K, panel, first_out, N, bias, out, os, next);
-    case 2: return panel_tile<R, 2, Widen>(x, xw, xs, K, panel, first_out, N, bias, out, os, next);
-    default: return panel_tile<R, 1, Widen>(x, xw, xs, K, panel, first_out, N, bias, out, os, next);
-  }
-}
-
-template <bool Widen>
-void tile(int rows, int nb, const uint16_t* x, const float* xw, int64_t xs, int64_t K, const uint16_t* panel,
-          int64_t first_out, int64_t N, const float* bias, uint16_t* out, int64_t os, Ahead next) {
-  switch (rows) {
-    case 6: return panel_rows<6, Widen>(nb, x, xw, xs, K, panel, first_out, N, bias, out, os, next);
-    case 5: return panel_rows<5, Widen>(nb, x, xw, xs, K, panel, first_out, N, bias, out, os, next);
-    case 4: return panel_rows<4, Widen>(nb, x, xw, xs, K, panel, first_out, N, bias, out, os, next);
-    case 3: return panel_rows<3, Widen>(nb, x, xw, xs, K, panel, first_out, N, bias, out, os, next);
-    case 2: return panel_rows<2, Widen>(nb, x, xw, xs, K, panel, first_out, N, bias, out, os, next);
-    default: return panel_rows<1, Widen>(nb, x, xw, xs, K, panel, first_out, N, bias, out, os, next);
-  }
-}
-
-template <int R>
-void wide_rows(int nb, const float* xw, int64_t xs, int64_t K, const float* wide, int64_t first_out, int64_t N,
-               const float* bias, uint16_t* out, int64_t os) {
-  switch (nb) {
-    case 4: return wide_tile<R, 4>(xw, xs, K, wide, first_out, N, bias, out, os);
-    case 3: return wide_tile<R, 3>(xw, xs, K, wide, first_out, N, bias, out, os);
-    case 2: return wide_tile<R, 2>(xw, xs, K, wide, first_out, N, bias, out, os);
-    default: return wide_tile<R, 1>(xw, xs, K, wide, first_out, N, bias, out, os);
-  }
-}
-
-void wide_rows_any(int rows, int nb, const float* xw, int64_t xs, int64_t K, const float* wide, int64_t first_out,
-                   int64_t N, const float* bias, uint16_t* out, int64_t os) {
-  switch (rows) {
-    case 6: return wide_rows<6>(nb, xw, xs, K, wide, first_out, N, bias, out, os);
-    case 5: return wide_rows<5>(nb, xw, xs, K, wide, first_out, N, bias, out, os);
-    case 4: return wide_rows<4>(nb, xw, xs, K, wide, first_out, N, bias, out, os);
-    case 3: return wide_rows<3>(nb, xw, xs, K, wide, first_out, N, bias, out, os);
-    case 2: return wide_rows<2>(nb, xw, xs, K, wide, first_out, N, bias, out, os);
-    default: return wide_rows<1>(nb, xw, xs, K, wide, first_out, N, bias, out, os);
+    case 4: return f.template operator()<R, 4>();
+    case 3: return f.template operator()<R, 3>();
+    case 2: return f.template operator()<R, 2>();
+    default: return f.template operator()<R, 1>();
   }
 }
 
@@ -338,8 +306,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
         widen_panel(panel, nb, K2, wide.data());
         for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
           const int64_t r1 = M * (t + 1) / tiles;
-          wide_rows_any(static_cast<int>(r1 - r0), nb, xw + r0 * K, K, K, wide.data(), p * kPanel, N, bp,
-                        op + r0 * N, N);
+          with_tile_shape(static_cast<int>(r1 - r0), nb, [&]<int R, int NB>() {
+            wide_tile<R, NB>(xw + r0 * K, K, K, wide.data(), p * kPanel, N, bp, op + r0 * N, N);
+          });
           r0 = r1;
         }
         continue;
@@ -362,8 +331,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
           next.end = following + std::min(next_bytes, (t + 1) * share);
           next.lines = std::max<int64_t>(1, (share / 64 + K2 - 1) / K2);
         }
-        (widen ? tile<true> : tile<false>)(static_cast<int>(r1 - r0), nb, xp + r0 * K, widen ? xw + r0 * K : nullptr,
-                                           K, K, panel, p * kPanel, N, bp, op + r0 * N, N, next);
+        with_tile_shape(static_cast<int>(r1 - r0), nb, [&]<int R, int NB>() {
+          if (widen)
+            panel_tile<R, NB, true>(xp + r0 * K, xw + r0 * K, K, K, panel, p * kPanel, N, bp, op + r0 * N, N, next);
+          else
+            panel_tile<R, NB, false>(xp + r0 * K, nullptr, K, K, panel, p * kPanel, N, bp, op + r0 * N, N, next);
+        });
         r0 = r1;
       }
     }
