@@ -5,6 +5,9 @@ serving."""
 from __future__ import annotations
 
 
+import threading
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,7 @@ import torch.nn.functional as F
 from engine import AsyncEngine, EngineConfig
 from engine.cpu import native_kernels
 from engine_helpers import greedy_tokens
+from tiny_models import q4_1_weight
 
 
 
@@ -292,6 +296,54 @@ def test_prefill_attention_refuses_what_it_does_not_cover(kernels):
         kernels.paged_prefill_attention(query.bfloat16(), k_pool, v_pool, torch.tensor([0, 1]), 0, 0, 1.0, out)
     with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
         kernels.paged_prefill_attention(query, k_pool.double(), v_pool.double(), torch.tensor([0, 1]), 0, 0, 1.0, out)
+
+
+def _longest_wait_beside(call) -> tuple[float, float]:
+    """Run `call` on another thread until it has taken 0.6 s; meanwhile this thread sleeps 1 ms at a time.
+    Returns (the longest one of those sleeps took to come back, the shortest call)."""
+    calls, done = [], threading.Event()
+
+    def work():
+        while sum(calls) < 0.6:
+            started = time.perf_counter()
+            call()
+            calls.append(time.perf_counter() - started)
+        done.set()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    longest = 0.0
+    while not done.is_set():
+        started = time.perf_counter()
+        time.sleep(0.001)
+        longest = max(longest, time.perf_counter() - started)
+    worker.join()
+    return longest, min(calls)
+
+
+@pytest.mark.parametrize("product", ["bf16_linear", "blocks_linear", "prefill_attention"])
+def test_a_long_kernel_call_lets_other_threads_run(kernels, product):
+    """The server's event loop runs beside the engine's thread: a kernel that kept the GIL while it computes
+    (a prompt chunk's product: a second on a 7B model) would stall every stream, /health and the platform's
+    heartbeat until it returns."""
+    if product == "bf16_linear":
+        if not kernels.bf16_linear_supported():
+            pytest.skip("the bfloat16 product needs AVX512_BF16")
+        weight, x = torch.randn(4096, 2048).bfloat16(), torch.randn(2048, 2048).bfloat16()
+        packed = kernels.bf16_pack(weight)
+        call = lambda: kernels.bf16_linear(x, packed, 4096, None, True)  # noqa: E731
+    elif product == "blocks_linear":
+        block_format, packed = kernels.pack_blocks(q4_1_weight(4096, 2048), True)
+        x = torch.randn(2048, 2048)
+        call = lambda: kernels.blocks_linear(x, packed, block_format, 4096)  # noqa: E731
+    else:
+        tokens, start, blocks = 1024, 3072, torch.arange(256)  # a chunk of 1024 after 3072 cached, 16 a block
+        k_pool, v_pool = torch.randn(256, 16, 4, 64), torch.randn(256, 16, 4, 64)
+        query, out = torch.randn(tokens, 16, 64), torch.zeros(tokens, 16, 64)
+        call = lambda: kernels.paged_prefill_attention(query, k_pool, v_pool, blocks, start, 0, 0.125, out)  # noqa: E731
+    longest, shortest = _longest_wait_beside(call)
+    assert shortest > 0.03, f"a call of {shortest * 1e3:.0f} ms is too short to tell"
+    assert longest < shortest / 2, f"a 1 ms sleep took {longest * 1e3:.0f} ms beside calls of {shortest * 1e3:.0f} ms"
 
 
 def test_bad_arguments_are_errors_not_crashes(kernels):

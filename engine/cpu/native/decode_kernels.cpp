@@ -682,43 +682,54 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const st
                const at::Tensor& slots, int64_t rank);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMS norm of the last dimension");
-  m.def("add_rms_norm_", &add_rms_norm_, "delta += residual in place; the RMS norm of the sum");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate-and-up product");
-  m.def("draw_tokens", &draw_tokens, "one token a row drawn from softmax(logits * scale) with the row's uniform number");
-  m.def("rope_and_cache_", &rope_and_cache_, "rotary embedding in place, then the keys and values to the cache");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache's blocks");
+  // Every computing call lets other Python threads run while it works: the server's event loop (streams, /health,
+  // the platform's job requests) runs beside the engine's thread, and a prompt chunk's product can take a second.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, nogil, "RMS norm of the last dimension");
+  m.def("add_rms_norm_", &add_rms_norm_, nogil, "delta += residual in place; the RMS norm of the sum");
+  m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up of a fused gate-and-up product");
+  m.def("draw_tokens", &draw_tokens, nogil,
+        "one token a row drawn from softmax(logits * scale) with the row's uniform number");
+  m.def("rope_and_cache_", &rope_and_cache_, nogil, "rotary embedding in place, then the keys and values to the cache");
+  m.def("paged_decode_attention", &paged_decode_attention, nogil, "decode attention over the paged cache's blocks");
   m.def("prefill_attention_supported", &prefill_attention_supported, "whether this build has prefill attention");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "a prompt chunk's causal attention over the paged cache",
+  m.def("paged_prefill_attention", &paged_prefill_attention, nogil,
+        "a prompt chunk's causal attention over the paged cache",
         py::arg("query"), py::arg("k_pool"), py::arg("v_pool"), py::arg("blocks"), py::arg("start"), py::arg("window"),
         py::arg("scale"), py::arg("out"), py::arg("bf16_products") = true);
   m.def("blocks_supported", &blocks_supported, "whether this build has the block product");
   m.def("word_blocks_supported", &word_blocks_supported, "whether this build has the product for 16-bit activations");
-  m.def("pack_blocks", &pack_blocks, "(format, blocks): a float32 weight's exact Q4_1 or Q8_0 blocks, or (0, empty)",
+  m.def("pack_blocks", &pack_blocks, nogil,
+        "(format, blocks): a float32 weight's exact Q4_1 or Q8_0 blocks, or (0, empty)",
         py::arg("weight"), py::arg("words") = false, py::arg("quads") = false);
-  m.def("blocks_linear", &blocks_linear, "x times a weight packed by pack_blocks or pack_scaled (+ bias), in x's dtype",
+  m.def("blocks_linear", &blocks_linear, nogil,
+        "x times a weight packed by pack_blocks or pack_scaled (+ bias), in x's dtype",
         py::arg("x"), py::arg("packed"), py::arg("format"), py::arg("out_features"), py::arg("bias") = py::none());
-  m.def("blocks_linear_parts", &blocks_linear_parts, "x times several packed weights, their outputs side by side "
+  m.def("blocks_linear_parts", &blocks_linear_parts, nogil,
+        "x times several packed weights, their outputs side by side "
         "(+ bias), in x's dtype", py::arg("x"), py::arg("packed"), py::arg("formats"), py::arg("outs"),
         py::arg("bias") = py::none());
-  m.def("pack_scaled", &pack_scaled, "(format, blocks): a quantized checkpoint's w = scale * q + minimum per 32 inputs",
+  m.def("pack_scaled", &pack_scaled, nogil,
+        "(format, blocks): a quantized checkpoint's w = scale * q + minimum per 32 inputs",
         py::arg("q"), py::arg("scale"), py::arg("minimum"), py::arg("bits"), py::arg("half") = false,
         py::arg("quads") = false, py::arg("centered") = false);
-  m.def("pack_coded", &pack_coded, "(format, blocks): 4-bit codes of bitsandbytes' nf4 or fp4 table times a scale "
+  m.def("pack_coded", &pack_coded, nogil,
+        "(format, blocks): 4-bit codes of bitsandbytes' nf4 or fp4 table times a scale "
         "per 32 inputs", py::arg("q"), py::arg("scale"), py::arg("table"));
-  m.def("pack_super", &pack_super, "(format, blocks): GGUF Q4_K / Q5_K blocks with their two-level scales "
+  m.def("pack_super", &pack_super, nogil, "(format, blocks): GGUF Q4_K / Q5_K blocks with their two-level scales "
         "(w = D s q - M t)", py::arg("q"), py::arg("big_d"), py::arg("s"), py::arg("big_m"), py::arg("t"),
         py::arg("bits"), py::arg("quads") = false);
-  m.def("pack_six_bit", &pack_six_bit, "(27, blocks): GGUF Q6_K blocks as the file holds them (w = D s q per 16 "
+  m.def("pack_six_bit", &pack_six_bit, nogil, "(27, blocks): GGUF Q6_K blocks as the file holds them (w = D s q per 16 "
         "inputs); (30, blocks) with `quads`", py::arg("q"), py::arg("big_d"), py::arg("s"), py::arg("quads") = false);
-  m.def("pack_zero_points", &pack_zero_points, "(28, blocks): 4-bit q with a zero point per 32 inputs (w = d (q - "
+  m.def("pack_zero_points", &pack_zero_points, nogil,
+        "(28, blocks): 4-bit q with a zero point per 32 inputs (w = d (q - "
         "z))", py::arg("q"), py::arg("d"), py::arg("z"), py::arg("quads") = false);
   m.def("bf16_linear_supported", &bf16_linear_supported, "whether this build and CPU have the AVX512_BF16 product");
-  m.def("bf16_peak_gflops", &bf16_peak_gflops, "VDPBF16PS's rate on every thread for about `seconds` (0: none)",
+  m.def("bf16_peak_gflops", &bf16_peak_gflops, nogil, "VDPBF16PS's rate on every thread for about `seconds` (0: none)",
         py::arg("seconds") = 0.2);
-  m.def("bf16_pack", &bf16_pack, "a bfloat16 weight laid out for bf16_linear");
-  m.def("bf16_linear", &bf16_linear, "bfloat16 rows times a weight packed by bf16_pack (+ bias); `widen`: by "
+  m.def("bf16_pack", &bf16_pack, nogil, "a bfloat16 weight laid out for bf16_linear");
+  m.def("bf16_linear", &bf16_linear, nogil, "bfloat16 rows times a weight packed by bf16_pack (+ bias); `widen`: by "
         "float32 FMAs instead of VDPBF16PS", py::arg("x"), py::arg("packed"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::arg("widen") = false);
-  m.def("lora_add_", &lora_add_, "y += each row's LoRA term from its adapter slot (slot 0: none)");
+  m.def("lora_add_", &lora_add_, nogil, "y += each row's LoRA term from its adapter slot (slot 0: none)");
 }
