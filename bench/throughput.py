@@ -119,7 +119,8 @@ def weight_bytes_per_token(folder: str | Path) -> int:
                 count = 1
                 for dim in piece.get_shape():
                     count *= dim
-                sizes[name] = count * {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}.get(piece.get_dtype(), 1)
+                sizes[name] = count * {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I16": 2, "I32": 4,  # GPTQ/AWQ's packed
+                                       "I64": 8}.get(piece.get_dtype(), 1)  # words are I32
     tied = config.get("tie_word_embeddings", False) and not any("lm_head" in n for n in sizes)
     return sum(size for name, size in sizes.items() if tied or "embed_tokens" not in name)
 
