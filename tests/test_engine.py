@@ -130,6 +130,26 @@ def test_cancelling_the_task_frees_the_slot(engine):
     assert len(after["choices"][0]["ids"]) == 8
 
 
+def test_a_request_whose_event_loop_closed_is_dropped(engine):
+    """A consumer whose event loop is gone (closed without closing the stream) cannot take outputs: the engine
+    drops its request instead of generating all of it."""
+    core = engine.engine
+    ids = chat_ids(engine, PROMPTS[3])
+    loop = asyncio.new_event_loop()
+
+    async def read_two():
+        stream = engine.generate("orphan", ids, greedy(500))
+        await stream.__anext__()
+        await stream.__anext__()
+        return stream
+
+    stream = loop.run_until_complete(read_two())
+    loop.close()
+    # Dropped at its next output: well before its 500 tokens (about 5 s here) could have run out.
+    _wait_until(lambda: core.num_requests == 0 and core.num_running == 0, timeout=2.0)
+    del stream
+
+
 def test_requests_beyond_the_cap_wait_and_complete(worker):
     config = EngineConfig(**{**worker.settings.engine_config().__dict__, "max_num_seqs": 2})
     small = AsyncEngine(config)
