@@ -71,19 +71,31 @@ def test_packed_products_keep_outputs_and_run_from_their_batch_size(tmp_path, mo
     torch.testing.assert_close(got_long, expected[1], rtol=tolerance, atol=tolerance)
 
 
-def test_bfloat16_weights_are_timed_packed_too(tmp_path):
+def test_bfloat16_weights_are_timed_packed_too(tmp_path, monkeypatch):
     """Where bfloat16 is native (DTYPE=auto then loads most models as bfloat16), the probe times oneDNN's packed
     product for bfloat16 weights as for float32 ones."""
     from transformers import AutoModelForCausalLM
 
     if not cpu_layout.bfloat16_is_native():
         pytest.skip("bfloat16 products are not native here")
+    # What the timings find is the machine's business; what is tested is that bfloat16 weights reach them. Each
+    # timing runs both products and reports a tie: a noisy machine once timed the packed product over 10% slower
+    # at prefill size, where the probe stops before the decode sizes.
+    timings = []
+
+    def tie(baseline, candidate, repeats=7):
+        baseline(), candidate()
+        timings.append(repeats)
+        return 1.0
+
+    monkeypatch.setattr(cpu_layout, "speedup", tie)
     model = AutoModelForCausalLM.from_pretrained(build_small_model(tmp_path), dtype=torch.bfloat16).eval()
     model.requires_grad_(False)
     with torch.inference_mode():
         fusion.apply(model)
         _, gains, packs = cpu_layout._packed_from(model)
     assert set(gains) == set(cpu_layout._PACKED_ROWS)
+    assert len(timings) == 1 + len(cpu_layout._PACKED_ROWS)  # the prefill size, then each decode size
     assert packs and all(p.dtype == torch.bfloat16 for p in packs.values())
 
 
