@@ -142,13 +142,62 @@ def test_bad_arguments_are_errors_not_crashes(kernels):
     with pytest.raises(RuntimeError, match="does not match"):
         kernels.blocks_linear(torch.randn(2, 64), packed, 2, 32)  # Q8_0 blocks are larger
     with pytest.raises(RuntimeError, match="unknown format"):
-        kernels.blocks_linear(torch.randn(2, 64), packed, 31, 32)  # formats 1-30 exist
+        kernels.blocks_linear(torch.randn(2, 64), packed, 39, 32)  # formats 1-38 exist
     with pytest.raises(RuntimeError, match="unknown format"):
         kernels.blocks_linear(torch.randn(2, 64), packed, 0, 32)
     with pytest.raises(RuntimeError, match="float32"):
         kernels.blocks_linear(torch.randn(2, 64).double(), packed, block_format, 32)
     with pytest.raises(RuntimeError, match="float32"):
         kernels.pack_blocks(torch.randn(32, 64).half())
+
+
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("zero_points", [False, True], ids=["symmetric", "zero points"])
+@pytest.mark.parametrize("quads", [False, True], ids=["16-bit activations", "8-bit activations"])
+def test_a_scale_per_group_multiplies_as_the_same_scale_in_every_block(kernels, group, zero_points, quads):
+    """GPTQ / AWQ groups of 64 or 128 inputs kept once a group: the product equals, bit for bit, the product of the
+    same weights with the scale (and zero point) repeated in each block of 32, at a file's size: 4 bits a weight
+    plus 16 bits of scale (and 8 of zero point) a group."""
+    if not kernels.word_blocks_supported():
+        pytest.skip("the packed product needs AVX512_VNNI")
+    torch.manual_seed(group + 2 * zero_points + 4 * quads)
+    out_features, in_features = 48, 512  # 48: an odd number of panels
+    q = torch.randint(0, 16, (out_features, in_features), dtype=torch.int8)
+    d = (torch.rand(out_features, in_features // group) * 0.01 + 1e-3).half().float()
+    z = torch.randint(0, 16, d.shape, dtype=torch.uint8)
+    repeat = group // 32
+    if zero_points:
+        block_format, packed = kernels.pack_groups(q, d, z, quads)
+        expected_format, per_block = kernels.pack_zero_points(q, d.repeat_interleave(repeat, 1),
+                                                              z.repeat_interleave(repeat, 1), quads)
+    else:
+        block_format, packed = kernels.pack_groups(q, d, torch.empty(0, dtype=torch.uint8), quads)
+        d32 = d.repeat_interleave(repeat, 1)
+        expected_format, per_block = kernels.pack_scaled(q, d32, -8 * d32, 4, True, quads, True)
+    assert packed.numel() * 8 == out_features * in_features * (4 + (24 if zero_points else 16) / group)
+    for rows in (1, 5, 17):
+        x = torch.randn(rows, in_features)
+        got = kernels.blocks_linear(x, packed, block_format, out_features)
+        assert torch.equal(got, kernels.blocks_linear(x, per_block, expected_format, out_features)), rows
+        weight = (q.float().view(out_features, -1, group)
+                  - (z.float() if zero_points else torch.full_like(d, 8.0)).unsqueeze(-1)) * d.unsqueeze(-1)
+        expected = x @ weight.view(out_features, in_features).T
+        assert (got - expected).abs().max() <= (0.03 if quads else 1e-3) * expected.abs().max(), rows
+
+
+def test_a_scale_per_group_refuses_what_it_cannot_hold(kernels):
+    q = torch.randint(0, 16, (32, 384), dtype=torch.int8)
+    none = torch.empty(0, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="in / 64"):
+        kernels.pack_groups(q, torch.ones(32, 4), none)  # groups of 96
+    with pytest.raises(RuntimeError, match="0..15"):
+        kernels.pack_groups(q - 1, torch.ones(32, 3), none)
+    with pytest.raises(RuntimeError, match="half-precision"):
+        kernels.pack_groups(q, torch.full((32, 3), 1e-9), none)
+    with pytest.raises(RuntimeError, match="z must be"):
+        kernels.pack_groups(q, torch.ones(32, 3), torch.zeros(32, 6, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="does not match"):  # 384 inputs make no groups of 256
+        kernels.blocks_linear(torch.randn(2, 320), kernels.pack_groups(q, torch.ones(32, 3), none)[1], 32, 32)
 
 
 def test_a_model_with_block_weights_serves_them_and_others_are_left_alone(kernels, monkeypatch):

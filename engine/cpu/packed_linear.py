@@ -8,7 +8,8 @@ input channels in an order where every block of 32 has one scale (GPTQ's act-ord
 load; the activations' columns are gathered to match at each product). `apply` packs the blocks into the native
 kernel's layout (engine/cpu/native/quantized_linear.cpp, formats 5, 6 and 9: d and m in float32, so m = -d * z is
 exact; 3, 4 and 8 where both are half-precision values; 19 and 20 where m = -8d or -16d follows from d; 28
-where m = -d z, z a byte), checks the product against the dequantized weights, and from then on the layer reads
+where m = -d z, z a byte; 31-34 where 4-bit blocks share d, or d and z, over a group of 64 or 128 inputs, kept
+once a group as the file keeps them), checks the product against the dequantized weights, and from then on the layer reads
 its q (4, 5 or 8 bits a weight) plus its headers. GGUF Q6_K's scale per 16 inputs (w = d * q, q in -32..31)
 is the one other grouping: scales [out, in / 16], no minimum. GGUF K-quants bring their two-level scales too (`supers`), which the kernel keeps as the file
 does (formats 23, 24 and Q6_K's 6-bit form 27, or 30 for 8-bit activations); bitsandbytes' 4-bit codes index a
@@ -33,7 +34,7 @@ PANEL = 16  # outputs per panel of the kernel's layout
 _BITS = (4, 5, 8)  # the widths the kernel's formats hold (quantized_linear.cpp chooses the format at packing)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the kernel reads and writes as they are
 # blocks multiplied from 8-bit integer activations (quantized_linear.cpp)
-QUAD_FORMATS = (*range(10, 17), 21, 22, 25, 26, 29, 30)
+QUAD_FORMATS = (*range(10, 17), 21, 22, 25, 26, 29, 30, *range(35, 39))
 SUPER = 256  # inputs of a GGUF K-quant super-block, whose D and M scale its blocks' 6-bit s and t
 ACTIVATIONS = {"int16": 16, "int8": 8}  # QUANTIZED_ACTIVATIONS
 # bitsandbytes' 4-bit tables (w = absmax * value[q]) and the integer levels that stand for 1 in the kernel's
@@ -257,6 +258,20 @@ def _zero_points(layer: PackedLinear) -> torch.Tensor | None:
     return z.to(torch.uint8)
 
 
+def _shared(layer: PackedLinear) -> int:
+    """The blocks of 32 inputs (4 or 2) that share each scale and minimum throughout a 4-bit layer, as GPTQ's,
+    AWQ's and compressed-tensors' groups of 128 or 64 inputs (or whole rows) do, else 1."""
+    if layer.bits != 4 or layer.group != BLOCK:
+        return 1
+    blocks = layer.in_features // BLOCK
+    for span in (4, 2):
+        if blocks % span == 0 and all(
+                torch.equal(t.view(layer.out_features, -1, span), t.view(layer.out_features, -1, span)[..., :1]
+                            .expand(-1, -1, span)) for t in (layer.scale, layer.minimum)):
+            return span
+    return 1
+
+
 def _pack(layer: PackedLinear, kernels, activation_bits: int) -> tuple[int, torch.Tensor]:
     """(format, blocks) of the kernel's most compact form that holds the layer's weights exactly."""
     quads = activation_bits == 8
@@ -269,6 +284,11 @@ def _pack(layer: PackedLinear, kernels, activation_bits: int) -> tuple[int, torc
     half = _half_exact(layer)
     centered = half and _centered(layer)
     zero = None if centered else _zero_points(layer)
+    span = _shared(layer) if (centered and layer.bits == 4) or zero is not None else 1
+    if span > 1:  # one d (and z) per group of inputs, as the file holds them
+        d = layer.scale[:, ::span].contiguous()
+        z = zero[:, ::span].contiguous() if zero is not None else torch.empty(0, dtype=torch.uint8)
+        return kernels.pack_groups(layer.q, d, z, quads)
     if zero is not None:
         return kernels.pack_zero_points(layer.q, layer.scale, zero, quads)
     return kernels.pack_scaled(layer.q, layer.scale, layer.minimum, layer.bits, half, quads, centered)

@@ -665,6 +665,8 @@ std::tuple<int64_t, at::Tensor> pack_six_bit(const at::Tensor& q, const at::Tens
                                              bool quads);
 std::tuple<int64_t, at::Tensor> pack_zero_points(const at::Tensor& q, const at::Tensor& d, const at::Tensor& z,
                                                  bool quads);
+std::tuple<int64_t, at::Tensor> pack_groups(const at::Tensor& q, const at::Tensor& d, const at::Tensor& z,
+                                            bool quads);
 // engine/cpu/native/prefill_attention.cpp
 bool prefill_attention_supported();
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -724,6 +726,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_zero_points", &pack_zero_points, nogil,
         "(28, blocks): 4-bit q with a zero point per 32 inputs (w = d (q - "
         "z))", py::arg("q"), py::arg("d"), py::arg("z"), py::arg("quads") = false);
+  m.def("pack_groups", &pack_groups, nogil,
+        "(31-34, blocks): 4-bit q with a scale (and zero point, where z is not empty) per 64 or 128 inputs",
+        py::arg("q"), py::arg("d"), py::arg("z"), py::arg("quads") = false);
   m.def("bf16_linear_supported", &bf16_linear_supported, "whether this build and CPU have the AVX512_BF16 product");
   m.def("bf16_peak_gflops", &bf16_peak_gflops, nogil, "VDPBF16PS's rate on every thread for about `seconds` (0: none)",
         py::arg("seconds") = 0.2);

@@ -87,19 +87,39 @@ enum Format : int64_t {
   // fifth bits and one of sixth bits (bit 4i + t: output i, input 4j + t). q 0..63 is VPDPBUSD's unsigned operand,
   // and 32 times each row's integer sum over a half block comes off that half's integer sum: 6.5625 bits a
   // weight, against format 16's 10.
-  kQ6SuperQuads = 30
+  kQ6SuperQuads = 30,
+  // Formats 19 and 28 with one scale (and zero point) per 64 or 128 inputs, as GPTQ, AWQ and compressed-tensors
+  // files hold their groups (128 is the usual size): no block header, the 16 outputs' d (then z) per group kept
+  // after the panel's blocks as the K-quants' super-block scales are. 4.25 / 4.125 bits a weight symmetric, 4.375
+  // / 4.1875 with zero points, against 4.5 and 4.75 with a header per 32 inputs: a decode step reads that much
+  // less. 35-38: the same for 8-bit activations.
+  kQ4CenteredBy64 = 31, kQ4CenteredBy128 = 32, kQ4ZeroBy64 = 33, kQ4ZeroBy128 = 34,
+  kQ4CenteredBy64Quads = 35, kQ4CenteredBy128Quads = 36, kQ4ZeroBy64Quads = 37, kQ4ZeroBy128Quads = 38
 };
+constexpr int64_t kLastFormat = kQ4ZeroBy128Quads;
 constexpr bool quad_format(int64_t f) {
   return (f >= kQ4_1Quads && f <= kQ8HalvesQuads) || f == kQ4CenteredQuads || f == kQ5CenteredQuads ||
-         f == kQ4SuperQuads || f == kQ5SuperQuads || f == kQ4ZeroQuads || f == kQ6SuperQuads;
+         f == kQ4SuperQuads || f == kQ5SuperQuads || f == kQ4ZeroQuads || f == kQ6SuperQuads ||
+         (f >= kQ4CenteredBy64Quads && f <= kQ4ZeroBy128Quads);
 }
+// Formats 31-34: d (and z) per group of 2 or 4 blocks, after the panel's blocks.
+constexpr bool grouped(int64_t f) { return f >= kQ4CenteredBy64 && f <= kQ4ZeroBy128; }
+constexpr bool grouped_zero(int64_t f) { return f == kQ4ZeroBy64 || f == kQ4ZeroBy128; }
 constexpr bool zero_point(int64_t f) { return f == kQ4Zero; }
 constexpr bool super_scaled(int64_t f) { return f == kQ4Super || f == kQ5Super; }
 constexpr bool six_bit(int64_t f) { return f == kQ6Super; }
 constexpr bool per_sixteen(int64_t f) { return f == kQ8Halves || f == kQ6Super; }  // a scale per 16 inputs
-constexpr int64_t kSuperBlocks = 8;  // blocks of 32 in a super-block of 256 inputs
-// A super-block's bytes after a panel's blocks: the 16 outputs' D and M (formats 23, 24) or D (27), half precision.
-constexpr int64_t super_bytes(int64_t f) { return super_scaled(f) ? 16 * 2 * 2 : six_bit(f) ? 16 * 2 : 0; }
+constexpr int64_t kSuperBlocks = 8;  // blocks of 32 in a K-quant's super-block of 256 inputs
+// A super-block's bytes after a panel's blocks: the 16 outputs' D and M (formats 23, 24) or D (27), half precision;
+// a group's d (31, 32) or d and z (33, 34).
+constexpr int64_t super_bytes(int64_t f) {
+  return super_scaled(f) ? 16 * 2 * 2 : six_bit(f) || (grouped(f) && !grouped_zero(f)) ? 16 * 2
+         : grouped_zero(f) ? 16 * 3 : 0;
+}
+// The blocks a super-block (or group) spans.
+constexpr int64_t super_blocks(int64_t f) {
+  return f == kQ4CenteredBy64 || f == kQ4ZeroBy64 ? 2 : f == kQ4CenteredBy128 || f == kQ4ZeroBy128 ? 4 : kSuperBlocks;
+}
 constexpr bool centered(int64_t f) { return f == kQ4Centered || f == kQ5Centered; }
 constexpr bool coded(int64_t f) { return f == kNf4Words || f == kFp4Words; }
 // The integer each code multiplies by, and the levels that stand for 1 (the scale is absmax / levels). FP4's
@@ -121,7 +141,8 @@ constexpr Format word_base(int64_t f) {
          : f == kQ8HalvesQuads ? kQ8Halves : f == kQ4CenteredQuads ? kQ4Centered
          : f == kQ5CenteredQuads ? kQ5Centered : f == kQ4SuperQuads ? kQ4Super
          : f == kQ5SuperQuads ? kQ5Super : f == kQ4ZeroQuads ? kQ4Zero
-         : f == kQ6SuperQuads ? kQ6Super : static_cast<Format>(f);
+         : f == kQ6SuperQuads ? kQ6Super : f >= kQ4CenteredBy64Quads ? static_cast<Format>(f - 4)
+         : static_cast<Format>(f);
 }
 
 // One part of a product (a layer, or one of the layers whose outputs a fused projection puts side by side): its
@@ -133,7 +154,7 @@ struct Part {
 };
 
 constexpr bool four_bit(Format f) {
-  return f == kQ4_1 || f == kQ4Scaled || coded(f) || f == kQ4Centered || f == kQ4Super || f == kQ4Zero;
+  return f == kQ4_1 || f == kQ4Scaled || coded(f) || f == kQ4Centered || f == kQ4Super || f == kQ4Zero || grouped(f);
 }
 constexpr bool five_bit(Format f) { return f == kQ5Words || f == kQ5Scaled || f == kQ5Centered || f == kQ5Super; }
 constexpr bool float_header(Format f) { return f == kQ4Scaled || f == kQ8Scaled || f == kQ8Halves || f == kQ5Scaled; }
@@ -147,6 +168,7 @@ constexpr int64_t block_bytes(Format f) { return header_bytes(f) + kBlock * inpu
 // Formats 3 and 4 keep d (and m) in half precision, as the GGUF file does: 5 bits a Q4_1 weight, not 6.
 constexpr int64_t word_header_bytes(Format f) {
   return coded(f) ? kPanel * 4
+         : grouped(f) ? 0
          : zero_point(f) ? kPanel * 3
          : centered(f) || super_scaled(f) || six_bit(f) ? kPanel * 2
          : float_header(f) ? 2 * kPanel * 4
@@ -155,7 +177,7 @@ constexpr int64_t word_header_bytes(Format f) {
 constexpr int64_t word_block_bytes(Format f) { return word_header_bytes(f) + kBlock * input_bytes(f); }
 // A panel's bytes in a word or quad format (`f` its word base) for k inputs: its blocks, then any super-blocks'.
 constexpr int64_t word_panel_bytes(Format f, int64_t k) {
-  return (k / kBlock) * word_block_bytes(f) + k / (kBlock * kSuperBlocks) * super_bytes(f);
+  return (k / kBlock) * word_block_bytes(f) + k / (kBlock * super_blocks(f)) * super_bytes(f);
 }
 constexpr int64_t layout_block_bytes(Format f, bool words) { return words ? word_block_bytes(f) : block_bytes(f); }
 
@@ -592,10 +614,10 @@ inline __m512 signed_bytes_at(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Block b's super-block scales after a panel's blocks (formats 23, 24 and 27; elsewhere unused).
+// Block b's super-block (or group) scales after a panel's blocks (formats 23, 24, 27 and 31-34; elsewhere unused).
 template <Format F>
 inline const uint8_t* block_super(const uint8_t* panel, int64_t b, int64_t blocks) {
-  return panel + blocks * word_block_bytes(F) + (b / kSuperBlocks) * super_bytes(F);
+  return panel + blocks * word_block_bytes(F) + (b / super_blocks(F)) * super_bytes(F);
 }
 
 // The scales of inputs 0..15 (half 0) or 16..31 (half 1) of a block in a format with a scale per 16 inputs:
@@ -624,6 +646,12 @@ inline void block_scales(const uint8_t* header, __m512& d, __m512& m, const uint
   } else if constexpr (zero_point(F)) {  // m = -d z
     d = halves_at(header);
     m = _mm512_sub_ps(m, _mm512_mul_ps(d, bytes_at(header + 2 * kPanel)));
+  } else if constexpr (grouped_zero(F)) {  // the group's d and z
+    d = halves_at(super);
+    m = _mm512_sub_ps(m, _mm512_mul_ps(d, bytes_at(super + 2 * kPanel)));
+  } else if constexpr (grouped(F)) {  // the group's d, m = -8 d
+    d = halves_at(super);
+    m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
   } else if constexpr (centered(F)) {
     d = halves_at(header);
     m = _mm512_mul_ps(d, _mm512_set1_ps(F == kQ4Centered ? -8.f : -16.f));
@@ -656,6 +684,18 @@ template <int Rate>
 inline void prefetch_block(const uint8_t* block, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(block + line), Rate <= 2 ? _MM_HINT_T1 : _MM_HINT_T0);
+}
+
+// A panel's super-block (or group) scales, at the first block they serve: they sit apart from its blocks.
+template <Format F, int Rate>
+inline void prefetch_super(const uint8_t* panel, int64_t b, int64_t blocks) {
+  if constexpr (super_bytes(F) > 0) {
+    if (b % super_blocks(F) == 0) {
+      const uint8_t* super = block_super<F>(panel, b, blocks);
+      prefetch_block<Rate>(super, 1);
+      prefetch_block<Rate>(super + super_bytes(F) - 1, 1);
+    }
+  }
 }
 
 // Where the weights of a tile come from: the first tile of a panel pair widens them from the blocks itself (and
@@ -699,8 +739,10 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
     if constexpr (W != Weights::kKept) {
       // The same block of the next panel pair, which this thread multiplies next: a step's weights come from
       // memory, and the hardware prefetcher does not run a pair ahead.
-      for (int p = 0; p < P; ++p)
+      for (int p = 0; p < P; ++p) {
         prefetch_block<R>(headers + (P + p) * panel_bytes + b * word_block_bytes(F), word_block_bytes(F));
+        prefetch_super<F, R>(headers + (P + p) * panel_bytes, b, blocks);
+      }
     }
 #pragma GCC unroll 16
     for (int g = 0; g < 16; ++g) {
@@ -824,6 +866,7 @@ void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* h
       qs[p] = headers + p * panel_bytes + b * word_block_bytes(F) + word_header_bytes(F);
       // the next panel pair's block, as the words do
       prefetch_block<(R + 1) / 2>(headers + (P + p) * panel_bytes + b * word_block_bytes(F), word_block_bytes(F));
+      prefetch_super<F, (R + 1) / 2>(headers + (P + p) * panel_bytes, b, blocks);
     }
     if constexpr (kSigned) {
       const __m512i ones = _mm512_set1_epi8(1);
@@ -946,6 +989,14 @@ PairFn pair_fn(Format f) {
     case kQ4Zero: return &pair_by_tiles<kQ4Zero>;
     case kQ4ZeroQuads: return &pair_by_quads<kQ4Zero>;
     case kQ6SuperQuads: return &pair_by_quads<kQ6Super>;
+    case kQ4CenteredBy64: return &pair_by_tiles<kQ4CenteredBy64>;
+    case kQ4CenteredBy128: return &pair_by_tiles<kQ4CenteredBy128>;
+    case kQ4ZeroBy64: return &pair_by_tiles<kQ4ZeroBy64>;
+    case kQ4ZeroBy128: return &pair_by_tiles<kQ4ZeroBy128>;
+    case kQ4CenteredBy64Quads: return &pair_by_quads<kQ4CenteredBy64>;
+    case kQ4CenteredBy128Quads: return &pair_by_quads<kQ4CenteredBy128>;
+    case kQ4ZeroBy64Quads: return &pair_by_quads<kQ4ZeroBy64>;
+    case kQ4ZeroBy128Quads: return &pair_by_quads<kQ4ZeroBy128>;
     case kFp4Words: return &pair_by_tiles<kFp4Words>;
     default: return &pair_by_tiles<kQ5Scaled>;
   }
@@ -1067,6 +1118,8 @@ int64_t packed_block_bytes(int64_t format) {
     case kQ6Super: return word_block_bytes(kQ6Super);
     case kQ4Zero: return word_block_bytes(kQ4Zero);
     case kFp4Words: return word_block_bytes(kFp4Words);
+    case kQ4CenteredBy64: case kQ4CenteredBy128: case kQ4ZeroBy64: case kQ4ZeroBy128:
+      return word_block_bytes(kQ4CenteredBy64);
     default: return word_block_bytes(kQ8Scaled);
   }
 }
@@ -1231,7 +1284,7 @@ at::Tensor fill_panels(Format base, int64_t n, int64_t k, Block& block, Super& s
     for (int64_t p = begin; p < end; ++p) {
       uint8_t* panel = out + p * panel_bytes;
       for (int64_t b = 0; b < blocks; ++b) block(panel + b * bytes, p * kPanel, b);
-      for (int64_t u = 0; u < blocks / kSuperBlocks; ++u)
+      for (int64_t u = 0; u < blocks / super_blocks(base); ++u)
         super(panel + blocks * bytes + u * super_bytes(base), p * kPanel, u);
     }
   });
@@ -1293,6 +1346,42 @@ std::tuple<int64_t, at::Tensor> pack_zero_points(const at::Tensor& q, const at::
     arrange(tile, dst + word_header_bytes(kQ4Zero), 4, quads);
   };
   return {quads ? kQ4ZeroQuads : kQ4Zero, fill_panels(kQ4Zero, n, k, block)};
+}
+
+// 4-bit q int8 [out, in] (0..15) with a scale per group of 64 or 128 inputs: d float32 [out, in / group]
+// (half-precision values), w = d (q - 8), or with z (uint8 [out, in / group], or an empty tensor) w = d (q - z)
+// -> (31-34, blocks), or 35-38 with `quads`.
+std::tuple<int64_t, at::Tensor> pack_groups(const at::Tensor& q, const at::Tensor& d, const at::Tensor& z,
+                                            bool quads) {
+  TORCH_CHECK(d.dim() == 2 && d.size(1) > 0 && q.dim() == 2 && q.size(1) % d.size(1) == 0 &&
+                  (q.size(1) / d.size(1) == 64 || q.size(1) / d.size(1) == 128),
+              "pack_groups: d must be [out, in / 64] or [out, in / 128]");
+  const int64_t group = q.size(1) / d.size(1);
+  const at::Tensor qc = checked_q("pack_groups", q, group, 0, 15);
+  const int64_t n = q.size(0), k = q.size(1), groups = k / group;
+  check_factor(d, at::kFloat, n, groups, true, "pack_groups: d must be float32 half-precision values");
+  const bool zero = z.defined() && z.numel() > 0;
+  if (zero) check_factor(z, at::kByte, n, groups, false, "pack_groups: z must be uint8 [out, in / group]");
+  const Format base = zero ? (group == 64 ? kQ4ZeroBy64 : kQ4ZeroBy128)
+                           : (group == 64 ? kQ4CenteredBy64 : kQ4CenteredBy128);
+  const at::Tensor dc = d.contiguous(), zc = zero ? z.contiguous() : z;
+  const int8_t* qs = qc.data_ptr<int8_t>();
+  const float* ds = dc.data_ptr<float>();
+  const uint8_t* zs = zero ? zc.data_ptr<uint8_t>() : nullptr;
+  auto block = [&](uint8_t* dst, int64_t row0, int64_t b) {
+    int8_t tile[kPanel][kBlock];
+    panel_tile(qs, k, row0, b, tile);
+    arrange(tile, dst, 4, quads);
+  };
+  auto super = [&](uint8_t* dst, int64_t row0, int64_t u) {
+    uint16_t halves[kPanel];
+    for (int64_t i = 0; i < kPanel; ++i) {
+      halves[i] = at::Half(ds[(row0 + i) * groups + u]).x;
+      if (zero) dst[2 * kPanel + i] = zs[(row0 + i) * groups + u];
+    }
+    std::memcpy(dst, halves, sizeof halves);
+  };
+  return {quads ? base + 4 : base, fill_panels(base, n, k, block, super)};
 }
 
 // GGUF Q4_K / Q5_K blocks with their two-level scales: q int8 [out, in] (0..15 or 0..31), D and M float32
@@ -1385,17 +1474,17 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
   std::vector<Part> parts;
   for (size_t i = 0; i < packed.size(); ++i) {
     const int64_t format = formats[i], out_features = outs[i];
-    TORCH_CHECK(format >= kQ4_1 && format <= kQ6SuperQuads, "blocks_linear: unknown format");
+    TORCH_CHECK(format >= kQ4_1 && format <= kLastFormat, "blocks_linear: unknown format");
     TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 "
                 "to 16 (it needs AVX512_VNNI)");
     TORCH_CHECK((format >= kQ4_1Words) == words && (words || packed.size() == 1), "blocks_linear: formats 1 and 2 "
                 "take one weight at a time");
-    const int64_t bytes = packed_block_bytes(format);
+    const int64_t bytes = packed_block_bytes(format), base = word_base(format), span = kBlock * super_blocks(base);
     const at::Tensor& p = packed[i];
     TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 2 && k % kBlock == 0 &&
                     out_features % kPanel == 0 && p.size(0) == out_features / kPanel &&
-                    (super_bytes(word_base(format)) == 0 || k % (kBlock * kSuperBlocks) == 0) &&
-                    p.size(1) == (k / kBlock) * bytes + k / (kBlock * kSuperBlocks) * super_bytes(word_base(format)),
+                    (super_bytes(base) == 0 || k % span == 0) &&
+                    p.size(1) == (k / kBlock) * bytes + k / span * super_bytes(base),
                 "blocks_linear: packed weight does not match x, format and out_features");
     parts.push_back(Part{p.data_ptr<uint8_t>(), static_cast<Format>(format), out_features, n});
     n += out_features;
