@@ -321,9 +321,11 @@ def test_a_quantized_checkpoint_serves_the_dequantized_models_tokens(fmt, tmp_pa
     else:  # every decoder projection from packed blocks, fused (qkv, o, gate_up, down a layer) for the compact forward
         assert len(layers) == 2 * 4 and all(layer.packed is not None for layer in layers)
     # Kept at the file's size: 4 bits a weight plus a half-precision scale (and a zero point byte) a group, the
-    # group of 32, 64 or 128 inputs (a row's 128 or 256 inputs in groups of 128 for per-channel scales).
+    # group of 32, 64 or 128 inputs (a row's 128 or 256 inputs in groups of 128 for per-channel scales);
+    # bitsandbytes' blocks of 64 or 128 with a float32 scale (its absmax, double quantization undone).
     bits = {"gptq-4bit-g32-sym": 4 + 16 / 32, "gptq-4bit-g64-zero-points": 4 + 24 / 64, "awq-gemm-g64": 4 + 24 / 64,
-            "gptq-4bit-g128-desc-act": 4 + 24 / 128, "gptq-4bit-per-channel": 4 + 16 / 128}.get(fmt)
+            "gptq-4bit-g128-desc-act": 4 + 24 / 128, "gptq-4bit-per-channel": 4 + 16 / 128,
+            "bitsandbytes-nf4-b64-double-quant": 4 + 32 / 64, "bitsandbytes-fp4-b128": 4 + 32 / 128}.get(fmt)
     if bits is not None:
         weights = sum(layer.in_features * layer.out_features for layer in layers)
         assert sum(layer.packed.numel() for layer in layers) * 8 / weights == bits, fmt

@@ -142,7 +142,7 @@ def test_bad_arguments_are_errors_not_crashes(kernels):
     with pytest.raises(RuntimeError, match="does not match"):
         kernels.blocks_linear(torch.randn(2, 64), packed, 2, 32)  # Q8_0 blocks are larger
     with pytest.raises(RuntimeError, match="unknown format"):
-        kernels.blocks_linear(torch.randn(2, 64), packed, 39, 32)  # formats 1-38 exist
+        kernels.blocks_linear(torch.randn(2, 64), packed, 43, 32)  # formats 1-42 exist
     with pytest.raises(RuntimeError, match="unknown format"):
         kernels.blocks_linear(torch.randn(2, 64), packed, 0, 32)
     with pytest.raises(RuntimeError, match="float32"):
@@ -183,6 +183,28 @@ def test_a_scale_per_group_multiplies_as_the_same_scale_in_every_block(kernels, 
                   - (z.float() if zero_points else torch.full_like(d, 8.0)).unsqueeze(-1)) * d.unsqueeze(-1)
         expected = x @ weight.view(out_features, in_features).T
         assert (got - expected).abs().max() <= (0.03 if quads else 1e-3) * expected.abs().max(), rows
+
+
+@pytest.mark.parametrize("table", ["nf4", "fp4"])
+@pytest.mark.parametrize("group", [64, 128])
+def test_a_code_tables_scale_per_group_multiplies_as_the_same_scale_in_every_block(kernels, table, group):
+    """bitsandbytes' blocks of 64 or 128 inputs keep their float32 scale once: the product equals, bit for bit, the
+    product with the scale repeated in each block of 32, at 4 bits a weight plus 32 a group."""
+    if not kernels.word_blocks_supported():
+        pytest.skip("the packed product needs AVX512_VNNI")
+    torch.manual_seed(group)
+    out_features, in_features = 48, 512
+    q = torch.randint(0, 16, (out_features, in_features), dtype=torch.int8)
+    absmax = torch.rand(out_features, in_features // group) + 0.1
+    block_format, packed = kernels.pack_coded(q, absmax, table)
+    per_block_format, per_block = kernels.pack_coded(q, absmax.repeat_interleave(group // 32, 1), table)
+    assert packed.numel() * 8 == out_features * in_features * (4 + 32 / group)
+    for rows in (1, 5, 17):
+        x = torch.randn(rows, in_features)
+        assert torch.equal(kernels.blocks_linear(x, packed, block_format, out_features),
+                           kernels.blocks_linear(x, per_block, per_block_format, out_features)), rows
+    with pytest.raises(RuntimeError, match="in / 128"):
+        kernels.pack_coded(q, absmax[:, :3], table)  # 512 inputs in 3 groups
 
 
 def test_a_scale_per_group_refuses_what_it_cannot_hold(kernels):

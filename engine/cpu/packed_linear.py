@@ -9,7 +9,7 @@ load; the activations' columns are gathered to match at each product). `apply` p
 kernel's layout (engine/cpu/native/quantized_linear.cpp, formats 5, 6 and 9: d and m in float32, so m = -d * z is
 exact; 3, 4 and 8 where both are half-precision values; 19 and 20 where m = -8d or -16d follows from d; 28
 where m = -d z, z a byte; 31-34 where 4-bit blocks share d, or d and z, over a group of 64 or 128 inputs, kept
-once a group as the file keeps them), checks the product against the dequantized weights, and from then on the layer reads
+once a group as the file keeps them, and 39-42 for bitsandbytes' codes likewise), checks the product against the dequantized weights, and from then on the layer reads
 its q (4, 5 or 8 bits a weight) plus its headers. GGUF Q6_K's scale per 16 inputs (w = d * q, q in -32..31)
 is the one other grouping: scales [out, in / 16], no minimum. GGUF K-quants bring their two-level scales too (`supers`), which the kernel keeps as the file
 does (formats 23, 24 and Q6_K's 6-bit form 27, or 30 for 8-bit activations); bitsandbytes' 4-bit codes index a
@@ -275,8 +275,9 @@ def _shared(layer: PackedLinear) -> int:
 def _pack(layer: PackedLinear, kernels, activation_bits: int) -> tuple[int, torch.Tensor]:
     """(format, blocks) of the kernel's most compact form that holds the layer's weights exactly."""
     quads = activation_bits == 8
-    if layer.codes:  # bitsandbytes' 4-bit tables take 16-bit activations at any setting
-        return kernels.pack_coded(layer.q, layer.scale, layer.codes)
+    if layer.codes:  # bitsandbytes' 4-bit tables take 16-bit activations at any setting; a scale per block of 64
+        span = _shared(layer)  # or 128 kept once
+        return kernels.pack_coded(layer.q, layer.scale[:, ::span].contiguous(), layer.codes)
     if layer.supers is not None and layer.bits != 8:
         return kernels.pack_super(layer.q, *layer.supers, layer.bits, quads)
     if layer.supers is not None:  # Q6_K's 6-bit form

@@ -94,9 +94,12 @@ enum Format : int64_t {
   // / 4.1875 with zero points, against 4.5 and 4.75 with a header per 32 inputs: a decode step reads that much
   // less. 35-38: the same for 8-bit activations.
   kQ4CenteredBy64 = 31, kQ4CenteredBy128 = 32, kQ4ZeroBy64 = 33, kQ4ZeroBy128 = 34,
-  kQ4CenteredBy64Quads = 35, kQ4CenteredBy128Quads = 36, kQ4ZeroBy64Quads = 37, kQ4ZeroBy128Quads = 38
+  kQ4CenteredBy64Quads = 35, kQ4CenteredBy128Quads = 36, kQ4ZeroBy64Quads = 37, kQ4ZeroBy128Quads = 38,
+  // Formats 17 and 18 with one float32 scale per 64 or 128 inputs (bitsandbytes' usual blocksizes), kept after the
+  // panel's blocks as 31-34 keep theirs: 4.5 / 4.25 bits a weight, not 5.
+  kNf4By64 = 39, kNf4By128 = 40, kFp4By64 = 41, kFp4By128 = 42
 };
-constexpr int64_t kLastFormat = kQ4ZeroBy128Quads;
+constexpr int64_t kLastFormat = kFp4By128;
 constexpr bool quad_format(int64_t f) {
   return (f >= kQ4_1Quads && f <= kQ8HalvesQuads) || f == kQ4CenteredQuads || f == kQ5CenteredQuads ||
          f == kQ4SuperQuads || f == kQ5SuperQuads || f == kQ4ZeroQuads || f == kQ6SuperQuads ||
@@ -105,6 +108,8 @@ constexpr bool quad_format(int64_t f) {
 // Formats 31-34: d (and z) per group of 2 or 4 blocks, after the panel's blocks.
 constexpr bool grouped(int64_t f) { return f >= kQ4CenteredBy64 && f <= kQ4ZeroBy128; }
 constexpr bool grouped_zero(int64_t f) { return f == kQ4ZeroBy64 || f == kQ4ZeroBy128; }
+// Formats 39-42: bitsandbytes' codes with a scale per group of 2 or 4 blocks, after the panel's blocks.
+constexpr bool coded_groups(int64_t f) { return f >= kNf4By64 && f <= kFp4By128; }
 constexpr bool zero_point(int64_t f) { return f == kQ4Zero; }
 constexpr bool super_scaled(int64_t f) { return f == kQ4Super || f == kQ5Super; }
 constexpr bool six_bit(int64_t f) { return f == kQ6Super; }
@@ -114,14 +119,15 @@ constexpr int64_t kSuperBlocks = 8;  // blocks of 32 in a K-quant's super-block 
 // a group's d (31, 32) or d and z (33, 34).
 constexpr int64_t super_bytes(int64_t f) {
   return super_scaled(f) ? 16 * 2 * 2 : six_bit(f) || (grouped(f) && !grouped_zero(f)) ? 16 * 2
-         : grouped_zero(f) ? 16 * 3 : 0;
+         : grouped_zero(f) ? 16 * 3 : coded_groups(f) ? 16 * 4 : 0;
 }
 // The blocks a super-block (or group) spans.
 constexpr int64_t super_blocks(int64_t f) {
-  return f == kQ4CenteredBy64 || f == kQ4ZeroBy64 ? 2 : f == kQ4CenteredBy128 || f == kQ4ZeroBy128 ? 4 : kSuperBlocks;
+  return f == kQ4CenteredBy64 || f == kQ4ZeroBy64 || f == kNf4By64 || f == kFp4By64 ? 2
+         : f == kQ4CenteredBy128 || f == kQ4ZeroBy128 || f == kNf4By128 || f == kFp4By128 ? 4 : kSuperBlocks;
 }
 constexpr bool centered(int64_t f) { return f == kQ4Centered || f == kQ5Centered; }
-constexpr bool coded(int64_t f) { return f == kNf4Words || f == kFp4Words; }
+constexpr bool coded(int64_t f) { return f == kNf4Words || f == kFp4Words || coded_groups(f); }
 // The integer each code multiplies by, and the levels that stand for 1 (the scale is absmax / levels). FP4's
 // values are multiples of 1/192, so its table is exact. NF4's are normal quantiles: rounded to 1/2047 (at most
 // 2.1e-4 of the block's absmax off), the most the int32 sums hold with 16-bit activations: 32 products of 32767
@@ -133,7 +139,9 @@ struct CodeTable {
 constexpr CodeTable kNf4Codes = {{-2047, -1425, -1075, -808, -582, -378, -186, 0, 163, 329, 504, 692, 902, 1152, 1480,
                                   2047}, 2047.f};
 constexpr CodeTable kFp4Codes = {{0, 1, 128, 192, 64, 96, 32, 48, 0, -1, -128, -192, -64, -96, -32, -48}, 192.f};
-constexpr const CodeTable& code_table(int64_t f) { return f == kNf4Words ? kNf4Codes : kFp4Codes; }
+constexpr const CodeTable& code_table(int64_t f) {
+  return f == kNf4Words || f == kNf4By64 || f == kNf4By128 ? kNf4Codes : kFp4Codes;
+}
 // The format whose headers and q bytes a quad format shares.
 constexpr Format word_base(int64_t f) {
   return f == kQ4_1Quads ? kQ4_1Words : f == kQ4ScaledQuads ? kQ4Scaled : f == kQ5WordsQuads ? kQ5Words
@@ -141,7 +149,7 @@ constexpr Format word_base(int64_t f) {
          : f == kQ8HalvesQuads ? kQ8Halves : f == kQ4CenteredQuads ? kQ4Centered
          : f == kQ5CenteredQuads ? kQ5Centered : f == kQ4SuperQuads ? kQ4Super
          : f == kQ5SuperQuads ? kQ5Super : f == kQ4ZeroQuads ? kQ4Zero
-         : f == kQ6SuperQuads ? kQ6Super : f >= kQ4CenteredBy64Quads ? static_cast<Format>(f - 4)
+         : f == kQ6SuperQuads ? kQ6Super : f >= kQ4CenteredBy64Quads && f <= kQ4ZeroBy128Quads ? static_cast<Format>(f - 4)
          : static_cast<Format>(f);
 }
 
@@ -167,8 +175,8 @@ constexpr int64_t input_bytes(Format f) {
 constexpr int64_t block_bytes(Format f) { return header_bytes(f) + kBlock * input_bytes(f); }
 // Formats 3 and 4 keep d (and m) in half precision, as the GGUF file does: 5 bits a Q4_1 weight, not 6.
 constexpr int64_t word_header_bytes(Format f) {
-  return coded(f) ? kPanel * 4
-         : grouped(f) ? 0
+  return grouped(f) || coded_groups(f) ? 0
+         : coded(f) ? kPanel * 4
          : zero_point(f) ? kPanel * 3
          : centered(f) || super_scaled(f) || six_bit(f) ? kPanel * 2
          : float_header(f) ? 2 * kPanel * 4
@@ -639,7 +647,7 @@ inline void block_scales(const uint8_t* header, __m512& d, __m512& m, const uint
     d = _mm512_mul_ps(halves_at(super), bytes_at(header));
     m = _mm512_sub_ps(m, _mm512_mul_ps(halves_at(super + 2 * kPanel), bytes_at(header + kPanel)));
   } else if constexpr (coded(F)) {
-    d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
+    d = _mm512_loadu_ps(reinterpret_cast<const float*>(coded_groups(F) ? super : header));
   } else if constexpr (float_header(F)) {
     d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
     m = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
@@ -998,6 +1006,10 @@ PairFn pair_fn(Format f) {
     case kQ4ZeroBy64Quads: return &pair_by_quads<kQ4ZeroBy64>;
     case kQ4ZeroBy128Quads: return &pair_by_quads<kQ4ZeroBy128>;
     case kFp4Words: return &pair_by_tiles<kFp4Words>;
+    case kNf4By64: return &pair_by_tiles<kNf4By64>;
+    case kNf4By128: return &pair_by_tiles<kNf4By128>;
+    case kFp4By64: return &pair_by_tiles<kFp4By64>;
+    case kFp4By128: return &pair_by_tiles<kFp4By128>;
     default: return &pair_by_tiles<kQ5Scaled>;
   }
 }
@@ -1119,6 +1131,7 @@ int64_t packed_block_bytes(int64_t format) {
     case kQ4Zero: return word_block_bytes(kQ4Zero);
     case kFp4Words: return word_block_bytes(kFp4Words);
     case kQ4CenteredBy64: case kQ4CenteredBy128: case kQ4ZeroBy64: case kQ4ZeroBy128:
+    case kNf4By64: case kNf4By128: case kFp4By64: case kFp4By128:
       return word_block_bytes(kQ4CenteredBy64);
     default: return word_block_bytes(kQ8Scaled);
   }
@@ -1299,26 +1312,40 @@ at::Tensor fill_panels(Format base, int64_t n, int64_t k, Block& block) {
 }
 
 // 4-bit codes q int8 [out, in] (0..15) of `table` ("nf4" or "fp4": bitsandbytes' tables) with a scale (absmax)
-// float32 [out, in / 32] per block -> (format, blocks): 17 or 18, w = scale * table[q] as kCodes rounds it.
+// float32 [out, in / 32] per block -> (format, blocks): 17 or 18, w = scale * table[q] as kCodes rounds it; with a
+// scale per 64 or 128 inputs ([out, in / 64], [out, in / 128]) 39-42, each group's scale kept once.
 std::tuple<int64_t, at::Tensor> pack_coded(const at::Tensor& q, const at::Tensor& scale, const std::string& table) {
   TORCH_CHECK(table == "nf4" || table == "fp4", "pack_coded: table must be nf4 or fp4");
-  const at::Tensor qc = checked_q("pack_coded", q, kBlock, 0, 15);
-  const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock;
-  check_factor(scale, at::kFloat, n, blocks, false, "pack_coded: scale must be float32 [out, in / 32]");
+  TORCH_CHECK(q.dim() == 2 && scale.dim() == 2 && scale.size(1) > 0 && q.size(1) % scale.size(1) == 0,
+              "pack_coded: scale must be float32 [out, in / 32], [out, in / 64] or [out, in / 128]");
+  const int64_t group = q.size(1) / scale.size(1);
+  TORCH_CHECK(group == kBlock || group == 2 * kBlock || group == 4 * kBlock,
+              "pack_coded: scale must be float32 [out, in / 32], [out, in / 64] or [out, in / 128]");
+  const at::Tensor qc = checked_q("pack_coded", q, group, 0, 15);
+  const int64_t n = q.size(0), k = q.size(1), groups = k / group;
+  check_factor(scale, at::kFloat, n, groups, false, "pack_coded: scale must be float32 [out, in / 32], [out, in / "
+               "64] or [out, in / 128]");
   const at::Tensor sc = scale.contiguous();
-  const Format f = table == "nf4" ? kNf4Words : kFp4Words;
+  const bool nf4 = table == "nf4";
+  const Format f = group == kBlock ? (nf4 ? kNf4Words : kFp4Words)
+                   : group == 2 * kBlock ? (nf4 ? kNf4By64 : kFp4By64) : (nf4 ? kNf4By128 : kFp4By128);
   const float levels = code_table(f).levels;
   const int8_t* qs = qc.data_ptr<int8_t>();
   const float* ss = sc.data_ptr<float>();
+  auto scales = [&](uint8_t* dst, int64_t row0, int64_t g) {
+    float d[kPanel];
+    for (int64_t i = 0; i < kPanel; ++i) d[i] = ss[(row0 + i) * groups + g] / levels;
+    std::memcpy(dst, d, sizeof d);
+  };
+  const int64_t header = word_header_bytes(f);
   auto block = [&](uint8_t* dst, int64_t row0, int64_t b) {
     int8_t tile[kPanel][kBlock];
-    float d[kPanel];
-    for (int64_t i = 0; i < kPanel; ++i) d[i] = ss[(row0 + i) * blocks + b] / levels;
-    std::memcpy(dst, d, sizeof d);
+    if (header) scales(dst, row0, b);
     panel_tile(qs, k, row0, b, tile);
-    arrange_words<true>(tile, dst + sizeof d);
+    arrange_words<true>(tile, dst + header);
   };
-  return {f, fill_panels(f, n, k, block)};
+  if (header) return {f, fill_panels(f, n, k, block)};
+  return {f, fill_panels(f, n, k, block, scales)};
 }
 
 // 4-bit q int8 [out, in] (0..15) with a zero point: d float32 [out, in / 32] (half-precision values) and z uint8
