@@ -403,15 +403,23 @@ def test_eight_bit_activations_where_nothing_takes_them_are_refused(tmp_path, to
     _refused(folder, "QUANTIZED_ACTIVATIONS=int4: int16 or int8", quantized_activations="int4")
 
 
+def half_at_least(x: torch.Tensor) -> torch.Tensor:
+    """The smallest half-precision value >= each positive x (float32)."""
+    h = x.half()
+    up = torch.nextafter(h, torch.full_like(h, float("inf")))
+    return torch.where(h.float() < x, up, h).float()
+
+
 def round_to_nearest(w: torch.Tensor, method: str) -> torch.Tensor:
     """QUANTIZATION=int8: one symmetric scale per output, q in -127..127; int4: per 32 inputs a scale
-    (max - min) / 15 and the minimum, q in 0..15. The dequantized weight."""
+    (max - m) / 15 and the minimum m, q in 0..15; the minimum the nearest half-precision value, the scale the
+    smallest half-precision value at least that. The dequantized weight."""
     if method == "int8":
-        d = w.abs().amax(1, keepdim=True) / 127
+        d = half_at_least(w.abs().amax(1, keepdim=True) / 127)
         return torch.round(w / d).clamp(-127, 127) * d
     blocks = w.view(w.shape[0], -1, 32)
-    lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
-    d = (hi - lo) / 15
+    lo = blocks.amin(-1, keepdim=True).half().float()
+    d = half_at_least((blocks.amax(-1, keepdim=True) - lo) / 15)
     return (torch.round((blocks - lo) / d).clamp(0, 15) * d + lo).view_as(w)
 
 
@@ -428,6 +436,9 @@ def test_quantization_at_load_serves_the_rounded_weights(method, tmp_path, token
     got, _served, layers = _serve_batched(_engine(tmp_path, quantization=method), rows)
     assert [c[0] for c in got] == expected
     assert len(layers) == 2 * 4 and {layer.bits for layer in layers} == {8 if method == "int8" else 4}
+    # 16-bit headers a block of 32, as GGUF's Q8_0 and Q4_1: 8.5 and 5 bits a weight
+    weights = sum(layer.in_features * layer.out_features for layer in layers)
+    assert sum(layer.packed.numel() for layer in layers) * 8 / weights == (8.5 if method == "int8" else 5)
 
 
 def _gptq_folder(tmp_path, tokenizer_folder, **config) -> object:

@@ -9,10 +9,28 @@ from engine.cpu.packed_linear import BLOCK, PackedLinear, parent_module as _pare
 
 log = logging.getLogger("engine.quantization")
 
+_SMALLEST_HALF = 2.0 ** -24  # the smallest positive half-precision value
+
+
+def _half_at_least(x: torch.Tensor) -> torch.Tensor:
+    """The smallest half-precision value >= each (positive, finite) x, as float32: a scale the kernel's
+    half-precision headers hold exactly and that still takes the block's extremes within q's range."""
+    x = x.clamp_min(_SMALLEST_HALF)
+    h = x.half()
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h).float()
+
+
+def _half_nearest(x: torch.Tensor) -> torch.Tensor:
+    return x.half().float()
+
+
 def quantize_at_load(model: torch.nn.Module, method: str) -> int:
     """Replace the decoder layers' linear layers of a dense model by round-to-nearest quantized ones: int8 one
     symmetric scale per output (w = d * q, q in -127..127), int4 a scale and minimum per block of 32 inputs
-    (w = d * q + m, q in 0..15). The embeddings and the output head keep their weights. Returns how many."""
+    (w = d * q + m, q in 0..15). The scales and minimums are half-precision values, as GGUF's Q8_0 and Q4_1 keep
+    theirs, so the kernel's blocks carry 16-bit headers: 8.5 and 5 bits a weight, not 10 and 6 with float32 ones
+    (the minimum is rounded to the nearest half, the scale up to one that still spans the block). The embeddings
+    and the output head keep their weights. Returns how many."""
     head = model.get_output_embeddings()
     count = 0
     with torch.no_grad():
@@ -23,14 +41,17 @@ def quantize_at_load(model: torch.nn.Module, method: str) -> int:
             out, k = w.shape
             if k % BLOCK or out % 16:
                 continue  # no kernel blocks for this shape: it keeps its dense weights
+            if not bool(w.abs().amax() < 60000):  # beyond half precision (65504), or not finite
+                log.warning("QUANTIZATION=%s: %s has weights of 60000 or more (or not finite); kept dense", method, name)
+                continue
             if method == "int8":
-                d = (w.abs().amax(1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+                d = _half_at_least(w.abs().amax(1, keepdim=True) / 127)
                 q = torch.round(w / d).clamp(-127, 127).to(torch.int8)
                 scale, minimum, bits = d.expand(-1, k // BLOCK), torch.zeros(out, k // BLOCK), 8
             else:
                 blocks = w.view(out, -1, BLOCK)
-                lo, hi = blocks.amin(-1), blocks.amax(-1)
-                scale = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+                lo = _half_nearest(blocks.amin(-1))
+                scale = _half_at_least((blocks.amax(-1) - lo) / 15)
                 q = torch.round((blocks - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15)
                 q, minimum, bits = q.view(out, k).to(torch.int8), lo, 4
             bias = module.bias.detach().float() if module.bias is not None else None
