@@ -322,10 +322,12 @@ def test_a_quantized_checkpoint_serves_the_dequantized_models_tokens(fmt, tmp_pa
         assert len(layers) == 2 * 4 and all(layer.packed is not None for layer in layers)
     # Kept at the file's size: 4 bits a weight plus a half-precision scale (and a zero point byte) a group, the
     # group of 32, 64 or 128 inputs (a row's 128 or 256 inputs in groups of 128 for per-channel scales);
-    # bitsandbytes' blocks of 64 or 128 with a float32 scale (its absmax, double quantization undone).
+    # bitsandbytes' blocks of 64 or 128 with a float32 scale (its absmax, double quantization undone)
     bits = {"gptq-4bit-g32-sym": 4 + 16 / 32, "gptq-4bit-g64-zero-points": 4 + 24 / 64, "awq-gemm-g64": 4 + 24 / 64,
             "gptq-4bit-g128-desc-act": 4 + 24 / 128, "gptq-4bit-per-channel": 4 + 16 / 128,
-            "bitsandbytes-nf4-b64-double-quant": 4 + 32 / 64, "bitsandbytes-fp4-b128": 4 + 32 / 128}.get(fmt)
+            "bitsandbytes-nf4-b64-double-quant": 4 + 32 / 64, "bitsandbytes-fp4-b128": 4 + 32 / 128,
+            # 8 bits and a float32 scale a row, kept once per 128 inputs
+            "bitsandbytes-int8": 8 + 32 / 128}.get(fmt)
     if bits is not None:
         weights = sum(layer.in_features * layer.out_features for layer in layers)
         assert sum(layer.packed.numel() for layer in layers) * 8 / weights == bits, fmt
@@ -436,9 +438,10 @@ def test_quantization_at_load_serves_the_rounded_weights(method, tmp_path, token
     got, _served, layers = _serve_batched(_engine(tmp_path, quantization=method), rows)
     assert [c[0] for c in got] == expected
     assert len(layers) == 2 * 4 and {layer.bits for layer in layers} == {8 if method == "int8" else 4}
-    # 16-bit headers a block of 32, as GGUF's Q8_0 and Q4_1: 8.5 and 5 bits a weight
+    # int4: 16-bit headers a block of 32, as GGUF's Q4_1 (5 bits a weight); int8: the row's scale once per 128
+    # inputs in float32 (8.25; rows that do not divide into 128 would take Q8_0's 16-bit headers, 8.5)
     weights = sum(layer.in_features * layer.out_features for layer in layers)
-    assert sum(layer.packed.numel() for layer in layers) * 8 / weights == (8.5 if method == "int8" else 5)
+    assert sum(layer.packed.numel() for layer in layers) * 8 / weights == (8 + 32 / 128 if method == "int8" else 5)
 
 
 def _gptq_folder(tmp_path, tokenizer_folder, **config) -> object:

@@ -142,7 +142,7 @@ def test_bad_arguments_are_errors_not_crashes(kernels):
     with pytest.raises(RuntimeError, match="does not match"):
         kernels.blocks_linear(torch.randn(2, 64), packed, 2, 32)  # Q8_0 blocks are larger
     with pytest.raises(RuntimeError, match="unknown format"):
-        kernels.blocks_linear(torch.randn(2, 64), packed, 43, 32)  # formats 1-42 exist
+        kernels.blocks_linear(torch.randn(2, 64), packed, 45, 32)  # formats 1-44 exist
     with pytest.raises(RuntimeError, match="unknown format"):
         kernels.blocks_linear(torch.randn(2, 64), packed, 0, 32)
     with pytest.raises(RuntimeError, match="float32"):
@@ -205,6 +205,38 @@ def test_a_code_tables_scale_per_group_multiplies_as_the_same_scale_in_every_blo
                            kernels.blocks_linear(x, per_block, per_block_format, out_features)), rows
     with pytest.raises(RuntimeError, match="in / 128"):
         kernels.pack_coded(q, absmax[:, :3], table)  # 512 inputs in 3 groups
+
+
+@pytest.mark.parametrize("quads", [False, True], ids=["16-bit activations", "8-bit activations"])
+def test_an_8_bit_scale_per_128_inputs_multiplies_as_the_same_scale_in_every_block(kernels, quads):
+    """8-bit q with a float32 scale per output or per 128 inputs (bitsandbytes' int8, compressed-tensors' channel
+    scales) kept once a group: bit for bit the product with the scale in every block of 32, at 8.25 bits a
+    weight."""
+    if not kernels.word_blocks_supported():
+        pytest.skip("the packed product needs AVX512_VNNI")
+    torch.manual_seed(8)
+    out_features, in_features = 48, 512
+    q = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
+    d = torch.rand(out_features, in_features // 128) * 0.01 + 1e-3  # float32 values, not half-precision ones
+    block_format, packed = kernels.pack_eight_by_128(q, d, quads)
+    d32 = d.repeat_interleave(4, 1)
+    per_block_format, per_block = kernels.pack_scaled(q, d32, torch.zeros_like(d32), 8, False, quads, False)
+    assert packed.numel() * 8 == out_features * in_features * (8 + 32 / 128)
+    for rows in (1, 5, 17):
+        x = torch.randn(rows, in_features)
+        assert torch.equal(kernels.blocks_linear(x, packed, block_format, out_features),
+                           kernels.blocks_linear(x, per_block, per_block_format, out_features)), rows
+    with pytest.raises(RuntimeError, match="in / 128"):
+        kernels.pack_eight_by_128(q, d32, quads)
+    # a row that does not divide into 128 (960 inputs, 7.5 groups: a scale per output, as bitsandbytes' int8 keeps)
+    q, d = q[:, :480].repeat(1, 2), d[:, :1].repeat(1, 8)
+    block_format, packed = kernels.pack_eight_by_128(q, d, quads)
+    per_block_format, per_block = kernels.pack_scaled(q, d[:, :1].expand(-1, 30).contiguous(),
+                                                      torch.zeros(out_features, 30), 8, False, quads, False)
+    assert packed.numel() * 8 == out_features * (960 * 8 + 8 * 32)
+    x = torch.randn(3, 960)
+    assert torch.equal(kernels.blocks_linear(x, packed, block_format, out_features),
+                       kernels.blocks_linear(x, per_block, per_block_format, out_features))
 
 
 def test_a_scale_per_group_refuses_what_it_cannot_hold(kernels):

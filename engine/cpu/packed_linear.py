@@ -9,7 +9,8 @@ load; the activations' columns are gathered to match at each product). `apply` p
 kernel's layout (engine/cpu/native/quantized_linear.cpp, formats 5, 6 and 9: d and m in float32, so m = -d * z is
 exact; 3, 4 and 8 where both are half-precision values; 19 and 20 where m = -8d or -16d follows from d; 28
 where m = -d z, z a byte; 31-34 where 4-bit blocks share d, or d and z, over a group of 64 or 128 inputs, kept
-once a group as the file keeps them, and 39-42 for bitsandbytes' codes likewise), checks the product against the dequantized weights, and from then on the layer reads
+once a group as the file keeps them, 39-42 for bitsandbytes' codes likewise, and 43 for 8-bit q with a float32
+scale per output or per 128 inputs), checks the product against the dequantized weights, and from then on the layer reads
 its q (4, 5 or 8 bits a weight) plus its headers. GGUF Q6_K's scale per 16 inputs (w = d * q, q in -32..31)
 is the one other grouping: scales [out, in / 16], no minimum. GGUF K-quants bring their two-level scales too (`supers`), which the kernel keeps as the file
 does (formats 23, 24 and Q6_K's 6-bit form 27, or 30 for 8-bit activations); bitsandbytes' 4-bit codes index a
@@ -34,7 +35,7 @@ PANEL = 16  # outputs per panel of the kernel's layout
 _BITS = (4, 5, 8)  # the widths the kernel's formats hold (quantized_linear.cpp chooses the format at packing)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the kernel reads and writes as they are
 # blocks multiplied from 8-bit integer activations (quantized_linear.cpp)
-QUAD_FORMATS = (*range(10, 17), 21, 22, 25, 26, 29, 30, *range(35, 39))
+QUAD_FORMATS = (*range(10, 17), 21, 22, 25, 26, 29, 30, *range(35, 39), 44)
 SUPER = 256  # inputs of a GGUF K-quant super-block, whose D and M scale its blocks' 6-bit s and t
 ACTIVATIONS = {"int16": 16, "int8": 8}  # QUANTIZED_ACTIVATIONS
 # bitsandbytes' 4-bit tables (w = absmax * value[q]) and the integer levels that stand for 1 in the kernel's
@@ -259,9 +260,9 @@ def _zero_points(layer: PackedLinear) -> torch.Tensor | None:
 
 
 def _shared(layer: PackedLinear) -> int:
-    """The blocks of 32 inputs (4 or 2) that share each scale and minimum throughout a 4-bit layer, as GPTQ's,
-    AWQ's and compressed-tensors' groups of 128 or 64 inputs (or whole rows) do, else 1."""
-    if layer.bits != 4 or layer.group != BLOCK:
+    """The blocks of 32 inputs (4 or 2) that share each scale and minimum throughout a 4- or 8-bit layer, as
+    GPTQ's, AWQ's, compressed-tensors' and bitsandbytes' groups of 128 or 64 inputs (or whole rows) do, else 1."""
+    if layer.bits not in (4, 8) or layer.group != BLOCK:
         return 1
     blocks = layer.in_features // BLOCK
     for span in (4, 2):
@@ -270,6 +271,13 @@ def _shared(layer: PackedLinear) -> int:
                             .expand(-1, -1, span)) for t in (layer.scale, layer.minimum)):
             return span
     return 1
+
+
+def _by_128(scale: torch.Tensor) -> bool:
+    """Whether per-block scales [out, in / 32] are one per 128 inputs, the row's last group possibly shorter (a
+    scale per output is, at any width)."""
+    groups = scale[:, ::4]
+    return torch.equal(scale, groups.repeat_interleave(4, 1)[:, :scale.shape[1]])
 
 
 def _pack(layer: PackedLinear, kernels, activation_bits: int) -> tuple[int, torch.Tensor]:
@@ -282,10 +290,13 @@ def _pack(layer: PackedLinear, kernels, activation_bits: int) -> tuple[int, torc
         return kernels.pack_super(layer.q, *layer.supers, layer.bits, quads)
     if layer.supers is not None:  # Q6_K's 6-bit form
         return kernels.pack_six_bit(layer.q, *layer.supers, quads)
+    if layer.bits == 8 and layer.group == BLOCK and not bool(layer.minimum.any()) and _by_128(layer.scale):
+        # a scale per output or per 128 inputs, kept once a group in float32
+        return kernels.pack_eight_by_128(layer.q, layer.scale[:, ::4].contiguous(), quads)
     half = _half_exact(layer)
     centered = half and _centered(layer)
     zero = None if centered else _zero_points(layer)
-    span = _shared(layer) if (centered and layer.bits == 4) or zero is not None else 1
+    span = _shared(layer) if layer.bits == 4 and (centered or zero is not None) else 1
     if span > 1:  # one d (and z) per group of inputs, as the file holds them
         d = layer.scale[:, ::span].contiguous()
         z = zero[:, ::span].contiguous() if zero is not None else torch.empty(0, dtype=torch.uint8)

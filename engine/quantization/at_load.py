@@ -28,9 +28,9 @@ def quantize_at_load(model: torch.nn.Module, method: str) -> int:
     """Replace the decoder layers' linear layers of a dense model by round-to-nearest quantized ones: int8 one
     symmetric scale per output (w = d * q, q in -127..127), int4 a scale and minimum per block of 32 inputs
     (w = d * q + m, q in 0..15). The scales and minimums are half-precision values, as GGUF's Q8_0 and Q4_1 keep
-    theirs, so the kernel's blocks carry 16-bit headers: 8.5 and 5 bits a weight, not 10 and 6 with float32 ones
-    (the minimum is rounded to the nearest half, the scale up to one that still spans the block). The embeddings
-    and the output head keep their weights. Returns how many."""
+    theirs (the minimum rounded to the nearest half, the scale up to one that still spans the block), so int4's
+    blocks carry 16-bit headers, 5 bits a weight rather than 6 (int8's row scale is kept once per 128 inputs).
+    The embeddings and the output head keep their weights. Returns how many."""
     head = model.get_output_embeddings()
     count = 0
     with torch.no_grad():

@@ -667,6 +667,7 @@ std::tuple<int64_t, at::Tensor> pack_zero_points(const at::Tensor& q, const at::
                                                  bool quads);
 std::tuple<int64_t, at::Tensor> pack_groups(const at::Tensor& q, const at::Tensor& d, const at::Tensor& z,
                                             bool quads);
+std::tuple<int64_t, at::Tensor> pack_eight_by_128(const at::Tensor& q, const at::Tensor& d, bool quads);
 // engine/cpu/native/prefill_attention.cpp
 bool prefill_attention_supported();
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -729,6 +730,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_groups", &pack_groups, nogil,
         "(31-34, blocks): 4-bit q with a scale (and zero point, where z is not empty) per 64 or 128 inputs",
         py::arg("q"), py::arg("d"), py::arg("z"), py::arg("quads") = false);
+  m.def("pack_eight_by_128", &pack_eight_by_128, nogil,
+        "(43, blocks): 8-bit q with a float32 scale per 128 inputs (w = d q); (44, blocks) with `quads`",
+        py::arg("q"), py::arg("d"), py::arg("quads") = false);
   m.def("bf16_linear_supported", &bf16_linear_supported, "whether this build and CPU have the AVX512_BF16 product");
   m.def("bf16_peak_gflops", &bf16_peak_gflops, nogil, "VDPBF16PS's rate on every thread for about `seconds` (0: none)",
         py::arg("seconds") = 0.2);

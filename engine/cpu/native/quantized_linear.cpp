@@ -97,19 +97,25 @@ enum Format : int64_t {
   kQ4CenteredBy64Quads = 35, kQ4CenteredBy128Quads = 36, kQ4ZeroBy64Quads = 37, kQ4ZeroBy128Quads = 38,
   // Formats 17 and 18 with one float32 scale per 64 or 128 inputs (bitsandbytes' usual blocksizes), kept after the
   // panel's blocks as 31-34 keep theirs: 4.5 / 4.25 bits a weight, not 5.
-  kNf4By64 = 39, kNf4By128 = 40, kFp4By64 = 41, kFp4By128 = 42
+  kNf4By64 = 39, kNf4By128 = 40, kFp4By64 = 41, kFp4By128 = 42,
+  // 8-bit q (-128..127, no minimum) with a float32 scale per 128 inputs (the last group may be shorter), kept after
+  // the panel's blocks: a scale per output (bitsandbytes' int8 SCB, QUANTIZATION=int8, compressed-tensors' channel
+  // scales) or per group of 128 (GPTQ, compressed-tensors). About 8.25 bits a weight, against 8.5 with
+  // half-precision headers and 10 with float32 ones. 44: the same for 8-bit activations.
+  kQ8By128 = 43, kQ8By128Quads = 44
 };
-constexpr int64_t kLastFormat = kFp4By128;
+constexpr int64_t kLastFormat = kQ8By128Quads;
 constexpr bool quad_format(int64_t f) {
   return (f >= kQ4_1Quads && f <= kQ8HalvesQuads) || f == kQ4CenteredQuads || f == kQ5CenteredQuads ||
          f == kQ4SuperQuads || f == kQ5SuperQuads || f == kQ4ZeroQuads || f == kQ6SuperQuads ||
-         (f >= kQ4CenteredBy64Quads && f <= kQ4ZeroBy128Quads);
+         (f >= kQ4CenteredBy64Quads && f <= kQ4ZeroBy128Quads) || f == kQ8By128Quads;
 }
 // Formats 31-34: d (and z) per group of 2 or 4 blocks, after the panel's blocks.
 constexpr bool grouped(int64_t f) { return f >= kQ4CenteredBy64 && f <= kQ4ZeroBy128; }
 constexpr bool grouped_zero(int64_t f) { return f == kQ4ZeroBy64 || f == kQ4ZeroBy128; }
 // Formats 39-42: bitsandbytes' codes with a scale per group of 2 or 4 blocks, after the panel's blocks.
 constexpr bool coded_groups(int64_t f) { return f >= kNf4By64 && f <= kFp4By128; }
+constexpr bool eight_groups(int64_t f) { return f == kQ8By128; }
 constexpr bool zero_point(int64_t f) { return f == kQ4Zero; }
 constexpr bool super_scaled(int64_t f) { return f == kQ4Super || f == kQ5Super; }
 constexpr bool six_bit(int64_t f) { return f == kQ6Super; }
@@ -119,12 +125,18 @@ constexpr int64_t kSuperBlocks = 8;  // blocks of 32 in a K-quant's super-block 
 // a group's d (31, 32) or d and z (33, 34).
 constexpr int64_t super_bytes(int64_t f) {
   return super_scaled(f) ? 16 * 2 * 2 : six_bit(f) || (grouped(f) && !grouped_zero(f)) ? 16 * 2
-         : grouped_zero(f) ? 16 * 3 : coded_groups(f) ? 16 * 4 : 0;
+         : grouped_zero(f) ? 16 * 3 : coded_groups(f) || eight_groups(f) ? 16 * 4 : 0;
 }
 // The blocks a super-block (or group) spans.
 constexpr int64_t super_blocks(int64_t f) {
   return f == kQ4CenteredBy64 || f == kQ4ZeroBy64 || f == kNf4By64 || f == kFp4By64 ? 2
-         : f == kQ4CenteredBy128 || f == kQ4ZeroBy128 || f == kNf4By128 || f == kFp4By128 ? 4 : kSuperBlocks;
+         : f == kQ4CenteredBy128 || f == kQ4ZeroBy128 || f == kNf4By128 || f == kFp4By128 || f == kQ8By128 ? 4
+                                                                                                  : kSuperBlocks;
+}
+// A panel's super-blocks (or groups) over k inputs; format 43's last group may be short.
+constexpr int64_t super_groups(int64_t f, int64_t k) {
+  const int64_t span = kBlock * super_blocks(f);
+  return (k + span - 1) / span;
 }
 constexpr bool centered(int64_t f) { return f == kQ4Centered || f == kQ5Centered; }
 constexpr bool coded(int64_t f) { return f == kNf4Words || f == kFp4Words || coded_groups(f); }
@@ -149,7 +161,8 @@ constexpr Format word_base(int64_t f) {
          : f == kQ8HalvesQuads ? kQ8Halves : f == kQ4CenteredQuads ? kQ4Centered
          : f == kQ5CenteredQuads ? kQ5Centered : f == kQ4SuperQuads ? kQ4Super
          : f == kQ5SuperQuads ? kQ5Super : f == kQ4ZeroQuads ? kQ4Zero
-         : f == kQ6SuperQuads ? kQ6Super : f >= kQ4CenteredBy64Quads && f <= kQ4ZeroBy128Quads ? static_cast<Format>(f - 4)
+         : f == kQ6SuperQuads ? kQ6Super : f == kQ8By128Quads ? kQ8By128
+         : f >= kQ4CenteredBy64Quads && f <= kQ4ZeroBy128Quads ? static_cast<Format>(f - 4)
          : static_cast<Format>(f);
 }
 
@@ -166,7 +179,7 @@ constexpr bool four_bit(Format f) {
 }
 constexpr bool five_bit(Format f) { return f == kQ5Words || f == kQ5Scaled || f == kQ5Centered || f == kQ5Super; }
 constexpr bool float_header(Format f) { return f == kQ4Scaled || f == kQ8Scaled || f == kQ8Halves || f == kQ5Scaled; }
-constexpr bool has_minimum(Format f) { return f != kQ8_0 && !per_sixteen(f) && !coded(f); }
+constexpr bool has_minimum(Format f) { return f != kQ8_0 && !per_sixteen(f) && !coded(f) && !eight_groups(f); }
 constexpr int64_t header_bytes(Format f) { return (f == kQ4_1 ? 2 : 1) * kPanel * 4; }
 constexpr int64_t input_bytes(Format f) {
   return four_bit(f) ? kPanel / 2 : five_bit(f) ? kPanel / 2 + kPanel / 8 : six_bit(f) ? kPanel / 2 + kPanel / 4
@@ -175,7 +188,7 @@ constexpr int64_t input_bytes(Format f) {
 constexpr int64_t block_bytes(Format f) { return header_bytes(f) + kBlock * input_bytes(f); }
 // Formats 3 and 4 keep d (and m) in half precision, as the GGUF file does: 5 bits a Q4_1 weight, not 6.
 constexpr int64_t word_header_bytes(Format f) {
-  return grouped(f) || coded_groups(f) ? 0
+  return grouped(f) || coded_groups(f) || eight_groups(f) ? 0
          : coded(f) ? kPanel * 4
          : zero_point(f) ? kPanel * 3
          : centered(f) || super_scaled(f) || six_bit(f) ? kPanel * 2
@@ -185,7 +198,7 @@ constexpr int64_t word_header_bytes(Format f) {
 constexpr int64_t word_block_bytes(Format f) { return word_header_bytes(f) + kBlock * input_bytes(f); }
 // A panel's bytes in a word or quad format (`f` its word base) for k inputs: its blocks, then any super-blocks'.
 constexpr int64_t word_panel_bytes(Format f, int64_t k) {
-  return (k / kBlock) * word_block_bytes(f) + k / (kBlock * super_blocks(f)) * super_bytes(f);
+  return (k / kBlock) * word_block_bytes(f) + super_groups(f, k) * super_bytes(f);
 }
 constexpr int64_t layout_block_bytes(Format f, bool words) { return words ? word_block_bytes(f) : block_bytes(f); }
 
@@ -646,8 +659,8 @@ inline void block_scales(const uint8_t* header, __m512& d, __m512& m, const uint
   } else if constexpr (super_scaled(F)) {  // d = D s, m = -M t, each product rounded to float32 as ggml's
     d = _mm512_mul_ps(halves_at(super), bytes_at(header));
     m = _mm512_sub_ps(m, _mm512_mul_ps(halves_at(super + 2 * kPanel), bytes_at(header + kPanel)));
-  } else if constexpr (coded(F)) {
-    d = _mm512_loadu_ps(reinterpret_cast<const float*>(coded_groups(F) ? super : header));
+  } else if constexpr (coded(F) || eight_groups(F)) {
+    d = _mm512_loadu_ps(reinterpret_cast<const float*>(coded(F) && !coded_groups(F) ? header : super));
   } else if constexpr (float_header(F)) {
     d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
     m = _mm512_loadu_ps(reinterpret_cast<const float*>(header) + kPanel);
@@ -1010,6 +1023,8 @@ PairFn pair_fn(Format f) {
     case kNf4By128: return &pair_by_tiles<kNf4By128>;
     case kFp4By64: return &pair_by_tiles<kFp4By64>;
     case kFp4By128: return &pair_by_tiles<kFp4By128>;
+    case kQ8By128: return &pair_by_tiles<kQ8By128>;
+    case kQ8By128Quads: return &pair_by_quads<kQ8By128>;
     default: return &pair_by_tiles<kQ5Scaled>;
   }
 }
@@ -1133,6 +1148,7 @@ int64_t packed_block_bytes(int64_t format) {
     case kQ4CenteredBy64: case kQ4CenteredBy128: case kQ4ZeroBy64: case kQ4ZeroBy128:
     case kNf4By64: case kNf4By128: case kFp4By64: case kFp4By128:
       return word_block_bytes(kQ4CenteredBy64);
+    case kQ8By128: return word_block_bytes(kQ8By128);
     default: return word_block_bytes(kQ8Scaled);
   }
 }
@@ -1297,7 +1313,7 @@ at::Tensor fill_panels(Format base, int64_t n, int64_t k, Block& block, Super& s
     for (int64_t p = begin; p < end; ++p) {
       uint8_t* panel = out + p * panel_bytes;
       for (int64_t b = 0; b < blocks; ++b) block(panel + b * bytes, p * kPanel, b);
-      for (int64_t u = 0; u < blocks / super_blocks(base); ++u)
+      for (int64_t u = 0; u < super_groups(base, k); ++u)
         super(panel + blocks * bytes + u * super_bytes(base), p * kPanel, u);
     }
   });
@@ -1373,6 +1389,28 @@ std::tuple<int64_t, at::Tensor> pack_zero_points(const at::Tensor& q, const at::
     arrange(tile, dst + word_header_bytes(kQ4Zero), 4, quads);
   };
   return {quads ? kQ4ZeroQuads : kQ4Zero, fill_panels(kQ4Zero, n, k, block)};
+}
+
+// 8-bit q int8 [out, in] (-128..127, in a multiple of 32) with a float32 scale d [out, ceil(in / 128)] (the last
+// group the rest of the row), w = d q -> (43, blocks), or 44 with `quads`.
+std::tuple<int64_t, at::Tensor> pack_eight_by_128(const at::Tensor& q, const at::Tensor& d, bool quads) {
+  const at::Tensor qc = checked_q("pack_eight_by_128", q, kBlock, -128, 127);
+  const int64_t n = q.size(0), k = q.size(1), groups = super_groups(kQ8By128, k);
+  check_factor(d, at::kFloat, n, groups, false, "pack_eight_by_128: d must be float32 [out, ceil(in / 128)]");
+  const at::Tensor dc = d.contiguous();
+  const int8_t* qs = qc.data_ptr<int8_t>();
+  const float* ds = dc.data_ptr<float>();
+  auto block = [&](uint8_t* dst, int64_t row0, int64_t b) {
+    int8_t tile[kPanel][kBlock];
+    panel_tile(qs, k, row0, b, tile);
+    arrange(tile, dst, 8, quads);
+  };
+  auto super = [&](uint8_t* dst, int64_t row0, int64_t u) {
+    float scales[kPanel];
+    for (int64_t i = 0; i < kPanel; ++i) scales[i] = ds[(row0 + i) * groups + u];
+    std::memcpy(dst, scales, sizeof scales);
+  };
+  return {quads ? kQ8By128Quads : kQ8By128, fill_panels(kQ8By128, n, k, block, super)};
 }
 
 // 4-bit q int8 [out, in] (0..15) with a scale per group of 64 or 128 inputs: d float32 [out, in / group]
@@ -1510,8 +1548,9 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
     const at::Tensor& p = packed[i];
     TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 2 && k % kBlock == 0 &&
                     out_features % kPanel == 0 && p.size(0) == out_features / kPanel &&
-                    (super_bytes(base) == 0 || k % span == 0) &&
-                    p.size(1) == (k / kBlock) * bytes + k / span * super_bytes(base),
+                    (super_bytes(base) == 0 || k % span == 0 || base == kQ8By128) &&
+                    p.size(1) == (k / kBlock) * bytes + (super_bytes(base) ? super_groups(base, k) : 0) *
+                                                            super_bytes(base),
                 "blocks_linear: packed weight does not match x, format and out_features");
     parts.push_back(Part{p.data_ptr<uint8_t>(), static_cast<Format>(format), out_features, n});
     n += out_features;
