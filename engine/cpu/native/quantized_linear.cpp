@@ -1391,6 +1391,15 @@ std::tuple<int64_t, at::Tensor> pack_zero_points(const at::Tensor& q, const at::
   return {quads ? kQ4ZeroQuads : kQ4Zero, fill_panels(kQ4Zero, n, k, block)};
 }
 
+// Writes a block of `bits`-bit q with no header (the formats whose scales follow the panel's blocks).
+auto bare_block(const int8_t* qs, int64_t k, int64_t bits, bool quads) {
+  return [=](uint8_t* dst, int64_t row0, int64_t b) {
+    int8_t tile[kPanel][kBlock];
+    panel_tile(qs, k, row0, b, tile);
+    arrange(tile, dst, bits, quads);
+  };
+}
+
 // 8-bit q int8 [out, in] (-128..127, in a multiple of 32) with a float32 scale d [out, ceil(in / 128)] (the last
 // group the rest of the row), w = d q -> (43, blocks), or 44 with `quads`.
 std::tuple<int64_t, at::Tensor> pack_eight_by_128(const at::Tensor& q, const at::Tensor& d, bool quads) {
@@ -1400,11 +1409,7 @@ std::tuple<int64_t, at::Tensor> pack_eight_by_128(const at::Tensor& q, const at:
   const at::Tensor dc = d.contiguous();
   const int8_t* qs = qc.data_ptr<int8_t>();
   const float* ds = dc.data_ptr<float>();
-  auto block = [&](uint8_t* dst, int64_t row0, int64_t b) {
-    int8_t tile[kPanel][kBlock];
-    panel_tile(qs, k, row0, b, tile);
-    arrange(tile, dst, 8, quads);
-  };
+  auto block = bare_block(qs, k, 8, quads);
   auto super = [&](uint8_t* dst, int64_t row0, int64_t u) {
     float scales[kPanel];
     for (int64_t i = 0; i < kPanel; ++i) scales[i] = ds[(row0 + i) * groups + u];
@@ -1433,11 +1438,7 @@ std::tuple<int64_t, at::Tensor> pack_groups(const at::Tensor& q, const at::Tenso
   const int8_t* qs = qc.data_ptr<int8_t>();
   const float* ds = dc.data_ptr<float>();
   const uint8_t* zs = zero ? zc.data_ptr<uint8_t>() : nullptr;
-  auto block = [&](uint8_t* dst, int64_t row0, int64_t b) {
-    int8_t tile[kPanel][kBlock];
-    panel_tile(qs, k, row0, b, tile);
-    arrange(tile, dst, 4, quads);
-  };
+  auto block = bare_block(qs, k, 4, quads);
   auto super = [&](uint8_t* dst, int64_t row0, int64_t u) {
     uint16_t halves[kPanel];
     for (int64_t i = 0; i < kPanel; ++i) {
