@@ -259,25 +259,22 @@ def _zero_points(layer: PackedLinear) -> torch.Tensor | None:
     return z.to(torch.uint8)
 
 
+def _repeated(t: torch.Tensor, span: int) -> bool:
+    """Whether per-block factors [out, in / 32] repeat over each run of `span` blocks (the row's last run may be
+    shorter): one per 64 or 128 inputs, or one per row."""
+    return torch.equal(t, t[:, ::span].repeat_interleave(span, 1)[:, :t.shape[1]])
+
+
 def _shared(layer: PackedLinear) -> int:
-    """The blocks of 32 inputs (4 or 2) that share each scale and minimum throughout a 4- or 8-bit layer, as
-    GPTQ's, AWQ's, compressed-tensors' and bitsandbytes' groups of 128 or 64 inputs (or whole rows) do, else 1."""
-    if layer.bits not in (4, 8) or layer.group != BLOCK:
+    """The blocks of 32 inputs (4 or 2) that share each scale and minimum throughout a 4-bit layer, as GPTQ's,
+    AWQ's, compressed-tensors' and bitsandbytes' groups of 128 or 64 inputs (or whole rows) do, else 1."""
+    if layer.bits != 4 or layer.group != BLOCK:
         return 1
-    blocks = layer.in_features // BLOCK
     for span in (4, 2):
-        if blocks % span == 0 and all(
-                torch.equal(t.view(layer.out_features, -1, span), t.view(layer.out_features, -1, span)[..., :1]
-                            .expand(-1, -1, span)) for t in (layer.scale, layer.minimum)):
+        if (layer.in_features // BLOCK) % span == 0 and _repeated(layer.scale, span) and \
+                _repeated(layer.minimum, span):
             return span
     return 1
-
-
-def _by_128(scale: torch.Tensor) -> bool:
-    """Whether per-block scales [out, in / 32] are one per 128 inputs, the row's last group possibly shorter (a
-    scale per output is, at any width)."""
-    groups = scale[:, ::4]
-    return torch.equal(scale, groups.repeat_interleave(4, 1)[:, :scale.shape[1]])
 
 
 def _pack(layer: PackedLinear, kernels, activation_bits: int) -> tuple[int, torch.Tensor]:
@@ -290,7 +287,7 @@ def _pack(layer: PackedLinear, kernels, activation_bits: int) -> tuple[int, torc
         return kernels.pack_super(layer.q, *layer.supers, layer.bits, quads)
     if layer.supers is not None:  # Q6_K's 6-bit form
         return kernels.pack_six_bit(layer.q, *layer.supers, quads)
-    if layer.bits == 8 and layer.group == BLOCK and not bool(layer.minimum.any()) and _by_128(layer.scale):
+    if layer.bits == 8 and layer.group == BLOCK and not bool(layer.minimum.any()) and _repeated(layer.scale, 4):
         # a scale per output or per 128 inputs, kept once a group in float32
         return kernels.pack_eight_by_128(layer.q, layer.scale[:, ::4].contiguous(), quads)
     half = _half_exact(layer)

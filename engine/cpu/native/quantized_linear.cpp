@@ -1550,8 +1550,7 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
     TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 2 && k % kBlock == 0 &&
                     out_features % kPanel == 0 && p.size(0) == out_features / kPanel &&
                     (super_bytes(base) == 0 || k % span == 0 || base == kQ8By128) &&
-                    p.size(1) == (k / kBlock) * bytes + (super_bytes(base) ? super_groups(base, k) : 0) *
-                                                            super_bytes(base),
+                    p.size(1) == (k / kBlock) * bytes + super_groups(base, k) * super_bytes(base),
                 "blocks_linear: packed weight does not match x, format and out_features");
     parts.push_back(Part{p.data_ptr<uint8_t>(), static_cast<Format>(format), out_features, n});
     n += out_features;
