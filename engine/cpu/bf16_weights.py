@@ -48,9 +48,7 @@ def _direct(self, dtype: torch.dtype):
     where an adapter wraps the forward or the rows are of another type."""
     if getattr(self.forward, "__func__", None) is not _forward or dtype is not torch.bfloat16:
         return None
-    product, packed, out_features, bias, widen = (self.bf16_kernels.bf16_linear, self.weight_bf16,
-                                                  self.out_features, self.bias_float, self.bf16_widen)
-    return lambda rows: product(rows, packed, out_features, bias, widen)
+    return self.bf16_kernels.bf16_product(self.weight_bf16, self.out_features, self.bias_float, self.bf16_widen)
 
 
 def widens(modules: list[torch.nn.Linear], packs: list[torch.Tensor], kernels, layer_count: int) -> bool:

@@ -59,11 +59,12 @@ QUANTIZED_SOURCE = SOURCE.with_name("quantized_linear.cpp")  # built into the sa
 PREFILL_SOURCE = SOURCE.with_name("prefill_attention.cpp")  # this one too
 BF16_SOURCE = SOURCE.with_name("bf16_linear.cpp")  # and the AVX512_BF16 product
 LORA_SOURCE = SOURCE.with_name("lora_linear.cpp")  # and LoRA adapters' per-row term
+STACK_SOURCE = SOURCE.with_name("decode_stack.cpp")  # and a decode step's layers in one call
 
 
 def sources() -> tuple[Path, ...]:
     """Every source file of the build, read at call time (a test swaps SOURCE for a broken one)."""
-    return SOURCE, QUANTIZED_SOURCE, PREFILL_SOURCE, BF16_SOURCE, LORA_SOURCE
+    return SOURCE, QUANTIZED_SOURCE, PREFILL_SOURCE, BF16_SOURCE, LORA_SOURCE, STACK_SOURCE
 
 
 PREBUILT = SOURCE.with_name("prebuilt")  # the image's builds (--prebuild), beside the sources they came from

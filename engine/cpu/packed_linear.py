@@ -138,16 +138,15 @@ class PackedLinear(torch.nn.Module):
 
     def direct(self, dtype: torch.dtype):
         """The one kernel call `forward` makes for contiguous rows [tokens, in] of `dtype`, the layer's own
-        arguments bound: rows -> [tokens, out]. None where forward is not this class's own (an adapter wraps it) or
+        arguments bound (the kernels' Product, which the native decode stack also calls): rows -> [tokens, out].
+        None where forward is not this class's own (an adapter wraps it) or
         does more than that call (a part of a fused layer, inputs gathered by `order`, no packed blocks, rows the
         kernel does not take). The compact decoder calls it in place of forward, whose checks cost 5 us a call, a
         third of a small layer's product at one row."""
         if (getattr(self.forward, "__func__", None) is not PackedLinear.forward or self.whole is not None
                 or self.order is not None or self.packed is None or dtype not in _KERNEL_DTYPES):
             return None
-        product, packed, block_format, out_features, bias = (self.kernels.blocks_linear, self.packed,
-                                                              self.block_format, self.out_features, self.bias)
-        return lambda rows: product(rows, packed, block_format, out_features, bias)
+        return self.kernels.blocks_product(self.packed, self.block_format, self.out_features, self.bias)
 
     @classmethod
     def concatenate(cls, parts: list) -> "PackedLinear | SideBySide | None":
@@ -207,8 +206,7 @@ class SideBySide(torch.nn.Module):
         if getattr(self.forward, "__func__", None) is not SideBySide.forward or self.together is None or \
                 dtype not in _KERNEL_DTYPES:
             return None
-        product, together = self.parts[0].kernels.blocks_linear_parts, self.together
-        return lambda rows: product(rows, *together)
+        return self.parts[0].kernels.parts_product(*self.together)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The class's own forward: fusion may point a part's instance forward at this module (q/k/v sharing).

@@ -57,10 +57,11 @@ def _direct(self, dtype: torch.dtype):
     layer has a bias or the rows are of another type."""
     if getattr(self.forward, "__func__", None) is not _forward or dtype is not torch.float32 or self.bias is not None:
         return None
-    product, blocks, block_format, out_features = (self.block_kernels.blocks_linear, self.weight_blocks,
-                                                   self.block_format, self.out_features)
+    product = self.block_kernels.blocks_product(self.weight_blocks, self.block_format, self.out_features)
+    if self.blocks_until == EVERY_SIZE:
+        return product
     until, dense = self.blocks_until, self.dense_forward
-    return lambda rows: product(rows, blocks, block_format, out_features) if rows.shape[0] <= until else dense(rows)
+    return lambda rows: product(rows) if rows.shape[0] <= until else dense(rows)
 
 
 def rounds_activations(model: torch.nn.Module) -> bool:

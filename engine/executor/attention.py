@@ -168,38 +168,54 @@ def bfloat16_products_pay(kernels, heads: int, kv_heads: int, dim: int) -> bool:
 
 
 class DecodeAttention:
-    """A step of decode rows in one bucket, attending straight from the cache's blocks through the native kernel,
-    called by the compact forward for each layer. paged_attention decides the same per layer (the step's layout,
-    the pools' types, the kernel's conditions) and reshapes its query and output around it: 25 us a layer at one
-    stream, as long as the kernel itself."""
+    """A step of decode rows, attending straight from the cache's blocks through the native kernel bucket by
+    bucket, called by the compact forward for each layer. paged_attention decides the same per layer (the step's
+    layout, the pools' types, the kernel's conditions) and reshapes its query and output around it: 25 us a layer
+    at one stream, as long as the kernel itself."""
 
-    def __init__(self, kernels, cache, bucket):
+    def __init__(self, kernels, cache, buckets, slots):
         self.kernels, self.cache = kernels, cache
-        self.blocks, self.lengths = bucket.blocks, bucket.lengths
+        self.buckets = buckets  # the step's DecodeBucket list: rows [offset, offset + rows) attend together
+        self.offsets = [bucket.offset for bucket in buckets]
+        self.blocks = [bucket.blocks for bucket in buckets]
+        self.lengths = [bucket.lengths for bucket in buckets]
+        self.slots = slots  # [rows] the pool slot each row's new key and value go to
+
+    def pools(self, layers: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The key pools and the value pools of `layers`, for a caller that attends several layers in one call."""
+        pairs = [self.cache.pools(layer) for layer in layers]
+        return [k for k, _ in pairs], [v for _, v in pairs]
 
     def __call__(self, layer: int, query: torch.Tensor, scaling: float | None, window: int | None) -> torch.Tensor:
         """query [rows, heads, dim] (last dimension contiguous) -> [rows, heads, value_dim]."""
         k_pool, v_pool = self.cache.pools(layer)
         out = query.new_empty((query.shape[0], query.shape[1], v_pool.shape[3]))
-        self.kernels.paged_decode_attention(query, k_pool, v_pool, self.blocks, self.lengths, window or 0,
-                                            scaling if scaling is not None else query.shape[-1] ** -0.5, out)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if len(self.buckets) == 1:
+            self.kernels.paged_decode_attention(query, k_pool, v_pool, self.blocks[0], self.lengths[0], window or 0,
+                                                scale, out)
+            return out
+        for bucket in self.buckets:
+            rows = slice(bucket.offset, bucket.offset + bucket.rows)
+            self.kernels.paged_decode_attention(query[rows], k_pool, v_pool, bucket.blocks, bucket.lengths,
+                                                window or 0, scale, out[rows])
         return out
 
 
 def decode_attention(dtype: torch.dtype) -> DecodeAttention | None:
-    """The running step's decode attention for queries of `dtype` when the step is one bucket of decode rows that
-    the native kernel serves in every layer (CPU pools of the queries' type, or 16-bit pools under float32
-    queries), else None: paged_attention then decides per layer."""
+    """The running step's decode attention for queries of `dtype` when the step is decode rows alone that the
+    native kernel serves in every layer (CPU pools of the queries' type, or 16-bit pools under float32 queries),
+    else None: paged_attention then decides per layer."""
     step = current_layout()
     if step is None:
         return None
     cache, layout = step
     kernels = native_kernels.active() if cache.native_kernels else None
     pools_fit = cache.dtype == dtype or (dtype == torch.float32 and cache.dtype in (torch.float16, torch.bfloat16))
-    if (kernels is None or not pools_fit or layout.segments or len(layout.buckets) != 1
+    if (kernels is None or not pools_fit or layout.segments or not layout.buckets
             or any(shape.device.type != "cpu" for shape in cache.layers.values())):
         return None
-    return DecodeAttention(kernels, cache, layout.buckets[0])
+    return DecodeAttention(kernels, cache, layout.buckets, layout.slots)
 
 
 def layer_window(module, sliding_window: int | None) -> int | None:

@@ -106,8 +106,9 @@ class StartupChecks:
         return r.verdicts.get(name, run)
 
     def probe_steps(self) -> list[tuple[list[DecodeRow], list[PrefillChunk]]]:
-        """Two steps over blocks 0 to 3 that cover each attention path: prompts from position 0, a decode row, a
-        chunk continuing its sequence (the start-up checks' probe)."""
+        """Three steps over blocks 0 to 3 that cover each attention path: prompts from position 0, a decode row
+        beside a chunk continuing its sequence, then a step of decode rows alone (the compact forward's decode
+        stack; the start-up checks' probe)."""
         r = self.runner
         vocab = min(97, r.model.config.get_text_config().vocab_size - 1)
         first = [1 + (i * 37) % vocab for i in range(21)]
@@ -115,7 +116,15 @@ class StartupChecks:
         blocks_first, blocks_second = [0, 1], [2, 3]
         return [([], [PrefillChunk(first[:20], 0, blocks_first, "all"),
                       PrefillChunk(second[:12], 0, blocks_second, "last")]),
-                ([DecodeRow(first[20], 20, blocks_first)], [PrefillChunk(second[12:], 12, blocks_second, "all")])]
+                ([DecodeRow(first[20], 20, blocks_first)], [PrefillChunk(second[12:], 12, blocks_second, "all")]),
+                ([DecodeRow(second[5], 21, blocks_first), DecodeRow(first[7], 30, blocks_second)], [])]
+
+    def run_probe(self) -> list[torch.Tensor | None]:
+        """The probe's logits through the runner's cache, its blocks cleared first as the engine clears a block
+        before its first use (a decode row gathered to a longer row's length reads unwritten slots, masked out)."""
+        r = self.runner
+        r.kv.zero_blocks(0, 4)
+        return [r.execute(*step) for step in self.probe_steps()]
 
     @torch.inference_mode()
     def kv_rounding_differs(self) -> str:
@@ -124,11 +133,10 @@ class StartupChecks:
         r = self.runner
         if r.kv.num_blocks < 4:
             return "the KV cache is too small to check it"
-        steps = self.probe_steps()
-        rounded = [r.execute(*step) for step in steps]
+        rounded = self.run_probe()
         kept, r.kv = r.kv, r.new_cache(r.dtype, 4)
         try:
-            exact = [r.execute(*step) for step in steps]
+            exact = self.run_probe()
         finally:
             r.kv = kept
         tolerance = KV_ROUNDING_TOLERANCE
@@ -170,8 +178,8 @@ class StartupChecks:
     @torch.inference_mode()
     def compact_decoder(self) -> tuple[CompactDecoder | None, str]:
         """The compact forward (compact_decoder.py) where the model has its structure and computes the same logits
-        through the paged cache: two steps covering each attention path (prompts from position 0, a decode row,
-        a chunk continuing its sequence) run with the model's own forward, then again with the compact one. On
+        through the paged cache: the probe's steps (probe_steps) run with the model's own forward, then again with
+        the compact one. On
         CPU it first tries the compact forward through the native kernels (native_kernels.py), then without."""
         r = self.runner
         kernels = native_kernels.active() if r.platform.cpu_fast_paths else None
@@ -185,14 +193,13 @@ class StartupChecks:
 
         def check() -> str:
             """'kernels' or 'plain' for the compact forward that computes the model's logits, else why none does."""
-            steps = self.probe_steps()
-            own = [r.execute(*step) for step in steps]
-            why = self._differs(decoder, steps, own)
+            own = self.run_probe()
+            why = self._differs(decoder, own)
             if not why:
                 return "kernels" if decoder.kernels is not None else "plain"
             if decoder.kernels is not None:
                 log.warning("compact forward through the native kernels: %s; trying it without them", why)
-                why = self._differs(CompactDecoder(r.model), steps, own)
+                why = self._differs(CompactDecoder(r.model), own)
             return why or "plain"
 
         verdict = self.kept(f"compact_forward:{int(decoder.kernels is not None)}", check)
@@ -202,12 +209,12 @@ class StartupChecks:
             return (decoder if decoder.kernels is None else CompactDecoder(r.model)), ""
         return None, verdict
 
-    def _differs(self, decoder: CompactDecoder, steps, own: list) -> str:
+    def _differs(self, decoder: CompactDecoder, own: list) -> str:
+        """Why `decoder` does not compute the model's own logits `own` on the probe ('' where it does)."""
         r = self.runner
-        """Why `decoder` does not compute the model's own logits `own` on `steps` ('' where it does)."""
         r.compact = decoder
         try:
-            compact = [r.execute(*step) for step in steps]
+            compact = self.run_probe()
         except Exception as exc:  # a shape it does not expect (a partial rotary embedding...): the model's own
             return f"it failed on this model ({type(exc).__name__}: {exc})"
         finally:

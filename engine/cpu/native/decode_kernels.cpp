@@ -683,6 +683,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
 // engine/cpu/native/lora_linear.cpp
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const std::vector<at::Tensor>& bs,
                const at::Tensor& slots, int64_t rank);
+// engine/cpu/native/decode_stack.cpp
+void register_decode_stack(py::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every computing call lets other Python threads run while it works: the server's event loop (streams, /health,
@@ -741,4 +743,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 FMAs instead of VDPBF16PS", py::arg("x"), py::arg("packed"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::arg("widen") = false);
   m.def("lora_add_", &lora_add_, nogil, "y += each row's LoRA term from its adapter slot (slot 0: none)");
+  register_decode_stack(m);
 }
