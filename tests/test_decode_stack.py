@@ -97,3 +97,24 @@ def test_layers_the_stack_does_not_cover_keep_the_layer_path(tmp_path, tokenizer
         assert compact.stack is None
     finally:
         engine.close()
+
+
+def test_a_stack_that_differs_is_caught_at_start_up(tmp_path, tokenizer_folder, monkeypatch, caplog):
+    """The start-up probe has a step of decode rows alone, which the stack serves: a stack computing slightly
+    differently fails the check of the native-kernel path, and the compact forward runs without the kernels."""
+    def differs(self, *args):
+        x, normed = run(self, *args)
+        return x, normed + 0.05
+    run = compact_decoder._NativeStack.__call__
+    monkeypatch.setattr(compact_decoder._NativeStack, "__call__", differs)
+    build_model("llama", FAST_FAMILIES["llama"], tmp_path, tokenizer_folder)
+    with caplog.at_level("INFO", logger="engine"):
+        engine = _started(tmp_path, "bfloat16", batch_invariant=True)
+    try:
+        if native_kernels.active() is None or not native_kernels.active().bf16_linear_supported():
+            pytest.skip("no native AVX512_BF16 product here")
+        compact = engine.engine.runner.compact
+        assert compact is not None and compact.kernels is None
+        assert "compact forward through the native kernels: its logits differ" in caplog.text
+    finally:
+        engine.close()
