@@ -175,7 +175,8 @@ class DecodeAttention:
 
     def __init__(self, kernels, cache, buckets, slots):
         self.kernels, self.cache = kernels, cache
-        self.buckets = buckets  # the step's DecodeBucket list: rows [offset, offset + rows) attend together
+        # The step's buckets (DecodeBucket), column by column: bucket i's rows start at offsets[i] and attend
+        # together over their block table blocks[i], with lengths[i] keys each.
         self.offsets = [bucket.offset for bucket in buckets]
         self.blocks = [bucket.blocks for bucket in buckets]
         self.lengths = [bucket.lengths for bucket in buckets]
@@ -191,14 +192,14 @@ class DecodeAttention:
         k_pool, v_pool = self.cache.pools(layer)
         out = query.new_empty((query.shape[0], query.shape[1], v_pool.shape[3]))
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if len(self.buckets) == 1:
+        if len(self.offsets) == 1:  # one bucket (every one-stream step): no slicing
             self.kernels.paged_decode_attention(query, k_pool, v_pool, self.blocks[0], self.lengths[0], window or 0,
                                                 scale, out)
             return out
-        for bucket in self.buckets:
-            rows = slice(bucket.offset, bucket.offset + bucket.rows)
-            self.kernels.paged_decode_attention(query[rows], k_pool, v_pool, bucket.blocks, bucket.lengths,
-                                                window or 0, scale, out[rows])
+        for offset, blocks, lengths in zip(self.offsets, self.blocks, self.lengths):
+            rows = slice(offset, offset + lengths.numel())
+            self.kernels.paged_decode_attention(query[rows], k_pool, v_pool, blocks, lengths, window or 0, scale,
+                                                out[rows])
         return out
 
 

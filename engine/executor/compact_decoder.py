@@ -183,7 +183,7 @@ class _NativeStack:
             post_w, post_eps = layer.post_rms
             scale = layer.scaling if layer.scaling is not None else layer.head_dim ** -0.5
             stack.add(*layer.rows, post_w, post_eps, next_w, next_eps, layer.heads, layer.kv_heads, layer.head_dim,
-                      layer.head_dim, layer.intermediate[0], scale, layer.window or 0, bool(layer.rotary))
+                      layer.intermediate[0], scale, layer.window or 0, bool(layer.rotary))
         return cls(stack, [layer.index for layer in layers])
 
     def __call__(self, x: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

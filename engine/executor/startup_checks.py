@@ -179,8 +179,8 @@ class StartupChecks:
     def compact_decoder(self) -> tuple[CompactDecoder | None, str]:
         """The compact forward (compact_decoder.py) where the model has its structure and computes the same logits
         through the paged cache: the probe's steps (probe_steps) run with the model's own forward, then again with
-        the compact one. On
-        CPU it first tries the compact forward through the native kernels (native_kernels.py), then without."""
+        the compact one. On CPU it first tries the compact forward through the native kernels (native_kernels.py),
+        then without."""
         r = self.runner
         kernels = native_kernels.active() if r.platform.cpu_fast_paths else None
         decoder, why = CompactDecoder.build(r.model, kernels)

@@ -9,7 +9,6 @@
 #include <torch/extension.h>
 
 #include <cstdint>
-#include <string>
 #include <vector>
 
 namespace py = pybind11;
@@ -78,24 +77,22 @@ struct Layer {
   Product qkv, o, gate_up, down;
   at::Tensor post_w, next_w;
   double post_eps, next_eps, scale;
-  int64_t heads, kv_heads, head_dim, value_dim, inter, window;
+  int64_t heads, kv_heads, head_dim, inter, window;
   bool rotary;
 };
 
 class DecodeStack {
  public:
   void add(Product qkv, Product o, Product gate_up, Product down, at::Tensor post_w, double post_eps,
-           at::Tensor next_w, double next_eps, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t value_dim,
-           int64_t inter, double scale, int64_t window, bool rotary) {
-    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && value_dim > 0 && inter > 0,
-                "DecodeStack.add: heads, key-value heads, head sizes and the MLP's width must be positive, the "
+           at::Tensor next_w, double next_eps, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
+           double scale, int64_t window, bool rotary) {
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && inter > 0,
+                "DecodeStack.add: heads, key-value heads, the head size and the MLP's width must be positive, the "
                 "heads a multiple of the key-value heads");
     layers_.push_back(Layer{std::move(qkv), std::move(o), std::move(gate_up), std::move(down), std::move(post_w),
-                            std::move(next_w), post_eps, next_eps, scale, heads, kv_heads, head_dim, value_dim,
-                            inter, window, rotary});
+                            std::move(next_w), post_eps, next_eps, scale, heads, kv_heads, head_dim, inter, window,
+                            rotary});
   }
-
-  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
   // The cache's pools, one pair per layer in the stack's order; kept until the next call (the engine's pools
   // live as long as its cache).
@@ -131,14 +128,15 @@ class DecodeStack {
       at::Tensor qkv = l.qkv(normed).view({tokens, l.heads + 2 * l.kv_heads, l.head_dim});
       rope_and_cache_(qkv, l.rotary ? cos : c10::nullopt, l.rotary ? sin : c10::nullopt, l.heads, l.kv_heads,
                       k_pools_[i], v_pools_[i], slots);
-      at::Tensor out = qkv.new_empty({tokens, l.heads, l.value_dim});
+      // Values have the keys' head size: rope_and_cache_ takes both from the q/k/v rows' heads.
+      at::Tensor out = qkv.new_empty({tokens, l.heads, l.head_dim});
       at::Tensor query = qkv.narrow(1, 0, l.heads);
       for (size_t b = 0; b < offsets.size(); ++b) {
-        at::Tensor part = offsets.size() == 1 ? out : out.narrow(0, offsets[b], rows[b]);
-        paged_decode_attention(offsets.size() == 1 ? query : query.narrow(0, offsets[b], rows[b]), k_pools_[i],
-                               v_pools_[i], blocks[b], lengths[b], l.window, l.scale, part);
+        at::Tensor part = out.narrow(0, offsets[b], rows[b]);
+        paged_decode_attention(query.narrow(0, offsets[b], rows[b]), k_pools_[i], v_pools_[i], blocks[b],
+                               lengths[b], l.window, l.scale, part);
       }
-      at::Tensor y = l.o(out.view({tokens, l.heads * l.value_dim}));
+      at::Tensor y = l.o(out.view({tokens, l.heads * l.head_dim}));
       normed = add_rms_norm_(y, x, l.post_w, l.post_eps);
       x = y;
       y = l.down(silu_mul(l.gate_up(normed), l.inter));
@@ -169,9 +167,8 @@ void register_decode_stack(py::module& m) {
       .def(py::init<>())
       .def("add", &DecodeStack::add, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
            py::arg("post_w"), py::arg("post_eps"), py::arg("next_w"), py::arg("next_eps"), py::arg("heads"),
-           py::arg("kv_heads"), py::arg("head_dim"), py::arg("value_dim"), py::arg("inter"), py::arg("scale"),
-           py::arg("window"), py::arg("rotary"))
-      .def("__len__", &DecodeStack::size)
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("inter"), py::arg("scale"), py::arg("window"),
+           py::arg("rotary"))
       .def("set_pools", &DecodeStack::set_pools, py::arg("k_pools"), py::arg("v_pools"))
       .def("run", &DecodeStack::run, nogil, py::arg("x"), py::arg("normed"), py::arg("cos"), py::arg("sin"),
            py::arg("slots"), py::arg("offsets"), py::arg("blocks"), py::arg("lengths"));
