@@ -155,9 +155,10 @@ def test_bad_arguments_are_errors_not_crashes(kernels):
 @pytest.mark.parametrize("zero_points", [False, True], ids=["symmetric", "zero points"])
 @pytest.mark.parametrize("quads", [False, True], ids=["16-bit activations", "8-bit activations"])
 def test_a_scale_per_group_multiplies_as_the_same_scale_in_every_block(kernels, group, zero_points, quads):
-    """GPTQ / AWQ groups of 64 or 128 inputs kept once a group: the product equals, bit for bit, the product of the
-    same weights with the scale (and zero point) repeated in each block of 32, at a file's size: 4 bits a weight
-    plus 16 bits of scale (and 8 of zero point) a group."""
+    """GPTQ / AWQ groups of 64 or 128 inputs kept once a group, at a file's size (4 bits a weight plus 16 bits of
+    scale and 8 of zero point a group), multiply as the weights they stand for. With 8-bit activations the product
+    equals, bit for bit, that of the scale (and zero point) repeated in each block of 32; 16-bit activations take
+    one scale per group, not per block, so only the float32 product bounds them."""
     if not kernels.word_blocks_supported():
         pytest.skip("the packed product needs AVX512_VNNI")
     torch.manual_seed(group + 2 * zero_points + 4 * quads)
@@ -175,14 +176,20 @@ def test_a_scale_per_group_multiplies_as_the_same_scale_in_every_block(kernels, 
         d32 = d.repeat_interleave(repeat, 1)
         expected_format, per_block = kernels.pack_scaled(q, d32, -8 * d32, 4, True, quads, True)
     assert packed.numel() * 8 == out_features * in_features * (4 + (24 if zero_points else 16) / group)
-    for rows in (1, 5, 17):
+    for rows in (1, 5, 14, 16, 17):  # tiles of 1, 5, 7, 8 and 6 rows
         x = torch.randn(rows, in_features)
         got = kernels.blocks_linear(x, packed, block_format, out_features)
-        assert torch.equal(got, kernels.blocks_linear(x, per_block, expected_format, out_features)), rows
+        if quads:
+            assert torch.equal(got, kernels.blocks_linear(x, per_block, expected_format, out_features)), rows
         weight = (q.float().view(out_features, -1, group)
                   - (z.float() if zero_points else torch.full_like(d, 8.0)).unsqueeze(-1)) * d.unsqueeze(-1)
         expected = x @ weight.view(out_features, in_features).T
         assert (got - expected).abs().max() <= (0.03 if quads else 1e-3) * expected.abs().max(), rows
+    # NaN or infinity in one block of a group makes its row NaN, as a float32 product would not be finite.
+    x = torch.randn(3, in_features)
+    x[1, 40], x[2, 3] = float("nan"), float("inf")
+    got = kernels.blocks_linear(x, packed, block_format, out_features)
+    assert got[1].isnan().all() and got[2].isnan().all() and got[0].isfinite().all()
 
 
 @pytest.mark.parametrize("table", ["nf4", "fp4"])

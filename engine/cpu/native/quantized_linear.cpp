@@ -505,7 +505,11 @@ void product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, flo
 // weights from memory while it multiplies, the others from cache, so 7 or 8 rows in one tile, not two, took a
 // 2816x1024 Q4_K layer from 107 to 97 and from 128-139 to 111-122 us. More rows keep tiles of up to kWordRows
 // (tiles of 8 spill registers: 32 rows as 4 x 8 were 4-6% slower than as 6 tiles).
-constexpr int kWordRows = 6, kQuadRows = 8;
+// Formats 31-34 keep their sums in `out` between spans of blocks, not in registers, which leaves room for tiles of
+// up to kGroupRows from 9 rows up: 16 rows as 8 + 8, not 6 + 5 + 5, took a 5120x960 GPTQ layer from 350-385 to
+// 315-320 us and a 1600x960 one from 128-133 to 114-115. 7 and 8 rows stay two tiles (one tile of 8 was 5-15%
+// slower on 960x960 and 960x2560 layers).
+constexpr int kWordRows = 6, kQuadRows = 8, kGroupRows = 8;
 
 struct RowTiles {
   int64_t count = 0, base = 0, extra = 0;  // the first `extra` tiles hold base + 1 rows, the others base
@@ -533,6 +537,10 @@ struct Rows {
   // for q - 32 (see Format).
   std::vector<int32_t> halves;
   RowTiles tiles;  // the tiles whose rows q interleaves
+  // Blocks that share one scale (16-bit rows): 1, or 2 or 4 where every part has a scale per group of 64 or 128
+  // inputs (formats 31-34), whose products then take a span's integer sums to float32 once, not once a block.
+  // Each block's slots hold its span's scale and sum.
+  int64_t span = 1;
 };
 using QuantizedRows = Rows<int16_t>;
 using ByteRows = Rows<int8_t>;
@@ -544,17 +552,18 @@ inline __m512 load16(const c10::BFloat16* x) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
 }
 
-// Rows x [rows, k] as Q integers per block of 32 inputs: 16-bit (qx in -32767..32767, steps of the block's
-// largest magnitude / 32767) or 8-bit (-127..127, / 127, as llama.cpp's Q8 activations), interleaved by tiles;
-// `halves`: the 8-bit rows' half-block sums as well.
+// Rows x [rows, k] as Q integers per block of 32 inputs: 16-bit (qx in -32767..32767, steps of the largest
+// magnitude of the block's `span` of blocks / 32767) or 8-bit (-127..127, / 127, as llama.cpp's Q8 activations),
+// interleaved by tiles; `halves`: the 8-bit rows' half-block sums as well.
 template <typename Q, typename T>
-Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k, bool halves = false) {
+Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k, bool halves = false, int64_t span = 1) {
   constexpr float kLevels = sizeof(Q) == 2 ? 32767.f : 127.f;
   constexpr int kUnit = 4 / sizeof(Q);  // the values a 32-bit lane multiplies: a pair or a quad
   const int64_t blocks = k / kBlock;
-  const RowTiles tiles(rows, sizeof(Q) == 1 && rows <= kQuadRows ? kQuadRows : kWordRows);
+  const RowTiles tiles(rows, sizeof(Q) == 1 ? (rows <= kQuadRows ? kQuadRows : kWordRows)
+                             : span > 1 && rows > kGroupRows ? kGroupRows : kWordRows);
   Rows<Q> out{std::vector<Q>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks),
-              std::vector<int32_t>(sizeof(Q) == 1 && halves ? 2 * rows * blocks : 0), tiles};
+              std::vector<int32_t>(sizeof(Q) == 1 && halves ? 2 * rows * blocks : 0), tiles, span};
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / blocks, b = i % blocks, tile = tiles.of_row(row);
@@ -562,9 +571,15 @@ Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k, bool halves = false) 
       const T* xb = x + row * k + b * kBlock;
       alignas(64) Q qb[kBlock];
       const __m512 a = load16(xb), c = load16(xb + 16);
-      const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
-      // NaN or infinity in x: the row's outputs become NaN, as a float32 product's would not be finite.
+      float largest = 0.f, sum = 0.f;
+      for (int64_t o = b - b % span; o < b - b % span + span; ++o) {  // the span's blocks, in order
+        const __m512 oa = load16(x + row * k + o * kBlock), oc = load16(x + row * k + o * kBlock + 16);
+        const float most = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(oa), _mm512_abs_ps(oc)));
+        sum += _mm512_reduce_add_ps(_mm512_add_ps(oa, oc));
+        largest = std::isfinite(most) ? std::max(largest, most) : std::numeric_limits<float>::quiet_NaN();
+      }
+      // NaN or infinity in x: the row's outputs become NaN, as a float32 product's would not be finite (every
+      // block of the span takes the span's NaN scale).
       const bool finite = std::isfinite(sum) && std::isfinite(largest);
       const int64_t at = row0 * blocks + b * tile_rows + r;
       out.scale[at] = finite ? largest / kLevels : std::numeric_limits<float>::quiet_NaN();
@@ -727,22 +742,28 @@ enum class Weights { kWiden, kWidenAndKeep, kKept };
 // R rows times P panels: the panels' blocks `panel_bytes` apart from `headers`, their widened pairs (kept or
 // read) at w [k / 32][16 groups][P][32]. Few tiles leave the 16 chained VPDPWSSD of a block waiting on each
 // other's latency, so R * P <= 2 splits each chain in two.
+// Formats 31-34 (grouped) add a span of blocks' integer sums (QuantizedRows::span), scaled, to their float32 sums;
+// the others add each block's.
 template <Format F, int R, int P, Weights W>
 void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w, const uint8_t* headers,
                    int64_t panel_bytes, float* out, int64_t n) {
-  constexpr int A = R * P <= 2 ? 2 : 1;
-  const int64_t blocks = k / kBlock;
+  // A span's sums chain 32 or 64 VPDPWSSD, not 16: 2 or 3 rows split them too (5-10% faster at 2 and 3 rows).
+  constexpr int A = R * P <= 2 || (grouped(F) && R * P <= 6) ? 2 : 1;
+  const int64_t blocks = k / kBlock, span = grouped(F) ? xq.span : 1;
   const int32_t* x_pairs = reinterpret_cast<const int32_t*>(xq.q.data() + row0 * k);
   const float* x_scale = xq.scale.data() + row0 * blocks;
   const float* x_sum = xq.sum.data() + row0 * blocks;
+  // Tiles of more than kWordRows (formats 31-34 only) keep their sums in `out`: registers would spill.
+  constexpr bool kSumsInOut = R > kWordRows;
   __m512 sums[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) sums[r][p] = _mm512_setzero_ps();
+  __m512i acc[A][R][P];
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i acc[A][R][P];
-    for (int a = 0; a < A; ++a)
-      for (int r = 0; r < R; ++r)
-        for (int p = 0; p < P; ++p) acc[a][r][p] = _mm512_setzero_si512();
+    if (b % span == 0)
+      for (int a = 0; a < A; ++a)
+        for (int r = 0; r < R; ++r)
+          for (int p = 0; p < P; ++p) acc[a][r][p] = _mm512_setzero_si512();
     // Panel p's integer sums of this block (or its first half), times the scales d and each row's activation
     // scale, into the rows' float32 sums.
     auto add_scaled = [&](int p, __m512 d) {
@@ -791,10 +812,34 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
         }
       }
     }
-    end_block<F, R, P>(headers, panel_bytes, b, blocks, x_sum, add_scaled, sums);
+    if constexpr (grouped(F)) {
+      if ((b + 1) % span == 0) {  // a span lies within one group: its d and m serve every block of it
+        for (int p = 0; p < P; ++p) {
+          __m512 d, m;
+          const uint8_t* panel = headers + p * panel_bytes;
+          block_scales<F>(panel + b * word_block_bytes(F), d, m, block_super<F>(panel, b, blocks));
+          for (int r = 0; r < R; ++r) {
+            __m512i total = acc[0][r][p];
+            if constexpr (A == 2) total = _mm512_add_epi32(total, acc[1][r][p]);
+            const __m512 term = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total),
+                                                _mm512_mul_ps(d, _mm512_set1_ps(x_scale[b * R + r])),
+                                                _mm512_mul_ps(m, _mm512_set1_ps(x_sum[b * R + r])));
+            if constexpr (kSumsInOut) {
+              float* o = out + r * n + p * kPanel;
+              _mm512_storeu_ps(o, b + 1 == span ? term : _mm512_add_ps(_mm512_loadu_ps(o), term));
+            } else {
+              sums[r][p] = _mm512_add_ps(sums[r][p], term);
+            }
+          }
+        }
+      }
+    } else {
+      end_block<F, R, P>(headers, panel_bytes, b, blocks, x_sum, add_scaled, sums);
+    }
   }
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) _mm512_storeu_ps(out + r * n + p * kPanel, sums[r][p]);
+  if constexpr (!kSumsInOut)
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) _mm512_storeu_ps(out + r * n + p * kPanel, sums[r][p]);
 }
 
 using WordFn = void (*)(const QuantizedRows&, int64_t, int64_t, int16_t*, const uint8_t*, int64_t, float*, int64_t);
@@ -802,9 +847,10 @@ template <Format F, int P, Weights W, int... I>
 constexpr std::array<WordFn, sizeof...(I)> word_table(std::integer_sequence<int, I...>) {
   return {&rows_by_words<F, I + 1, P, W>...};
 }
+constexpr int most_word_rows(Format f) { return grouped(f) ? kGroupRows : kWordRows; }
 template <Format F, int P, Weights W>
-const std::array<WordFn, kWordRows>& words_for() {
-  static const auto table = word_table<F, P, W>(std::make_integer_sequence<int, kWordRows>{});
+const std::array<WordFn, most_word_rows(F)>& words_for() {
+  static const auto table = word_table<F, P, W>(std::make_integer_sequence<int, most_word_rows(F)>{});
   return table;
 }
 template <Format F, int P>
@@ -1042,7 +1088,11 @@ void word_products(const T* x, int64_t rows, int64_t k, const std::vector<Part>&
     halves = halves || part.format == kQ6SuperQuads;
   }
   Activations xq;
-  if (words) xq.words = quantize_rows<int16_t>(x, rows, k);
+  // A scale per span of blocks where every 16-bit part has a scale per group: the smallest group's span.
+  int64_t span = kSuperBlocks;
+  for (const Part& part : parts)
+    if (!quad_format(part.format)) span = grouped(part.format) ? std::min(span, super_blocks(part.format)) : 1;
+  if (words) xq.words = quantize_rows<int16_t>(x, rows, k, false, span);
   if (quads) xq.bytes = quantize_rows<int8_t>(x, rows, k, halves);
   std::vector<std::pair<int64_t, int64_t>> pairs;  // (part, first panel)
   for (int64_t i = 0; i < static_cast<int64_t>(parts.size()); ++i)
