@@ -181,6 +181,9 @@ def test_a_scale_per_group_multiplies_as_the_same_scale_in_every_block(kernels, 
         got = kernels.blocks_linear(x, packed, block_format, out_features)
         if quads:
             assert torch.equal(got, kernels.blocks_linear(x, per_block, expected_format, out_features)), rows
+        # A row's result does not depend on the tile it shares: each row alone gives the same bits.
+        for r in range(rows):
+            assert torch.equal(got[r:r + 1], kernels.blocks_linear(x[r:r + 1], packed, block_format, out_features))
         weight = (q.float().view(out_features, -1, group)
                   - (z.float() if zero_points else torch.full_like(d, 8.0)).unsqueeze(-1)) * d.unsqueeze(-1)
         expected = x @ weight.view(out_features, in_features).T

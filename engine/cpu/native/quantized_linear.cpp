@@ -824,11 +824,12 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
             const __m512 term = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total),
                                                 _mm512_mul_ps(d, _mm512_set1_ps(x_scale[b * R + r])),
                                                 _mm512_mul_ps(m, _mm512_set1_ps(x_sum[b * R + r])));
+            // The first span's term as it is, in both places, so a row's result does not depend on its tile.
             if constexpr (kSumsInOut) {
               float* o = out + r * n + p * kPanel;
               _mm512_storeu_ps(o, b + 1 == span ? term : _mm512_add_ps(_mm512_loadu_ps(o), term));
             } else {
-              sums[r][p] = _mm512_add_ps(sums[r][p], term);
+              sums[r][p] = b + 1 == span ? term : _mm512_add_ps(sums[r][p], term);
             }
           }
         }
