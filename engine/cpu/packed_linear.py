@@ -140,8 +140,9 @@ class PackedLinear(torch.nn.Module):
         """The one kernel call `forward` makes for contiguous rows [tokens, in] of `dtype`, the layer's own
         arguments bound (the kernels' Product, which the native decode stack also calls): rows -> [tokens, out].
         None where forward is not this class's own (an adapter wraps it) or does more than that call (a part of a
-        fused layer, inputs gathered by `order`, no packed blocks, rows the kernel does not take). The compact decoder calls it in place of forward, whose checks cost 5 us a call, a
-        third of a small layer's product at one row."""
+        fused layer, inputs gathered by `order`, no packed blocks, rows the kernel does not take). The compact
+        decoder calls it in place of forward, whose checks cost 5 us a call, a third of a small layer's product at
+        one row."""
         if (getattr(self.forward, "__func__", None) is not PackedLinear.forward or self.whole is not None
                 or self.order is not None or self.packed is None or dtype not in _KERNEL_DTYPES):
             return None

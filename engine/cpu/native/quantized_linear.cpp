@@ -564,48 +564,53 @@ Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k, bool halves = false, 
                              : span > 1 && rows > kGroupRows ? kGroupRows : kWordRows);
   Rows<Q> out{std::vector<Q>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks),
               std::vector<int32_t>(sizeof(Q) == 1 && halves ? 2 * rows * blocks : 0), tiles, span};
-  at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
+  // One (row, span) an iteration: the span's largest magnitude and sum once, then each of its blocks rounded.
+  TORCH_CHECK(span > 0 && blocks % span == 0, "quantize_rows: the inputs must be whole spans of blocks");
+  const int64_t spans = blocks / span;
+  at::parallel_for(0, rows * spans, std::max<int64_t>(1, 64 / span), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = i / blocks, b = i % blocks, tile = tiles.of_row(row);
+      const int64_t row = i / spans, first = (i % spans) * span, tile = tiles.of_row(row);
       const int64_t row0 = tiles.first_row(tile), tile_rows = tiles.size(tile), r = row - row0;
-      const T* xb = x + row * k + b * kBlock;
-      alignas(64) Q qb[kBlock];
-      const __m512 a = load16(xb), c = load16(xb + 16);
       float largest = 0.f, sum = 0.f;
-      for (int64_t o = b - b % span; o < b - b % span + span; ++o) {  // the span's blocks, in order
-        const __m512 oa = load16(x + row * k + o * kBlock), oc = load16(x + row * k + o * kBlock + 16);
-        const float most = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(oa), _mm512_abs_ps(oc)));
-        sum += _mm512_reduce_add_ps(_mm512_add_ps(oa, oc));
+      for (int64_t b = first; b < first + span; ++b) {
+        const __m512 a = load16(x + row * k + b * kBlock), c = load16(x + row * k + b * kBlock + 16);
+        const float most = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        sum += _mm512_reduce_add_ps(_mm512_add_ps(a, c));
         largest = std::isfinite(most) ? std::max(largest, most) : std::numeric_limits<float>::quiet_NaN();
       }
       // NaN or infinity in x: the row's outputs become NaN, as a float32 product's would not be finite (every
       // block of the span takes the span's NaN scale).
       const bool finite = std::isfinite(sum) && std::isfinite(largest);
-      const int64_t at = row0 * blocks + b * tile_rows + r;
-      out.scale[at] = finite ? largest / kLevels : std::numeric_limits<float>::quiet_NaN();
-      if (finite && largest > 0.f && largest < 1e-30f) {
-        // Inputs near the bottom of float32's range, where kLevels / largest overflows: rounded in double.
-        const double to_q = kLevels / static_cast<double>(largest);
-        for (int j = 0; j < kBlock; ++j)
-          qb[j] = static_cast<Q>(std::clamp(std::nearbyint(static_cast<float>(xb[j]) * to_q), -double{kLevels},
-                                            double{kLevels}));
-      } else {
-        const __m512 to_q = _mm512_set1_ps(finite && largest > 0.f ? kLevels / largest : 0.f);
-        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, to_q)), qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, to_q));
-        if constexpr (sizeof(Q) == 2) {
-          _mm256_store_si256(reinterpret_cast<__m256i*>(qb), _mm512_cvtsepi32_epi16(qa));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(qb + 16), _mm512_cvtsepi32_epi16(qc));
+      for (int64_t b = first; b < first + span; ++b) {
+        const T* xb = x + row * k + b * kBlock;
+        alignas(64) Q qb[kBlock];
+        const int64_t at = row0 * blocks + b * tile_rows + r;
+        out.scale[at] = finite ? largest / kLevels : std::numeric_limits<float>::quiet_NaN();
+        if (finite && largest > 0.f && largest < 1e-30f) {
+          // Inputs near the bottom of float32's range, where kLevels / largest overflows: rounded in double.
+          const double to_q = kLevels / static_cast<double>(largest);
+          for (int j = 0; j < kBlock; ++j)
+            qb[j] = static_cast<Q>(std::clamp(std::nearbyint(static_cast<float>(xb[j]) * to_q), -double{kLevels},
+                                              double{kLevels}));
         } else {
-          _mm_store_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(qa));
-          _mm_store_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qc));
+          const __m512 to_q = _mm512_set1_ps(finite && largest > 0.f ? kLevels / largest : 0.f);
+          const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xb), to_q));
+          const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xb + 16), to_q));
+          if constexpr (sizeof(Q) == 2) {
+            _mm256_store_si256(reinterpret_cast<__m256i*>(qb), _mm512_cvtsepi32_epi16(qa));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(qb + 16), _mm512_cvtsepi32_epi16(qc));
+          } else {
+            _mm_store_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(qa));
+            _mm_store_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qc));
+          }
         }
+        out.sum[at] = sum;
+        if (sizeof(Q) == 1 && halves)
+          for (int h = 0; h < 2; ++h)
+            out.halves[2 * at + h] = std::accumulate(qb + 16 * h, qb + 16 * h + 16, int32_t{0});
+        Q* units = out.q.data() + row0 * k + (b * (kBlock / kUnit) * tile_rows + r) * kUnit;
+        for (int g = 0; g < kBlock / kUnit; ++g) std::memcpy(units + g * tile_rows * kUnit, qb + kUnit * g, 4);
       }
-      out.sum[at] = sum;
-      if (sizeof(Q) == 1 && halves)
-        for (int h = 0; h < 2; ++h)
-          out.halves[2 * at + h] = std::accumulate(qb + 16 * h, qb + 16 * h + 16, int32_t{0});
-      Q* units = out.q.data() + row0 * k + (b * (kBlock / kUnit) * tile_rows + r) * kUnit;
-      for (int g = 0; g < kBlock / kUnit; ++g) std::memcpy(units + g * tile_rows * kUnit, qb + kUnit * g, 4);
     }
   });
   return out;
