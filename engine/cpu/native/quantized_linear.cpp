@@ -727,18 +727,6 @@ inline void prefetch_block(const uint8_t* block, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(block + line), Rate <= 2 ? _MM_HINT_T1 : _MM_HINT_T0);
 }
 
-// A panel's super-block (or group) scales, at the first block they serve: they sit apart from its blocks.
-template <Format F, int Rate>
-inline void prefetch_super(const uint8_t* panel, int64_t b, int64_t blocks) {
-  if constexpr (super_bytes(F) > 0) {
-    if (b % super_blocks(F) == 0) {
-      const uint8_t* super = block_super<F>(panel, b, blocks);
-      prefetch_block<Rate>(super, 1);
-      prefetch_block<Rate>(super + super_bytes(F) - 1, 1);
-    }
-  }
-}
-
 // Where the weights of a tile come from: the first tile of a panel pair widens them from the blocks itself (and
 // keeps them in a cache-resident buffer when more tiles follow), the other tiles read that buffer. Widening in
 // a pass of its own cost a quarter of the product at 16 rows: its stores did not overlap the multiplies.
@@ -754,7 +742,8 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
                    int64_t panel_bytes, float* out, int64_t n) {
   // A span's sums chain 32 or 64 VPDPWSSD, not 16: 2 or 3 rows split them too (5-10% faster at 2 and 3 rows).
   constexpr int A = R * P <= 2 || (grouped(F) && R * P <= 6) ? 2 : 1;
-  const int64_t blocks = k / kBlock, span = grouped(F) ? xq.span : 1;
+  // A span is 1, 2, 4 or 8 blocks: its first and last blocks by a mask (b % span took an integer division a block).
+  const int64_t blocks = k / kBlock, span = grouped(F) ? xq.span : 1, last = span - 1;
   const int32_t* x_pairs = reinterpret_cast<const int32_t*>(xq.q.data() + row0 * k);
   const float* x_scale = xq.scale.data() + row0 * blocks;
   const float* x_sum = xq.sum.data() + row0 * blocks;
@@ -765,7 +754,7 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
     for (int p = 0; p < P; ++p) sums[r][p] = _mm512_setzero_ps();
   __m512i acc[A][R][P];
   for (int64_t b = 0; b < blocks; ++b) {
-    if (b % span == 0)
+    if ((b & last) == 0)
       for (int a = 0; a < A; ++a)
         for (int r = 0; r < R; ++r)
           for (int p = 0; p < P; ++p) acc[a][r][p] = _mm512_setzero_si512();
@@ -786,10 +775,8 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
     if constexpr (W != Weights::kKept) {
       // The same block of the next panel pair, which this thread multiplies next: a step's weights come from
       // memory, and the hardware prefetcher does not run a pair ahead.
-      for (int p = 0; p < P; ++p) {
+      for (int p = 0; p < P; ++p)
         prefetch_block<R>(headers + (P + p) * panel_bytes + b * word_block_bytes(F), word_block_bytes(F));
-        prefetch_super<F, R>(headers + (P + p) * panel_bytes, b, blocks);
-      }
     }
 #pragma GCC unroll 16
     for (int g = 0; g < 16; ++g) {
@@ -818,7 +805,7 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w,
       }
     }
     if constexpr (grouped(F)) {
-      if ((b + 1) % span == 0) {  // a span lies within one group: its d and m serve every block of it
+      if ((b & last) == last) {  // a span lies within one group: its d and m serve every block of it
         for (int p = 0; p < P; ++p) {
           __m512 d, m;
           const uint8_t* panel = headers + p * panel_bytes;
@@ -939,7 +926,6 @@ void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* h
       qs[p] = headers + p * panel_bytes + b * word_block_bytes(F) + word_header_bytes(F);
       // the next panel pair's block, as the words do
       prefetch_block<(R + 1) / 2>(headers + (P + p) * panel_bytes + b * word_block_bytes(F), word_block_bytes(F));
-      prefetch_super<F, (R + 1) / 2>(headers + (P + p) * panel_bytes, b, blocks);
     }
     if constexpr (kSigned) {
       const __m512i ones = _mm512_set1_epi8(1);
@@ -1098,6 +1084,7 @@ void word_products(const T* x, int64_t rows, int64_t k, const std::vector<Part>&
   int64_t span = kSuperBlocks;
   for (const Part& part : parts)
     if (!quad_format(part.format)) span = grouped(part.format) ? std::min(span, super_blocks(part.format)) : 1;
+  TORCH_CHECK((span & (span - 1)) == 0, "blocks_linear: a span of blocks must be a power of two");
   if (words) xq.words = quantize_rows<int16_t>(x, rows, k, false, span);
   if (quads) xq.bytes = quantize_rows<int8_t>(x, rows, k, halves);
   std::vector<std::pair<int64_t, int64_t>> pairs;  // (part, first panel)
