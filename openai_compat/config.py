@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.vision.images import MediaLimits
+from engine import MediaLimits
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from engine.lora import AdapterError
+from engine import AdapterError
 
 from .errors import OpenAIError
 from .protocol import RequestModel

@@ -17,8 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
-    from engine import AsyncEngine, RequestOutput
-    from engine.core.pooling import PoolingOutput
+    from engine import AsyncEngine, PoolingOutput, RequestOutput
 
 WINDOW_S = 60.0  # the "last minute" of /stats
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)

@@ -15,7 +15,7 @@ from .protocol import (ANY_JSON_OBJECT, MAX_SEED, Constraint, ParamError, Reques
                        StructuredOutputs, TokenId, choice_text, schema_text)
 
 if TYPE_CHECKING:
-    from engine.sampling.structured import GrammarSpec
+    from engine import GrammarSpec
 
 MAX_STOP_STRINGS = 32
 MAX_BAD_WORDS = 256

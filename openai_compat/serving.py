@@ -15,11 +15,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from engine import AsyncEngine, GenerationError, RequestOutput, SamplingParams, TokenLogprob
-from engine.lora import AdapterError
-from engine.sampling.structured import AnswerGate, GrammarFailure, GrammarSpec
-from engine.sources.redaction import redact
-from engine.vision import ImageInputs
+from engine import (AdapterError, AnswerGate, AsyncEngine, GenerationError, GrammarFailure, GrammarSpec, ImageInputs,
+                    RequestOutput, SamplingParams, TokenLogprob, redact)
 
 from .config import ServingConfig
 from .errors import OpenAIError, context_exceeded

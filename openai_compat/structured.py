@@ -8,7 +8,7 @@ import json
 import threading
 from typing import Any
 
-from engine.sampling.structured import AnswerGate, GrammarCompiler, GrammarError, GrammarSpec
+from engine import AnswerGate, GrammarCompiler, GrammarError, GrammarSpec
 
 from .errors import OpenAIError
 from .chat.protocol import ChatCompletionRequest, NamedToolChoice
@@ -99,7 +99,7 @@ class GrammarCache:
     def _compiler_for(self, tokenizer) -> GrammarCompiler:
         with self._lock:
             if self._compiler is None or self._tokenizer is not tokenizer:
-                self._compiler = GrammarCompiler(tokenizer.hf, tokenizer.eos_token_ids, tokenizer.vocab_size)
+                self._compiler = GrammarCompiler.for_tokenizer(tokenizer)
                 self._tokenizer = tokenizer
             return self._compiler
 

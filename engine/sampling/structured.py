@@ -178,6 +178,12 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple, GrammarSpec] = OrderedDict()
         self._lock = threading.Lock()
 
+    @classmethod
+    def for_tokenizer(cls, tokenizer) -> "GrammarCompiler":
+        """A compiler for the engine's Tokenizer (engine/tokenizer.py): its Hugging Face tokenizer, end tokens and
+        vocabulary size."""
+        return cls(tokenizer.hf, tokenizer.eos_token_ids, tokenizer.vocab_size)
+
     def compile(self, kind: str, text: str, whitespace_pattern: str | None = None) -> GrammarSpec:
         key = (kind, text, whitespace_pattern)
         with self._lock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling.structured import AnswerGate, GrammarSpec
+from engine import AnswerGate, GrammarSpec
 
 from .. import reasoning, tool_parsers
 from ..chat_output import ChatOutputParser

@@ -6,10 +6,7 @@ import asyncio
 import json
 from typing import Any
 
-from engine import ChatTemplateError
-from engine.vision import ImageError, ImagePlacementError, load_image
-from engine.threads import in_own_thread
-from engine.vision.images import DETAILS
+from engine import IMAGE_DETAILS, ChatTemplateError, ImageError, ImagePlacementError, in_own_thread, load_image
 
 from ..errors import OpenAIError
 from ..serving import OpenAIServing, Prompt
@@ -103,7 +100,7 @@ def image_part_source(part, param: str) -> tuple[str, str | None]:
             name = sorted(set(value) - {"url", "detail"})[0]
             raise OpenAIError(f"unknown field {name} in image_url", param=f"{param}.image_url.{name}")
         detail, value = value.get("detail", detail), value.get("url")
-    if detail not in (None, *DETAILS):
+    if detail not in (None, *IMAGE_DETAILS):
         raise OpenAIError("detail must be auto, low or high", param=f"{param}.image_url.detail")
     if not isinstance(value, str) or not value:
         raise OpenAIError("an image part needs image_url with a url: a data: URL or an http(s) URL",

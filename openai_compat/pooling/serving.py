@@ -14,8 +14,7 @@ import logging
 
 import torch
 
-from engine import GenerationError
-from engine.core.pooling import PoolingInput, PoolingOutput, PoolingParams
+from engine import GenerationError, PoolingInput, PoolingOutput, PoolingParams
 
 from ..errors import OpenAIError, context_exceeded
 from ..protocol import UsageInfo, random_id
