@@ -3,7 +3,7 @@ same inputs one request at a time, and the effect of embedding load on a running
 
     .venv/bin/python bench/embeddings.py [--inputs 64] [--env KEY=VALUE ...]
 
-Starts `python -m openai_compat.server` on a free port (the embedded model unless MODEL_NAME is given) and
+Starts `python -m worker.gateway` on a free port (the embedded model unless MODEL_NAME is given) and
 prints inputs/s for both modes, then a stream's decode tok/s alone and while embeddings requests run, and one
 JSON line with the numbers.
 """

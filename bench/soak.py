@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/soak.py [--requests 500] [--concurrency 16] [--url BASE_URL]
 
-Without --url it starts `python -m openai_compat.server` itself. Every response must complete: a stream ends
+Without --url it starts `python -m worker.gateway` itself. Every response must complete: a stream ends
 with a finish_reason on every choice and the usage the request asked for; a non-streamed response has a
 finish_reason on every choice. Reports failures, throughput and the gateway's resident memory after warm-up
 and after the soak (the worker must not grow). Prints one JSON line; exits 1 on any failure.

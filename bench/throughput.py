@@ -5,7 +5,7 @@
 
 1. Baseline: transformers' `model.generate`, batch 1, greedy, `--max-tokens` new tokens, on the same model in
    this process (stock attention and cache), over the same prompts.
-2. Starts `python -m openai_compat.server` on a free port and drives streaming chat requests through the
+2. Starts `python -m worker.gateway` on a free port and drives streaming chat requests through the
    official `openai` client (greedy, `ignore_eos`, `--max-tokens` tokens each, usage from include_usage) at
    each concurrency level: a closed loop of `concurrency x rounds` requests.
 3. The long-document load: each request carries its own ~1300-token document (`--long-words`), at each of
@@ -83,7 +83,7 @@ def start_gateway(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "openai_compat.server", "--port", str(port)], cwd=ROOT,
+    process = subprocess.Popen([sys.executable, "-m", "worker.gateway", "--port", str(port)], cwd=ROOT,
                                env={**os.environ, "LOG_LEVEL": "WARNING", **env}, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     for line in process.stdout:

@@ -42,7 +42,7 @@ def start_gateway(env: dict | None = None, extra_args: tuple = (), log: list | N
     """A gateway subprocess and its base URL; its output lines are appended to `log` when one is given."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "openai_compat.server", "--port", str(port), *extra_args], cwd=ROOT,
+        [sys.executable, "-m", "worker.gateway", "--port", str(port), *extra_args], cwd=ROOT,
         env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     lines = []

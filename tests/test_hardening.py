@@ -31,7 +31,7 @@ def gateway(tmp_path: Path, *args: str, env: dict | None = None, ready: bool = T
     port = free_port()
     log_path = tmp_path / f"gateway-{port}.log"
     log_file = open(log_path, "w")
-    process = subprocess.Popen([sys.executable, "-m", "openai_compat.server", "--port", str(port), *args], cwd=ROOT,
+    process = subprocess.Popen([sys.executable, "-m", "worker.gateway", "--port", str(port), *args], cwd=ROOT,
                                env={**os.environ, **(env or {})}, stdout=log_file, stderr=subprocess.STDOUT,
                                text=True)
     base = f"http://127.0.0.1:{port}"

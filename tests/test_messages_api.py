@@ -377,7 +377,7 @@ def test_chunk_dicts_are_framed_as_named_events_by_the_gateway(worker):
 
     from openai_compat.config import ServingConfig
     from openai_compat.jobs import JobRouter
-    from openai_compat.server import create_app
+    from worker.gateway import create_app
     from openai_compat.serving import OpenAIServing
 
     config = ServingConfig(raw_openai_output=False)

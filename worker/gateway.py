@@ -1,6 +1,6 @@
 """A local stand-in for the platform's OpenAI route: `/openai/v1/...` over HTTP, each call run as a job.
 
-    python -m openai_compat.server [--host 127.0.0.1] [--port 8000] [--handler worker.handler:handler] [--lazy]
+    python -m worker.gateway [--host 127.0.0.1] [--port 8000] [--handler worker.handler:handler] [--lazy]
 
 Like https://api.runpod.ai/v2/<endpoint>/openai/v1, every call becomes
 `{"input": {"openai_route": "/v1/...", "openai_input": <body>}}` for the same handler function the platform
@@ -35,15 +35,15 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from worker import logs as worker_logging
-from engine.sources.redaction import redact
+from engine import redact
+from openai_compat import routes
+from openai_compat.errors import Dialect, error_body_in, status_of
+from openai_compat.routes import MODELS_ROUTE, ROUTES
+from openai_compat.streaming import DONE, sse_events
 
-from . import routes
-from .errors import Dialect, error_body_in, status_of
-from .routes import MODELS_ROUTE, ROUTES
-from .streaming import DONE, sse_events
+from . import logs as worker_logging
 
-log = logging.getLogger("openai_compat.server")
+log = logging.getLogger("worker.gateway")
 
 Handler = Callable[[dict[str, Any]], AsyncIterator[Any]]
 
