@@ -12,6 +12,7 @@ from engine.core.sequence import RequestOutput, SequenceDelta
 from engine.lora import AdapterError
 from engine.sampling.sampler import SamplingParams, TokenLogprob
 from engine.sampling.structured import AnswerGate, GrammarCompiler, GrammarError, GrammarFailure, GrammarSpec
+from engine.settings import EngineSettings, SettingsError, read_settings
 from engine.sources.redaction import redact, redact_urls
 from engine.threads import in_own_thread
 from engine.tokenizer import ChatTemplateError, Tokenizer
@@ -21,6 +22,8 @@ from engine.vision.images import DETAILS as IMAGE_DETAILS
 __all__ = [
     # the engine and its configuration
     "AsyncEngine", "EngineConfig", "Tokenizer",
+    # the configuration read from the environment (the worker's settings extend it)
+    "EngineSettings", "SettingsError", "read_settings",
     # generation: what goes in, what comes out, and how it fails
     "SamplingParams", "RequestOutput", "SequenceDelta", "TokenLogprob",
     "GenerationError", "EngineDeadError", "RequestTooLarge", "ChatTemplateError", "AdapterError",

@@ -1,9 +1,9 @@
 """`python -m engine.device_check`: which path the worker takes on this machine, and how fast it runs there.
 
-Loads the model the environment configures (the same variables as the worker: MODEL_NAME, DEVICE, DTYPE,
-GPU_MEMORY_UTILIZATION...), prints the path taken (device, dtype, attention, KV cache sizing, CPU fast paths on or
-off), then a short benchmark: one prompt's prefill and a batch's decode, in tokens per second. The CUDA path is
-only tested in simulation (DEVICE=cuda-sim); on a GPU this is the first thing to run.
+Loads the model the environment configures (the worker's engine variables, read by engine/settings.py: MODEL_NAME,
+DEVICE, DTYPE, GPU_MEMORY_UTILIZATION...), prints the path taken (device, dtype, attention, KV cache sizing, CPU
+fast paths on or off), then a short benchmark: one prompt's prefill and a batch's decode, in tokens per second. The
+CUDA path is only tested in simulation (DEVICE=cuda-sim); on a GPU this is the first thing to run.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from engine.cpu import native_kernels
 from engine.async_engine import AsyncEngine
 from engine.executor.attention import NATIVE_PREFILL_MIN_TOKENS
 from engine.sampling.sampler import SamplingParams
+from engine.settings import SettingsError, read_settings
 
 
 def _size(n: int) -> str:
@@ -103,10 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args(argv)
-    from worker.settings import SettingsError, load_settings
-
     try:
-        settings = load_settings()
+        settings = read_settings()
     except SettingsError as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -19,8 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from engine import AsyncEngine
-from engine.sources.redaction import redact_urls
+from engine import AsyncEngine, redact_urls
 from openai_compat.errors import status_of
 from openai_compat.jobs import JobRouter
 from openai_compat.serving import OpenAIServing

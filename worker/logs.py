@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 
-from engine.sources.redaction import redact
+from engine import redact
 
 current_job = contextvars.ContextVar("current_job", default="-")
 
