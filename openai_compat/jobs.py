@@ -103,6 +103,8 @@ class JobRouter:
             raise OpenAIError(f"unknown openai_route {ascii(route_name)[:200]}; supported: "
                               f"{', '.join(routes.names())}", status=404, param="openai_route")
         await self.serving.ready()  # the request limits depend on the model
+        # route.endpoint names one of this class's methods below; the table listing every route with its endpoint
+        # (and request model) is routes.ROUTES, in openai_compat/routes.py.
         if route.request is None:
             result = await getattr(self, route.endpoint)(**route.params_of(route_name))
         else:
@@ -119,7 +121,7 @@ class JobRouter:
                                     route.events):
             yield part
 
-    # ---- the endpoints the route table names ----
+    # ---- the endpoints the route table (routes.ROUTES) names ----
 
     async def chat(self, request: ChatCompletionRequest):
         return await self.chat_serving.create_chat_completion(request)

@@ -1,5 +1,5 @@
-"""The one table of OpenAI-compatible routes: the job router dispatches on it and the local gateway mounts it, so
-a route exists on both transports or on neither.
+"""The one table of OpenAI-compatible routes: the job router (jobs.py) dispatches on it and the local gateway
+(worker/gateway.py) mounts it, so a route exists on both transports or on neither.
 
 A route's `paths` are the spellings a job's `openai_route` may use. The gateway serves each of them over HTTP,
 and each `/v1/...` one under `/openai` too (the platform's OpenAI route forwards `/openai/v1/<path>` to the job
