@@ -87,11 +87,24 @@ def test_streaming_is_incremental(engine):
     assert result["outputs"] >= 12  # one output per step, not one at the end
 
 
-def _wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+# Long enough that a request left in the engine runs on well past the few outputs a test reads before leaving.
+LONG = 1000
+
+
+class _Tally:
+    """The tokens the engine generates from its creation until the engine holds no request again. A request the
+    engine failed to take out still ends by itself at its max_tokens (all LONG of them, with ignore_eos), so the
+    wait ends either way: the count tells the two apart, not the time it took. The wait runs on the caller's
+    event loop, kept open: a closed loop would make the engine drop the request on its own (the last test)."""
+
+    def __init__(self, core):
+        assert core.num_requests == 0, "the shared engine is busy"
+        self.core, self.before = core, core.stats()["generation_tokens_total"]
+
+    async def until_idle(self) -> int:
+        while self.core.num_requests or self.core.num_running:
+            await asyncio.sleep(0.02)
+        return self.core.stats()["generation_tokens_total"] - self.before
 
 
 def test_closing_the_stream_frees_the_slot(engine):
@@ -99,17 +112,18 @@ def test_closing_the_stream_frees_the_slot(engine):
     ids = chat_ids(engine, PROMPTS[1])
 
     async def read_three_then_close():
-        stream = engine.generate("dropped", ids, greedy(500))
+        tally = _Tally(core)
+        stream = engine.generate("dropped", ids, greedy(LONG))
         seen = 0
         async for _ in stream:
             seen += 1
             if seen == 3:
                 break
         await stream.aclose()
-        return seen
+        return seen, await tally.until_idle()
 
-    assert asyncio.run(read_three_then_close()) == 3
-    _wait_until(lambda: core.num_requests == 0 and core.num_running == 0)
+    seen, generated = asyncio.run(read_three_then_close())
+    assert seen == 3 and generated < LONG
 
 
 def test_cancelling_the_task_frees_the_slot(engine):
@@ -117,15 +131,22 @@ def test_cancelling_the_task_frees_the_slot(engine):
     ids = chat_ids(engine, PROMPTS[2])
 
     async def cancel_midway():
-        task = asyncio.create_task(generate(engine, "cancelled", ids, greedy(500)))
-        await asyncio.sleep(0.5)
+        tally = _Tally(core)
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate("cancelled", ids, greedy(LONG)):
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()  # running: it has streamed an output
         assert core.num_running == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        return await tally.until_idle()
 
-    asyncio.run(cancel_midway())
-    _wait_until(lambda: core.num_requests == 0 and core.num_running == 0)
+    assert asyncio.run(cancel_midway()) < LONG
     after = asyncio.run(generate(engine, "after", ids, greedy(8)))
     assert len(after["choices"][0]["ids"]) == 8
 
@@ -138,15 +159,15 @@ def test_a_request_whose_event_loop_closed_is_dropped(engine):
     loop = asyncio.new_event_loop()
 
     async def read_two():
-        stream = engine.generate("orphan", ids, greedy(500))
+        stream = engine.generate("orphan", ids, greedy(LONG))
         await stream.__anext__()
         await stream.__anext__()
         return stream
 
+    tally = _Tally(core)
     stream = loop.run_until_complete(read_two())
     loop.close()
-    # Dropped at its next output: well before its 500 tokens (about 5 s here) could have run out.
-    _wait_until(lambda: core.num_requests == 0 and core.num_running == 0, timeout=2.0)
+    assert asyncio.run(tally.until_idle()) < LONG  # dropped at its next output, not run to its end
     del stream
 
 
