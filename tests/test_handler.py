@@ -226,7 +226,7 @@ def test_deploy_mode_starts_sdk_with_async_generator_handler(worker, monkeypatch
     assert captured["handler"] is handler.platform_handler
     assert inspect.isasyncgenfunction(captured["handler"])
     assert captured["return_aggregate_stream"] is True
-    assert captured["concurrency_modifier"](1) == worker.settings.max_concurrency
+    assert captured["concurrency_modifier"](1) == 30  # MAX_CONCURRENCY's default
 
 
 def test_import_loads_no_model():

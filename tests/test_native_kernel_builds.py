@@ -21,6 +21,11 @@ from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.cpu import native_kernels
 
 AVX512_VNNI, AVX2 = native_kernels.X86_64_VARIANTS
+# The CPU flags (as /proc/cpuinfo names them) each build's instructions need: x86-64-v3 for the AVX2 build, and
+# x86-64-v4 with VNNI for the other.
+X86_64_V3 = frozenset({"abm", "avx", "avx2", "bmi1", "bmi2", "cx16", "f16c", "fma", "lahf_lm", "movbe", "popcnt",
+                       "sse4_1", "sse4_2", "ssse3", "xsave"})
+X86_64_V4_VNNI = X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}
 # A CPU of x86-64-v2 and AVX (Sandy Bridge): neither build's instructions.
 OLD_CPU = frozenset({"sse2", "sse4_1", "sse4_2", "ssse3", "popcnt", "cx16", "lahf_lm", "avx", "xsave"})
 x86_only = pytest.mark.skipif(native_kernels.variants()[0] is not AVX512_VNNI, reason="x86-64 variants")
@@ -35,9 +40,12 @@ def _restore_kernels():
 
 @x86_only
 def test_the_best_variant_whose_instructions_the_cpu_has_is_chosen():
-    assert native_kernels.choose_variant(AVX512_VNNI.needs) is AVX512_VNNI
-    assert native_kernels.choose_variant(AVX512_VNNI.needs - {"avx512_vnni"}) is AVX2  # Skylake-SP
-    assert native_kernels.choose_variant(AVX2.needs) is AVX2  # Zen 2 and 3, Haswell to Alder Lake
+    assert (AVX512_VNNI.name, AVX2.name) == ("avx512_vnni", "avx2")
+    assert native_kernels.choose_variant(X86_64_V4_VNNI) is AVX512_VNNI  # Ice Lake, Zen 4
+    assert native_kernels.choose_variant(X86_64_V4_VNNI - {"avx512_vnni"}) is AVX2  # Skylake-SP
+    assert native_kernels.choose_variant(X86_64_V3) is AVX2  # Zen 2 and 3, Haswell to Alder Lake
+    for flag in X86_64_V3:  # without any one of its flags, not even the AVX2 build
+        assert native_kernels.choose_variant(X86_64_V3 - {flag}) is None, flag
     assert native_kernels.choose_variant(OLD_CPU) is None
     assert native_kernels.build_name(AVX512_VNNI) != native_kernels.build_name(AVX2)
 
@@ -47,8 +55,9 @@ def test_a_cpu_without_the_builds_instructions_serves_through_pytorch(monkeypatc
     """A CPU lacking AVX-512 never loads the AVX-512 build, even where that build sits in the build folder (as on a
     volume shared with an AVX-512 machine), and a CPU without AVX2 either serves through PyTorch's operations."""
     assert native_kernels.load("auto"), native_kernels.reason()  # this machine's build, in the build folder
-    assert native_kernels.active().__file__.endswith(native_kernels.build_name(AVX512_VNNI) + ".so")
-    monkeypatch.setattr(native_kernels, "cpu_features", lambda: AVX2.needs)
+    mine = AVX512_VNNI if X86_64_V4_VNNI <= _cpuinfo_flags() else AVX2
+    assert native_kernels.active().__file__.endswith(native_kernels.build_name(mine) + ".so")
+    monkeypatch.setattr(native_kernels, "cpu_features", lambda: X86_64_V3)
     assert native_kernels.choose_variant(native_kernels.cpu_features()) is AVX2
     monkeypatch.setattr(native_kernels, "cpu_features", lambda: OLD_CPU)
     engine = AsyncEngine(EngineConfig(dtype="float32", native_kernels="auto", max_model_len=256, max_num_seqs=2,
@@ -62,6 +71,11 @@ def test_a_cpu_without_the_builds_instructions_serves_through_pytorch(monkeypatc
     assert "none of the builds" in native_kernels.reason() and "avx512_vnni needs" in native_kernels.reason()
     assert "using PyTorch operations" in caplog.text and "through the native CPU kernels" not in caplog.text
     assert len(tokens) == 8
+
+
+def _cpuinfo_flags() -> set[str]:
+    line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    return set(line.split(":", 1)[1].split())
 
 
 def _greedy(engine: AsyncEngine, ids: list[int]) -> list[int]:
@@ -111,6 +125,20 @@ def _start(env: dict, **kwargs) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
 
 
+def _session_processes(session: int) -> dict[int, str]:
+    """pid -> command name of every live process of a session."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, fields = text.split("(", 1)[1].rsplit(")", 1)[0], text.rsplit(")", 1)[1].split()
+        if int(fields[3]) == session and fields[0] != "Z":
+            found[int(stat.parent.name)] = name
+    return found
+
+
 def _kill_session(session: int) -> None:
     """SIGKILL to every process of a session, as a container's stop kills all of them (killing the process group
     is not enough: ninja starts each compiler in a group of its own)."""
@@ -135,13 +163,11 @@ def test_a_start_killed_during_the_build_never_blocks_the_next(tmp_path):
            "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}
     first = _start(env, start_new_session=True)
     deadline = time.monotonic() + 120
-    # torch's builder holds its `lock` file for the whole compile: wait for it, then into the compile.
-    while not list(tmp_path.rglob("lock")):
+    # Killed while a compiler of the build runs (torch's builder holds its `lock` file all the while).
+    while not (list(tmp_path.rglob("lock")) and "cc1plus" in _session_processes(first.pid).values()):
         assert first.poll() is None, first.stdout.read()
         assert time.monotonic() < deadline, "the build did not start"
-        time.sleep(0.2)
-    time.sleep(5)
-    assert first.poll() is None, "the build ended before the kill"
+        time.sleep(0.1)
     _kill_session(first.pid)
     first.wait()
     started = time.monotonic()
