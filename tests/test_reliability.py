@@ -80,14 +80,12 @@ asyncio.run(main())
 
 
 def test_device_failure_fails_the_job_then_exits():
-    started = time.monotonic()
     result = subprocess.run([sys.executable, "-c", _DEVICE_FAILURE], cwd=ROOT, capture_output=True, text=True,
                             timeout=240)
     assert "JOB 500" in result.stdout
     assert "STILL ALIVE" not in result.stdout
-    assert result.returncode == 1
+    assert result.returncode == 1  # exited by itself, before its 60 s sleep could print STILL ALIVE
     assert "device failure" in result.stderr
-    assert time.monotonic() - started < 120
 
 
 def test_startup_failure_exits_with_one_clear_line(tmp_path):
@@ -99,19 +97,20 @@ def test_startup_failure_exits_with_one_clear_line(tmp_path):
     assert len(lines) == 1 and str(tmp_path / "missing") in lines[0], result.stderr[-2000:]
 
 
-def test_gateway_streams_tokens_as_they_are_produced(client):
-    """The first token reaches the client long before the stream ends: nothing is buffered to the end."""
-    started = time.monotonic()
-    arrivals = []
+def test_gateway_streams_tokens_as_they_are_produced(client, gateway_url):
+    """The first token reaches the client while its request is still generating in the engine, and the tokens
+    arrive in separate chunks: nothing is buffered to the end."""
+    pieces, in_engine_at_first = [], None
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to a hundred."}],
                                             max_tokens=120, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True})
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
-            arrivals.append(time.monotonic() - started)
-    total = time.monotonic() - started
-    assert len(arrivals) >= 100
-    assert arrivals[0] < 0.25 * total, (arrivals[0], total)
+            if not pieces:
+                in_engine_at_first = health(gateway_url)["requests_in_engine"]
+            pieces.append(chunk.choices[0].delta.content)
+    assert in_engine_at_first >= 1  # still generating: had the gateway buffered the stream, it would be done
+    assert len(pieces) >= 100
 
 
 def test_log_lines_name_the_job_and_keep_text_at_debug(worker, caplog):

@@ -59,16 +59,33 @@ def test_priority_orders_admission_when_requests_wait():
     engine = AsyncEngine(config)
     order: list[str] = []
 
-    async def run(name: str, priority: int, delay: float):
-        await asyncio.sleep(delay)
-        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, priority=priority)
-        async for output in engine.generate(name, chat_ids(engine, PROMPTS[3]), params):
+    async def waiting(count: int) -> None:
+        while engine.engine.num_waiting < count:
+            await asyncio.sleep(0.01)
+
+    async def run(name: str, priority: int, max_tokens: int = 6, until: asyncio.Event | None = None):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, priority=priority)
+        stream = engine.generate(name, chat_ids(engine, PROMPTS[3]), params)
+        async for output in stream:
             if output.deltas and name not in order:
                 order.append(name)
+            if until is not None and until.is_set():
+                break
+        await stream.aclose()
 
     async def main():
         await engine.start()
-        await asyncio.gather(run("first", 0, 0.0), run("late-low", 5, 0.05), run("later-high", -1, 0.1))
+        # The first request holds the one slot until both later ones wait in the queue, in this order.
+        both_wait = asyncio.Event()
+        first = asyncio.create_task(run("first", 0, max_tokens=2000, until=both_wait))
+        while not order:
+            await asyncio.sleep(0.01)
+        late_low = asyncio.create_task(run("late-low", 5))
+        await waiting(1)
+        later_high = asyncio.create_task(run("later-high", -1))
+        await waiting(2)
+        both_wait.set()
+        await asyncio.gather(first, late_low, later_high)
 
     try:
         asyncio.run(main())
