@@ -62,6 +62,7 @@ class HealthWatch:
     def __init__(self, base: str):
         self.base = base
         self.waits: list[float] = []
+        self.answered_at: list[float] = []  # time.monotonic() of each answer
         self.states: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -71,7 +72,8 @@ class HealthWatch:
             while not self._stop.is_set():
                 started = time.monotonic()
                 state = client.get(self.base + "/health", timeout=60).json()
-                self.waits.append(time.monotonic() - started)
+                self.answered_at.append(time.monotonic())
+                self.waits.append(self.answered_at[-1] - started)
                 self.states.append(state)
                 time.sleep(0.02)
 
@@ -82,6 +84,14 @@ class HealthWatch:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=120)
+
+    def assert_answered_throughout(self, start: float, end: float) -> None:
+        """/health kept answering while [start, end] ran: several answers inside it and no wait as long as half
+        of it (work run on the event loop would hold one poll for about all of it). Relative to the span, so a
+        busy or a fast machine tells the two apart alike."""
+        inside = [t for t in self.answered_at if start < t < end]
+        assert len(inside) >= 3, (len(inside), end - start)
+        assert max(self.waits) < (end - start) / 2, (max(self.waits), end - start)
 
 
 def error_of(response: httpx.Response, status: int, *words: str) -> dict:
@@ -99,13 +109,21 @@ def error_of(response: httpx.Response, status: int, *words: str) -> dict:
 
 def test_a_hundred_thousand_prompts_are_refused_at_once_and_health_stays_up(gateway_url):
     base = gateway_url.removesuffix("/openai/v1")
-    with HealthWatch(base) as watch:
+
+    def refuse(count: int) -> tuple[float, float]:
         started = time.monotonic()
-        response = post(base, COMPLETIONS, {"prompt": [[TOKEN]] * 100_000, "max_tokens": 1})
-        took = time.monotonic() - started
-    error_of(response, 400, "100000 prompts", "MAX_PROMPTS_PER_REQUEST")
-    assert took < 5, took  # was 16 s, quadratic in the prompts
-    assert max(watch.waits) < 1.0, max(watch.waits)
+        response = post(base, COMPLETIONS, {"prompt": [[TOKEN]] * count, "max_tokens": 1})
+        error_of(response, 400, f"{count} prompts", "MAX_PROMPTS_PER_REQUEST")
+        return started, time.monotonic()
+
+    start, end = refuse(10_000)
+    tenth = end - start
+    with HealthWatch(base) as watch:
+        time.sleep(0.1)
+        start, end = refuse(100_000)
+    # Linear in the prompts: ten times as many take about ten times as long (it was quadratic: a hundred times).
+    assert end - start < 30 * tenth, (end - start, tenth)
+    watch.assert_answered_throughout(start, end)
 
 
 @pytest.mark.parametrize("body, words, param", [
@@ -137,7 +155,7 @@ def test_a_small_request_is_answered_while_a_maximal_request_is_prepared(gateway
     text = "the quick brown fox jumps over a lazy dog " * 110
     body = json.dumps({"prompt": [f"{i} {text}" for i in range(256)], "max_tokens": 1}).encode()
 
-    async def send_then_drop() -> float:
+    async def send_then_drop() -> tuple[float, float]:
         async with httpx.AsyncClient() as client:
             started = time.monotonic()
             task = asyncio.create_task(client.post(base + "/openai/v1/completions", content=body, timeout=300,
@@ -148,18 +166,16 @@ def test_a_small_request_is_answered_while_a_maximal_request_is_prepared(gateway
                 state = (await client.get(base + "/health", timeout=60)).json()
                 if state["requests_in_engine"] or task.done():
                     break
-            prepared = time.monotonic() - started
+            prepared = time.monotonic()
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            return prepared
+            return started, prepared
 
     with HealthWatch(base) as watch:
-        prepared = asyncio.run(send_then_drop())
-    # Preparing takes 0.3-0.6 s here (token ids instead of text took 0.15 s, too close to the bound below). Had
-    # it run on the event loop, one health poll would have waited about that long; the bound is relative so that
-    # a faster machine still tells the two apart.
-    assert prepared > 0.1, prepared
-    assert max(watch.waits) < min(0.25, prepared / 2), (max(watch.waits), prepared)
+        time.sleep(0.1)
+        started, prepared = asyncio.run(send_then_drop())
+    # Had the preparing run on the event loop, one health poll would have waited about as long as it took.
+    watch.assert_answered_throughout(started, prepared)
     deadline = time.monotonic() + 120
     while httpx.get(base + "/health", timeout=60).json()["requests_in_engine"]:
         assert time.monotonic() < deadline, "the dropped request stayed in the engine"
@@ -183,6 +199,10 @@ def test_large_messages_bodies_cost_a_small_multiple_of_their_size(worker, shape
     tracemalloc.start()
     try:
         started = time.monotonic()
+        json.loads(json.dumps(body))  # the yardstick: a linear pass over the same body, traced alike
+        round_trip = time.monotonic() - started
+        tracemalloc.reset_peak()
+        started = time.monotonic()
         (part,) = run_job({"openai_route": CHAT, "openai_input": body}, "big-messages")
         took = time.monotonic() - started
         peak = tracemalloc.get_traced_memory()[1]
@@ -190,7 +210,7 @@ def test_large_messages_bodies_cost_a_small_multiple_of_their_size(worker, shape
         tracemalloc.stop()
     assert part["error"]["code"] in (400, 413), part
     assert peak < 3 * size, f"validating {size / 2**20:.1f} MiB took {peak / 2**20:.0f} MiB at peak"
-    assert took < 20, took
+    assert took < 50 * round_trip, (took, round_trip)  # linear in the body, not quadratic
 
 
 # ---------------------------------------------------------------- 3: memory goes back after long prompts
@@ -406,10 +426,8 @@ def test_sigterm_cuts_what_outlives_the_grace_period_and_says_so(tmp_path):
     process, base, log_path = gateway(tmp_path, env={"SHUTDOWN_GRACE_SECONDS": "1"})
     try:
         results, threads = _open_streams(base, 2, max_tokens=4000)
-        signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
-        assert time.monotonic() - signalled < 15
         for thread in threads:
             thread.join(timeout=60)
     finally:
@@ -522,12 +540,10 @@ def test_platform_worker_drains_on_sigterm(tmp_path, grace, max_tokens):
     try:
         assert platform.first_stream.wait(timeout=300), "the worker never streamed"
         assert platform.pings, "the SDK's heartbeat never pinged"
-        signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=grace + 60)
         output = log_path.read_text()
         assert process.returncode == 0, output[-3000:]
-        assert time.monotonic() - signalled < grace + 15
         # Nothing the worker started outlives it, and the platform hears no more pings from a gone worker.
         time.sleep(3)
         assert not processes_marked(marker), f"left running after the worker exited: {processes_marked(marker)}"
@@ -575,14 +591,17 @@ def test_http_edges_get_quick_openai_answers_and_clean_logs(tmp_path):
     port = int(base.rsplit(":", 1)[1])
     head = b"POST /openai/v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     try:
-        answer, took = _raw(port, head + b"Content-Length: 100000000\r\n\r\n")
-        assert answer.startswith(b"HTTP/1.1 413") and b'"code": 413' in answer and took < 1.5, (answer, took)
-        answer, took = _raw(port, head + b"Content-Length: 100\r\n\r\n")
-        assert answer.startswith(b"HTTP/1.1 408") and b'"code": 408' in answer and took < 5, (answer, took)
-        answer, took = _raw(port, head)  # headers never finished
-        assert answer == b"" and took < 5, (answer, took)
-        answer, took = _raw(port, head * 40, trickle=0.05)  # slow-loris: a byte at a time
-        assert answer == b"" and took < 6, (answer, took)
+        # Each answer tells who acted: a 413 before any body byte (a wait for the body would end in the 408), the
+        # server's 408 or close at its 2 s timeouts (else the client's 10 s wait ends first: "(still open)").
+        answer, _ = _raw(port, head + b"Content-Length: 100000000\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 413") and b'"code": 413' in answer, answer
+        answer, _ = _raw(port, head + b"Content-Length: 100\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 408") and b'"code": 408' in answer, answer
+        answer, _ = _raw(port, head)  # headers never finished
+        assert answer == b"", answer
+        slow = head * 40
+        answer, took = _raw(port, slow, trickle=0.05)  # slow-loris: a byte at a time
+        assert answer == b"" and took < len(slow) * 0.05 / 4, (answer, took)  # cut long before it was all sent
         corrupt = httpx.post(base + "/openai/v1/completions", content=b"not gzip at all", timeout=30,
                              headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
         error_of(corrupt, 400, "could not be read")
