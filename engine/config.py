@@ -26,7 +26,8 @@ class EngineConfig:
     quantization: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA; CPU: README (bfloat16 where native, GGUF blocks 16-bit activations)
     # The integers a quantized checkpoint's packed layers multiply activations as on CPU: int16 (steps of 2^-15 of
-    # each block of 32 inputs' largest) | int8 (2^-7, as llama.cpp does: about 1.5x the product's rate at 8+ rows).
+    # each block of 32 inputs' largest) | int8 (2^-7, as llama.cpp does: VPDPBUSD multiplies twice the pairs an
+    # instruction, which pays once a product is bound by its multiplies, from about 8 rows).
     quantized_activations: str = "int16"
     device: str = "auto"  # auto: cuda when available; cuda-sim: the CUDA path on the CPU (engine/devices.py)
     simulated_device_memory: int | None = None  # cuda-sim: bytes of the simulated device (None: 4 GiB)

@@ -2,9 +2,9 @@
 
 Verifying K guesses costs K more rows in the step. At one stream a decode step is bound by reading the weights,
 so extra rows are nearly free and every kept guess is a token gained; once the batch fills the machine, rows cost
-compute and guesses that are thrown away cost as much as kept ones (n-gram lookup at acceptance 0.64 ran at 0.68x
-plain at 8 streams). Neither the crossover nor the cost of a draft model is known in advance, so both are
-measured:
+compute and guesses that are thrown away cost as much as kept ones, so speculating at every step can be much
+slower than plain decoding there. Neither the crossover nor the cost of a draft model is known in advance, so
+both are measured:
 
 - `LoadSwitch`: for each number of decoding sequences (up to the next power of two), the time per generated token of steps that speculated and
   of steps that did not (moving averages over decode-only steps, drafting included). The faster one runs; the
@@ -62,7 +62,7 @@ class _BatchSize:
     def verdict(self) -> bool | None:
         """True: speculating is faster here, by a margin; None: not measured enough yet. Near a tie plain wins:
         step times wobble by a few percent, and a verdict that flips with them spends steps speculating where it
-        loses (8 streams of the echo task: 8% slower a token, chosen on a fifth of the steps, 3.7% lost)."""
+        loses."""
         spec, plain = self.modes[True], self.modes[False]
         if spec.samples < _FIRST_TRIALS or plain.samples < _FIRST_TRIALS:
             return None
@@ -91,8 +91,8 @@ class LoadSwitch:
             spec, plain = size.modes[True].samples, size.modes[False].samples
             if borrowed is False and plain >= spec:
                 # A smaller batch already lost with speculation: this one will too. Keep measuring plain steps
-                # and try speculation only after a while (a trial at 16 streams cost a third of a step more for
-                # each of its tokens; two in a 48-step burst were 1.5% of it).
+                # and try speculation only after a while: at a large batch a speculating trial costs more a token
+                # than a plain step, for nothing.
                 if not spec:
                     size.retry_every = max(size.retry_every, _BORROWED_RETRY)
                 choice = self._retry_due(size, loser=True)
@@ -115,12 +115,11 @@ class LoadSwitch:
         size.since_retry += 1
         spec, plain = size.modes[True].time_per_token, size.modes[False].time_per_token
         ratio = max(spec, plain) / min(spec, plain) if min(spec, plain) > 0 else 1.0
-        # A trial costs what the loser loses on it: a draft model drafting for itself spent 6 plain steps' time a
-        # token on its first trials at one stream, and a trial every 16 or 64 steps would cost a tenth of the time.
+        # A trial costs what the loser loses on it: a slow draft model can take several plain steps' time a token,
+        # so trials at the usual spacing would cost a good share of the time.
         if size.since_retry >= max(size.retry_every, min(int(_TRIAL_BUDGET * (ratio - 1)), _RETRY_MAX)):
             size.since_retry = 0
-            # A trial of a mode that loses by much costs much (a speculating step at 32 streams took 4.7 plain
-            # steps' time for 3 steps' tokens): space those out faster.
+            # A trial of a mode that loses by much costs much: space those out faster.
             size.retry_every = min(size.retry_every * (4 if ratio > 1.25 else 2), _RETRY_MAX)
             return loser
         return not loser

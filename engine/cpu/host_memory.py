@@ -76,7 +76,7 @@ class IdleRelease:
 def freeze_long_lived() -> None:
     """Move every object alive now (the loaded model, tokenizer and libraries: hundreds of thousands of them) out
     of the collector's full passes. A request body of 100k small lists triggers full collections, and each one
-    walked all of them: parsing that body took 1.1 s instead of 0.1 s, with the event loop held throughout."""
+    walked all of them, so parsing that body took many times longer, with the event loop held throughout."""
     gc.collect()
     gc.freeze()
 

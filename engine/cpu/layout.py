@@ -5,20 +5,17 @@ product over row-major weights (`F.linear`) is far from the machine's limits. Tw
 this machine at load and used only where it wins, so other CPUs keep the default:
 
 - Column-major weights: the same values stored transposed, so the product runs as `x @ W_t` over a contiguous
-  `[in, out]` matrix (MKL's faster kernel for a few rows). No memory is added: each weight (and the fused
-  projections' parts, which are views of it) moves to the new storage. Measured on an Intel AVX-512 machine
-  without BF16, one decoder layer's products: 8 rows 0.80 -> 0.48 ms, 16 rows 1.60 -> 0.93, 32 rows 1.80 -> 1.43,
-  256 rows about equal.
+  `[in, out]` matrix, for which MKL has a faster kernel at a few rows on some CPUs. No memory is added: each
+  weight (and the fused projections' parts, which are views of it) moves to the new storage.
 - oneDNN's linear over a weight reordered once into its blocked layout (the primitive torch.compile uses for
   frozen CPU models), from the batch size where it starts to win: below it the product keeps the (row- or
   column-major) original. Which sizes win is timed over a whole decode step's weights in order, since a step
-  streams them from memory rather than from cache: on the Intel machine above the packed product lost at 1 row
-  (0.83x) and won from 4 (1.1x to 1.4x up to 64 rows); on a 2-core AMD EPYC it won from 1 row (43.8 -> 22.4 ms
-  per step). The packed copy doubles the linear weights' memory, so it applies to models up to
-  `_MAX_MODEL_BYTES`. Float32 and bfloat16 weights are tried (bfloat16 on that EPYC, with AVX512_BF16: 1.4x to
-  1.8x at 1 to 16 rows).
+  streams them from memory rather than from cache, and CPUs differ: on some the packed product loses at one row
+  and wins from a few, on others it wins from one row. The packed copy doubles the linear weights' memory, so it
+  applies to models up to `_MAX_MODEL_BYTES`. Float32 and bfloat16 weights are tried.
 
-Results equal `F.linear` up to float summation order.
+Results equal `F.linear` up to float summation order. What the layouts gained where they were measured:
+docs/performance.md (figures behind design choices).
 """
 from __future__ import annotations
 
@@ -141,9 +138,9 @@ def bfloat16_gain(hidden: int = 1024, kernels=None) -> float:
     speed-up at a decode size (16 rows) where a prompt chunk's size (256 rows) loses at most 10%, else the speed-up
     at that size (below 1, so bfloat16 is not taken). Each size takes the fastest bfloat16 product: torch's, or
     where `kernels` (engine/cpu/native_kernels.py) has one, the AVX512_BF16 kernel in either of its arithmetics
-    (engine/cpu/bf16_weights.py serves bfloat16 layers through it). On a 2-core Intel Xeon whose VDPBF16PS runs at
-    half the rate of its float32 FMAs, torch's bfloat16 products were 1.14x float32 at 16 rows and 0.61x at 256,
-    the kernel 2.37x and 1.04x with float32 FMAs."""
+    (engine/cpu/bf16_weights.py serves bfloat16 layers through it). Where VDPBF16PS runs at half the rate of the
+    CPU's float32 FMAs, torch's bfloat16 products lose to float32 on prompt chunks while the kernel, multiplying
+    the same bfloat16 weights with float32 FMAs, still wins at both sizes: so each size takes its fastest."""
     if not bfloat16_is_native():
         return 0.0
     native = kernels is not None and hasattr(kernels, "bf16_linear_supported") and kernels.bf16_linear_supported()
@@ -227,8 +224,8 @@ class Layout(NamedTuple):
 
 _PACKED_ROWS = (1, 4, 16, 64)  # the decode batch sizes the packed product is timed at
 # The weight types the packed product is tried for, and how closely it must agree with F.linear (summation order;
-# bfloat16 results round to 8 bits). On a 2-core AMD EPYC with AVX512_BF16, bfloat16 over a step's weights of the
-# embedded model: 1.40x at 1 row, 1.81x at 4, 1.54x at 16, 1.24x at 64.
+# bfloat16 results round to 8 bits). bfloat16 is tried as well: with AVX512_BF16 oneDNN's packed product speeds up
+# its decode steps as it does float32's.
 _PACKED_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 _PACKED_GAIN_NEEDED = 1.05
 # A step's weights beyond this are left out of the timing (it streams them alike); engine/cpu/quantized_weights.py's

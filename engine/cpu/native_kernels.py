@@ -2,11 +2,11 @@
 (native/prefill_attention.cpp), built once per sources and CPU variant and checked at load.
 
 A decode step of a small model on CPU spends a large share of its time outside the matrix products: each of a
-layer's ~25 small tensor operations costs 5 to 10 us, and attention first copies every row's keys and values
-out of the paged cache. The kernels fuse those passes (RMS norm with the residual add, the SiLU-gated product,
-rotary embedding with the cache write) and attend straight from the cache's blocks. Measured on the embedded
-model (2-core Xeon, float32; bench/compact_forward.py): decode steps 1.24x faster at 1 row, 1.22x at 8 and 1.19x
-at 32 rows than the same forward through PyTorch's operations.
+layer's ~25 small tensor operations pays a dispatch and a pass over its tensors that, at a few rows, cost as much
+as its arithmetic, and attention first copies every row's keys and values out of the paged cache. The kernels
+fuse those passes (RMS norm with the residual add, the SiLU-gated product, rotary embedding with the cache write)
+and attend straight from the cache's blocks, so a step makes fewer passes and no copies (what that saved:
+docs/performance.md).
 
 Builds and where they live. A build targets a CPU variant, not the building machine (`-march=native` would bake
 the builder's CPU into an image that runs on other machines): `avx512_vnni` (x86-64-v4 and VNNI: the sources'

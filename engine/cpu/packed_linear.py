@@ -141,8 +141,8 @@ class PackedLinear(torch.nn.Module):
         arguments bound (the kernels' Product, which the native decode stack also calls): rows -> [tokens, out].
         None where forward is not this class's own (an adapter wraps it) or does more than that call (a part of a
         fused layer, inputs gathered by `order`, no packed blocks, rows the kernel does not take). The compact
-        decoder calls it in place of forward, whose checks cost 5 us a call, a third of a small layer's product at
-        one row."""
+        decoder calls it in place of forward, whose checks and reshapes cost, at one row, a good share of a small
+        layer's product."""
         if (getattr(self.forward, "__func__", None) is not PackedLinear.forward or self.whole is not None
                 or self.order is not None or self.packed is None or dtype not in _KERNEL_DTYPES):
             return None

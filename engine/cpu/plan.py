@@ -82,7 +82,7 @@ def apply(model: torch.nn.Module, dtype: torch.dtype, config: EngineConfig, *, f
     """Batch invariance, the weights' layouts and the block products for the loaded model; returns whether
     batch invariance is on."""
     # "auto": a GGUF model served from its blocks pays nothing measurable for invariance (its rows are independent
-    # in the block product); a dense 16-bit model paid 15% at 1 stream (a lone row padded to two).
+    # in the block product); a dense 16-bit model pays for it at 1 stream, where a lone row is padded to two.
     invariant = config.batch_invariant is True or (
         config.batch_invariant == "auto" and from_gguf and dtype == torch.float32
         and native_kernels.active() is not None)

@@ -151,7 +151,7 @@ def paged_attention(module, query, key, value, scaling, softcap=None, window=Non
 def bfloat16_products_pay(kernels, heads: int, kv_heads: int, dim: int) -> bool:
     """Whether a bfloat16 model's prompt chunk attends faster with VDPBF16PS than with float32 FMAs over the same
     widened values (engine/cpu/native/prefill_attention.cpp): twice the products an instruction, but on some CPUs
-    (a 2-core Intel Xeon with AVX512_BF16) at half the instructions a cycle, where float32 attends 1.6x faster.
+    at half the instructions a cycle, where float32 attends faster.
     Timed on a 256-token chunk after 256 cached keys, in the layer's shape."""
     if dim not in (64, 128) or not kernels.prefill_attention_supported() or not kernels.bf16_linear_supported():
         return False
@@ -170,8 +170,8 @@ def bfloat16_products_pay(kernels, heads: int, kv_heads: int, dim: int) -> bool:
 class DecodeAttention:
     """A step of decode rows, attending straight from the cache's blocks through the native kernel bucket by
     bucket, called by the compact forward for each layer. paged_attention decides the same per layer (the step's
-    layout, the pools' types, the kernel's conditions) and reshapes its query and output around it: 25 us a layer
-    at one stream, as long as the kernel itself."""
+    layout, the pools' types, the kernel's conditions) and reshapes its query and output around it, which at one
+    stream costs about as much as the kernel's own work."""
 
     def __init__(self, kernels, cache, buckets, slots):
         self.kernels, self.cache = kernels, cache

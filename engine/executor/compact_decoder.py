@@ -82,8 +82,8 @@ class _Layer:
         self.o_proj = attention.o_proj.forward
         self.post_norm = layer.post_attention_layernorm.forward
         self.mlp = layer.mlp.forward
-        # A SiLU-gated MLP that fusion.py merged runs inline (its module calls and attribute lookups cost 4% of a
-        # one-row step); any other MLP (mixtures of experts...) through its own forward.
+        # A SiLU-gated MLP that fusion.py merged runs inline (its module calls and attribute lookups are a visible
+        # share of a one-row step); any other MLP (mixtures of experts...) through its own forward.
         mlp = layer.mlp
         inline = (getattr(mlp.forward, "__func__", None) is gated_mlp_forward
                   and type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation"))
@@ -162,8 +162,8 @@ class _Layer:
 
 class _NativeStack:
     """The layers of a step of decode rows through the kernels' DecodeStack (native/decode_stack.cpp): the
-    same kernel calls _Layer.fused makes, in one call from Python (each call from Python cost 4-7 us besides its
-    work, nine a layer)."""
+    same kernel calls _Layer.fused makes, in one call from Python (each call from Python has a fixed cost besides
+    its work, and a layer makes nine)."""
 
     def __init__(self, stack, indices: list[int]):
         self.stack, self.indices = stack, indices

@@ -25,9 +25,9 @@ def argmax(x: torch.Tensor, cpu_fast_path: bool = True) -> torch.Tensor:
 
 
 def chunked_argmax(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=-1)`, the same indices (first of equal maxima) 5x faster on CPU, whose argmax runs
-    unvectorised (1.3 ms for 32 rows of a 49k vocabulary): each chunk's maximum (a vectorised reduction), the first
-    chunk holding the row's maximum, then argmax within that chunk only. At least two chunks wide."""
+    """`x.argmax(dim=-1)`, the same indices (first of equal maxima), faster on CPU, whose argmax runs
+    unvectorised: each chunk's maximum (a vectorised reduction), the first chunk holding the row's maximum, then
+    argmax within that chunk only. At least two chunks wide."""
     vocab = x.shape[-1]
     chunks = vocab // _ARGMAX_CHUNK
     maxima = x[:, :chunks * _ARGMAX_CHUNK].unflatten(1, (chunks, _ARGMAX_CHUNK)).amax(dim=-1)
@@ -42,8 +42,8 @@ def chunked_argmax(x: torch.Tensor) -> torch.Tensor:
 
 def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of probs [rows, vocab] (non-negative, any total), where the row's uniform in [0, 1) falls
-    when its probabilities are laid end to end: one random number a row. (The exponential race needs one per token:
-    torch's exponential_ took 1 ms a row of a 49k vocabulary on CPU, 10 ms of a 33 ms step at 8 streams.)
+    when its probabilities are laid end to end: one random number a row. (The exponential race needs one per token,
+    and drawing a vocabulary's worth of random numbers a row took a large share of a decode step on CPU.)
     Two levels keep the running sums exact enough: the masses of chunks of _DRAW_CHUNK tokens and their running sum
     in float64, then the running sum within the chosen chunk only. A token of probability 0 is never drawn."""
     rows, vocab = probs.shape
@@ -244,7 +244,7 @@ class Sampler:
         elif greedy:
             tokens[greedy] = argmax(logits[greedy], self.cpu_fast_paths)
         drawn = [i for i, s in enumerate(states) if not s.params.greedy]
-        if len(drawn) == rows:  # every row: no copy of the rows (0.12 ms for 8 rows of a 49k vocabulary)
+        if len(drawn) == rows:  # every row: no copy of the rows
             tokens = self._draw(logits, states)
         elif drawn:
             tokens[drawn] = self._draw(logits[drawn], [states[i] for i in drawn])

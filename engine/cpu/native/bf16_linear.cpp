@@ -1,8 +1,8 @@
 // The product of a few bfloat16 rows by a bfloat16 weight with AVX512_BF16 (engine/cpu/bf16_weights.py calls it).
 //
 // Why: a decode step at a few rows streams every weight from memory once, so its speed is the speed weights are
-// read at. oneDNN's packed bfloat16 product read a step's weights at about half the machine's copy bandwidth
-// here. This kernel reads the weight as one sequential stream per thread, in the order it multiplies it:
+// read at. oneDNN's packed bfloat16 product read a step's weights well below the machine's copy bandwidth.
+// This kernel reads the weight as one sequential stream per thread, in the order it multiplies it:
 // `bf16_pack` lays the weight out once, in panels of 64 outputs (4 blocks of 16), each panel input pair by input
 // pair: for pair g the 16 outputs of block j hold (w[o][2g], w[o][2g + 1]) side by side, 64 bytes, exactly the
 // 32 bfloat16 that one VDPBF16PS multiplies by a broadcast pair of inputs into 16 float32 sums. A register tile of
@@ -14,9 +14,9 @@
 // `widen`: the same copy multiplied with float32 FMAs instead. Each 64 bytes widen to two registers of float32
 // weights (input 2g: the pair's low halves shifted up 16 bits; input 2g + 1: the high halves masked), each product
 // exact and rounded once as it is added, where VDPBF16PS adds a pair's two products into a sum at once. Some CPUs
-// run VDPBF16PS at half the rate of their float32 FMAs (a 2-core Intel Xeon with AVX512_BF16: 168 against 326
-// GFLOP/s), where prompt chunks, bound by the multiplies, run twice as fast this way; at a few rows both are bound
-// by reading the weights. engine/cpu/bf16_weights.py times the two and keeps one for every batch size.
+// run VDPBF16PS at half the rate of their float32 FMAs, where prompt chunks, bound by the multiplies, run faster
+// this way; at a few rows both are bound by reading the weights. engine/cpu/bf16_weights.py times the two and
+// keeps one for every batch size.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -211,7 +211,7 @@ bool cpu_has_bf16() {
 
 // This machine's arithmetic limit for the product: every thread multiplies with VDPBF16PS alone for about
 // `seconds` (12 independent sums, no loads), and the rate of all of them together, in GFLOP/s (64 a VDPBF16PS).
-// bench/throughput.py reports prefill against it: torch.mm's rate understates it here (243 against 460 GFLOP/s).
+// bench/throughput.py reports prefill against it, since torch.mm's bfloat16 rate understates the instruction's.
 double bf16_peak_gflops(double seconds) {
 #if defined(LLM_BF16_PRODUCT)
   if (!cpu_has_bf16()) return 0.0;
@@ -291,10 +291,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
   const int64_t panel_bytes = kPanel * K2 * 2 * 2;
   // Float32 FMAs over many row tiles widen each panel once into a float32 copy the tiles share (`wide_tile`),
-  // rather than in every tile's pass, where the two widening operations of each weight load take the FMAs' ports:
-  // a prompt chunk's products on a 362M Llama, 2-core Xeon, 256 to 512 rows, 1.05x to 1.08x (in turns, one
-  // process). Below about 128 rows the copy costs more than it saves (0.89x at 64). The sums are the same FMAs in
-  // the same order, so a row's result does not depend on which path its batch took.
+  // rather than in every tile's pass, where the two widening operations of each weight load take the FMAs' ports.
+  // With few tiles the copy costs more than it saves, hence kStagedTiles. The sums are the same FMAs in the same
+  // order, so a row's result does not depend on which path its batch took.
   const bool staged = widen && tiles >= kStagedTiles;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> wide;  // this thread's widened panel, kept for its next call
@@ -316,11 +315,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
       // Each tile's pass over this panel also requests its share of the next panel's lines toward L2, spread over
       // its input pairs, so memory streams the next panel while this one's multiplies run. Without it a panel was
       // first waited for, then multiplied from L2, and a step at 8-32 rows took the sum of the two times instead of
-      // the larger (a 362M model's weights, 16 rows: 43.9 -> 32.3 ms; 8 rows: 32.7 -> 26.7 ms, the memory's pace).
+      // the larger.
       const char* following = p + 1 < end ? reinterpret_cast<const char*>(panel) + panel_bytes : nullptr;
       const int64_t next_bytes = following == nullptr ? 0
           : (p + 1 == panels - 1 ? (blocks - (p + 1) * kPanelBlocks) * kLanes * K2 * 2 * 2 : panel_bytes);
-      // (One tile alone is bound by memory already: asking ahead there cost about 3%.)
+      // (One tile alone is bound by memory already: asking ahead there only adds work.)
       const int64_t share = tiles > 1 ? (next_bytes + tiles - 1) / tiles : 0;
       int64_t r0 = 0;
       for (int64_t t = 0; t < tiles; ++t) {

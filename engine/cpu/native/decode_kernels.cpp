@@ -1,10 +1,11 @@
 // CPU kernels for a decode step (engine/native_kernels.py builds and checks them; engine/attention.py and
 // engine/compact_decoder.py call them).
 //
-// Why: at a few rows per step each of a decoder layer's ~25 small tensor operations costs 5 to 10 us, and the
-// attention copies every row's keys and values out of the paged cache before attending. These kernels do the
-// same arithmetic in fewer passes: an RMS norm (with the residual add before it), the SiLU-gated product, the
-// rotary embedding together with the cache write, and decode attention read straight from the cache's blocks.
+// Why: at a few rows per step each of a decoder layer's ~25 small tensor operations has a fixed cost as large as
+// its work, and the attention copies every row's keys and values out of the paged cache before attending. These
+// kernels do the same arithmetic in fewer passes: an RMS norm (with the residual add before it), the SiLU-gated
+// product, the rotary embedding together with the cache write, and decode attention read straight from the
+// cache's blocks.
 // Reductions accumulate in float32; values are rounded to the tensor's type where PyTorch's own operations
 // round them, so results equal the PyTorch path up to summation order.
 #include <torch/extension.h>
@@ -142,7 +143,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t inter) {
 // with the row's uniform number in [0, 1): where it falls when the weights exp((x - top) * scale) lie end to end
 // (engine/sampling/sampler.py's draw, for rows with no top-k, top-p or min-p). One pass for the largest logit, one
 // for the weights' sums per span of 256 (their running sums in double), then the walk within the span the target
-// falls in. Through PyTorch the same took a dozen passes and 0.2-0.5 ms a step. -inf (and NaN) logits weigh 0 and
+// falls in. Through PyTorch the same takes about a dozen passes over the logits. -inf (and NaN) logits weigh 0 and
 // are never drawn; +inf ones are taken as float32's largest, as the PyTorch path clamps them.
 at::Tensor draw_tokens(const at::Tensor& logits, const at::Tensor& scale, const at::Tensor& uniforms) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
@@ -436,10 +437,9 @@ inline void add_weighted_all(float* acc, const float* w, int64_t w_stride, const
 // terms of each query head: top the largest score, total the sum of exp(score - top), acc the sum of
 // exp(score - top) * value, at index (kh - kh0) * group + g. The walk goes a block at a time and takes every key
 // head of the range in a block before the next block, so a task reads its heads' part of a block as one span
-// (all of it when it has every head). Taking one key head through all blocks at a time, with the next block
-// asked for ahead, read 128 of every 640 bytes of a block (5 key heads of 64) per pass: 16 rows of 100 keys took
-// 8.1 ms a step over 32 layers from memory, 6.4-7.4 ms now (2.9 ms with the cache in L2). Asking for blocks ahead
-// in the new order, at once or spread over the multiplies, one or two blocks on, gained nothing measurable. Each
+// (all of it when it has every head). Taking one key head through all blocks at a time read 128 of every 640
+// bytes of a block (5 key heads of 64) per pass, so memory delivered lines a pass mostly skipped; asking for blocks
+// ahead does not help this order either (docs/experiments.md). Each
 // head's arithmetic, and so its rounding, does not depend on the range it shares a task with. D > 0
 // fixes the head size at compile time (the common 64 and 128), so the compiler keeps a head's sums in registers;
 // D = 0 takes it from dim. An empty range leaves top = -inf, total = 0 and acc = 0.

@@ -1,11 +1,11 @@
 // A decode step's decoder layers in one call (engine/executor/compact_decoder.py's native stack), and the linear
 // products it calls held as objects (`Product`), which the compact forward also calls one at a time.
 //
-// Why: at one stream a layer's work is nine kernel calls, and each call from Python cost 4 to 7 us besides its
+// Why: at one stream a layer's work is nine kernel calls, and each call from Python has a fixed cost besides its
 // work (the interpreter's tuple and view handling, pybind's argument conversion, the GIL's release and return).
 // Here the same kernels run in the same order on the same tensors from one loop, so the step computes the same
-// bits as the layer-by-layer path (compact_decoder._Layer.fused) and only the calls' cost goes: a 362M GPTQ int4
-// model's one-stream step 9.2-12.0 -> 9.2-10.8 ms, the bfloat16 one's 30.2-31.7 -> 29.2-30.7 (in process).
+// bits as the layer-by-layer path (compact_decoder._Layer.fused) and only the calls' cost goes (what it saved:
+// docs/performance.md).
 #include <torch/extension.h>
 
 #include <cstdint>

@@ -2,9 +2,9 @@
 // within a sliding window, where the layer has one) over the sequence's keys, the chunk's own included
 // (engine/attention.py calls it; engine/native_kernels.py builds and checks it).
 //
-// Why: PyTorch's CPU flash attention ran a 512-token chunk of the embedded model at 100 to 150 GFLOP/s, and a
-// chunk that continues a sequence needs an explicit mask, so it also computed every masked score. Attention was
-// a quarter to two fifths of a long prompt's prefill. Here each task takes a tile of query tokens of one key
+// Why: PyTorch's CPU flash attention runs a prompt chunk well below the machine's arithmetic rate, and a chunk
+// that continues a sequence needs an explicit mask, so it also computes every masked score; attention is a large
+// share of a long prompt's prefill. Here each task takes a tile of query tokens of one key
 // head (the query heads sharing that key head ride along as extra rows), walks only the keys its tokens reach,
 // and multiplies in register tiles: scores as rows x 64 keys against the keys transposed once per call, values
 // as rows x head size. The softmax is the online one (running maximum and sum per row), in float32.

@@ -410,7 +410,7 @@ void expand_panel(const uint8_t* panel, int64_t k, float* w, int64_t stride) {
 
 // Both products below sum each output's terms in input order, one fused multiply-add per weight, so a row's
 // result does not depend on how many rows share the call: a prompt embeds the same alone or in a batch. (Scaling
-// once per block for few rows, d * sum(x q) + m * sum(x), ran 1.06x faster at 1 row but broke that.)
+// once per block for few rows, d * sum(x q) + m * sum(x), is slightly faster but breaks that.)
 
 // R rows (R <= 16) times one panel, expanding its weights in registers as they stream in: for few rows, where
 // the product is bound by reading the weights.
@@ -502,13 +502,11 @@ void product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, flo
 // it does not change with how many rows share the call.
 // Rows are multiplied in tiles of at most kWordRows, of even sizes (13 rows: 5 + 4 + 4, 32: 6 + 6 + 5 + 5 + 5 + 5).
 // 8-bit activations take one tile of up to kQuadRows where that is all the rows: a call's first tile reads the
-// weights from memory while it multiplies, the others from cache, so 7 or 8 rows in one tile, not two, took a
-// 2816x1024 Q4_K layer from 107 to 97 and from 128-139 to 111-122 us. More rows keep tiles of up to kWordRows
-// (tiles of 8 spill registers: 32 rows as 4 x 8 were 4-6% slower than as 6 tiles).
+// weights from memory while it multiplies, the others from cache, so 7 or 8 rows in one tile, not two, overlap
+// the reading with the multiplies once. More rows keep tiles of up to kWordRows (tiles of 8 spill registers).
 // Formats 31-34 keep their sums in `out` between spans of blocks, not in registers, which leaves room for tiles of
-// up to kGroupRows from 9 rows up: 16 rows as 8 + 8, not 6 + 5 + 5, took a 5120x960 GPTQ layer from 350-385 to
-// 315-320 us and a 1600x960 one from 128-133 to 114-115. 7 and 8 rows stay two tiles (one tile of 8 was 5-15%
-// slower on 960x960 and 960x2560 layers).
+// up to kGroupRows from 9 rows up: 16 rows as 8 + 8, not 6 + 5 + 5, so each weight load serves more rows. 7 and 8
+// rows stay two tiles (one tile of 8 was slower on some layer shapes: docs/experiments.md).
 constexpr int kWordRows = 6, kQuadRows = 8, kGroupRows = 8;
 
 struct RowTiles {
@@ -740,7 +738,7 @@ enum class Weights { kWiden, kWidenAndKeep, kKept };
 template <Format F, int R, int P, Weights W>
 void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, int16_t* w, const uint8_t* headers,
                    int64_t panel_bytes, float* out, int64_t n) {
-  // A span's sums chain 32 or 64 VPDPWSSD, not 16: 2 or 3 rows split them too (5-10% faster at 2 and 3 rows).
+  // A span's sums chain 32 or 64 VPDPWSSD, not 16: 2 or 3 rows split them too, so the chains' latency stays hidden.
   constexpr int A = R * P <= 2 || (grouped(F) && R * P <= 6) ? 2 : 1;
   // A span is 1, 2, 4 or 8 blocks: its first and last blocks by a mask (b % span took an integer division a block).
   const int64_t blocks = k / kBlock, span = grouped(F) ? xq.span : 1, last = span - 1;
