@@ -400,8 +400,10 @@ def test_a_kernel_that_differs_is_not_used(kernels, monkeypatch, caplog):
 
 def test_a_failed_build_keeps_pytorch_and_says_why(tmp_path, monkeypatch, caplog):
     broken = tmp_path / "decode_kernels.cpp"
-    broken.write_text("#include <torch/extension.h>\nint broken( {\n")
-    monkeypatch.setattr(native_kernels, "SOURCE", broken)  # its own build name: the name hashes the sources
+    broken.write_text("int broken( {\n")
+    # The broken file alone (its own build name: the name hashes the sources): with the real ones beside it,
+    # the compiler would finish them before reporting the error, minutes of work that fail all the same.
+    monkeypatch.setattr(native_kernels, "sources", lambda: (broken,))
     monkeypatch.setenv("NATIVE_KERNELS_DIR", str(tmp_path / "build"))
     with caplog.at_level("WARNING", logger="engine.cpu.native_kernels"):
         assert not native_kernels.load("auto")
