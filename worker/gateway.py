@@ -112,11 +112,91 @@ class GatewayState:
     cut: list[str] = field(default_factory=list)
 
 
-def create_app(handler: Handler, health: Callable[[], dict] | None = None, state: GatewayState | None = None,
-               body_timeout_s: float = BODY_TIMEOUT_S) -> web.Application:
-    state = state or GatewayState()
+class _Refused(Exception):
+    """A request answered by the gateway itself before any job starts (its body unreadable or too large)."""
 
-    async def run_job(request: web.Request, route: str, body: Any) -> web.StreamResponse:
+    def __init__(self, response: web.Response):
+        super().__init__(response.status)
+        self.response = response
+
+
+def _too_large() -> web.Response:
+    response = _error(f"the request body is larger than the {MAX_BODY_BYTES // 2**20} MiB limit", 413)
+    response.force_close()  # the unread body must not be taken for the next request
+    return response
+
+
+async def _read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The request's body, read within `timeout_s` and the size limits; _Refused with the answer otherwise."""
+    # Refused from the headers alone: no point waiting for (or reading) a body that will be refused anyway.
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise _Refused(_too_large())
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout_s)
+    except web.HTTPRequestEntityTooLarge:
+        raise _Refused(_too_large()) from None
+    except asyncio.TimeoutError:
+        response = _error(f"the request body did not arrive within {timeout_s:g} s", 408)
+        response.force_close()
+        raise _Refused(response) from None
+    except (RequestPayloadError, HttpProcessingError) as exc:  # a corrupt gzip body, a broken chunk
+        raise _Refused(_error(f"the request body could not be read: {str(exc).splitlines()[-1].strip()}",
+                              400)) from None
+    if raw.count(b",") > MAX_BODY_COMMAS:
+        raise _Refused(_error(f"the request body has more than {MAX_BODY_COMMAS} commas: more JSON values than any "
+                              f"request this worker accepts can hold", 413))
+    return raw
+
+
+async def _json_body(raw: bytes) -> Any:
+    """The body parsed as JSON (large ones on a thread); _Refused with a 400 saying why it is not JSON."""
+    try:
+        if len(raw) > _THREAD_PARSE_BYTES:
+            return await asyncio.to_thread(_parse_body, raw)
+        return _parse_body(raw)
+    except RecursionError:
+        raise _Refused(_error("the request body is nested too deeply to parse", 400)) from None
+    except ValueError as exc:  # also broken UTF-8, NaN and integers too long to convert
+        # What follows a ';' is advice for Python programmers (sys.set_int_max_str_digits), not the caller.
+        raise _Refused(_error(f"the request body is not valid JSON: {str(exc).split(';')[0]}", 400)) from None
+
+
+async def _relay_stream(request: web.Request, route: str, first: str | list, parts: AsyncIterator[Any],
+                        headers: dict[str, str]) -> web.StreamResponse:
+    """A streamed answer: the job's parts, from `first` on, written as server-sent events as they come."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **headers})
+    await response.prepare(request)
+    part = first
+    found = routes.find(route)
+    named = found is not None and found.events  # typed events: named, no [DONE]
+    while True:
+        # RAW_OPENAI_OUTPUT=0 yields lists of chunk dicts; the wire format is SSE either way.
+        text = part if isinstance(part, str) else sse_events(part, named)
+        await response.write(text.encode("utf-8"))
+        try:
+            part = await parts.__anext__()
+        except StopAsyncIteration:
+            break
+    if not isinstance(first, str) and not named:
+        await response.write(DONE.encode("utf-8"))
+    await response.write_eof()
+    return response
+
+
+def _job_route(path: str) -> str:
+    return path.removeprefix("/openai")  # as the platform forwards /openai/v1/<path>
+
+
+@dataclass
+class _Jobs:
+    """The gateway's routes: each call run as a job of `handler`, what it yields relayed to the client."""
+    handler: Handler
+    health: Callable[[], dict] | None
+    state: GatewayState
+    body_timeout_s: float
+
+    async def run_job(self, request: web.Request, route: str, body: Any) -> web.StreamResponse:
         try:
             job_id = _request_id(request)
         except ValueError as exc:
@@ -124,8 +204,8 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None, state
         worker_logging.current_job.set(job_id)
         id_header = {REQUEST_ID_HEADER: job_id}
         job = {"id": job_id, "input": {"openai_route": route, "openai_input": body}}
-        running = state.running[job_id] = _Running(route, asyncio.current_task())
-        parts = handler(job)
+        running = self.state.running[job_id] = _Running(route, asyncio.current_task())
+        parts = self.handler(job)
         try:
             try:
                 first = await parts.__anext__()
@@ -136,96 +216,50 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None, state
             if not isinstance(first, (str, list)):  # a whole response or an error
                 return _json(first, status_of(first) or 200, id_header)
             running.streaming = True
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                   **id_header})
-            await response.prepare(request)
-            part = first
-            found = routes.find(route)
-            named = found is not None and found.events  # typed events: named, no [DONE]
-            while True:
-                # RAW_OPENAI_OUTPUT=0 yields lists of chunk dicts; the wire format is SSE either way.
-                text = part if isinstance(part, str) else sse_events(part, named)
-                await response.write(text.encode("utf-8"))
-                try:
-                    part = await parts.__anext__()
-                except StopAsyncIteration:
-                    break
-            if not isinstance(first, str) and not named:
-                await response.write(DONE.encode("utf-8"))
-            await response.write_eof()
-            return response
+            return await _relay_stream(request, route, first, parts, id_header)
         except asyncio.CancelledError:
-            if state.draining:  # cancelled by the shutdown, not by the client
+            if self.state.draining:  # cancelled by the shutdown, not by the client
                 what = f"{job_id} ({route}{', stream' if running.streaming else ''}, " \
                        f"{time.monotonic() - running.started:.1f} s)"
-                state.cut.append(what)
+                self.state.cut.append(what)
                 log.warning("shutdown: cut request %s after the grace period", what)
             raise
         finally:
-            del state.running[job_id]
+            del self.state.running[job_id]
             await parts.aclose()  # on disconnect or cancellation this aborts the generation
 
-    async def post(request: web.Request, route: str) -> web.StreamResponse:
-        # Refused from the headers alone: no point waiting for (or reading) a body that will be refused anyway.
-        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-            return _too_large()
+    async def post_route(self, request: web.Request) -> web.StreamResponse:
         try:
-            raw = await asyncio.wait_for(request.read(), body_timeout_s)
-        except web.HTTPRequestEntityTooLarge:
-            return _too_large()
-        except asyncio.TimeoutError:
-            response = _error(f"the request body did not arrive within {body_timeout_s:g} s", 408)
-            response.force_close()
-            return response
-        except (RequestPayloadError, HttpProcessingError) as exc:  # a corrupt gzip body, a broken chunk
-            return _error(f"the request body could not be read: {str(exc).splitlines()[-1].strip()}", 400)
-        if raw.count(b",") > MAX_BODY_COMMAS:
-            return _error(f"the request body has more than {MAX_BODY_COMMAS} commas: more JSON values than any "
-                          f"request this worker accepts can hold", 413)
-        try:
-            if len(raw) > _THREAD_PARSE_BYTES:
-                body = await asyncio.to_thread(_parse_body, raw)
-            else:
-                body = _parse_body(raw)
-        except RecursionError:
-            return _error("the request body is nested too deeply to parse", 400)
-        except ValueError as exc:  # also broken UTF-8, NaN and integers too long to convert
-            # What follows a ';' is advice for Python programmers (sys.set_int_max_str_digits), not the caller.
-            return _error(f"the request body is not valid JSON: {str(exc).split(';')[0]}", 400)
-        return await run_job(request, route, body)
+            body = await _json_body(await _read_body(request, self.body_timeout_s))
+        except _Refused as refused:
+            return refused.response
+        return await self.run_job(request, _job_route(request.path), body)
 
-    def _too_large() -> web.Response:
-        response = _error(f"the request body is larger than the {MAX_BODY_BYTES // 2**20} MiB limit", 413)
-        response.force_close()  # the unread body must not be taken for the next request
-        return response
+    async def get_route(self, request: web.Request) -> web.StreamResponse:
+        return await self.run_job(request, _job_route(request.path), None)
 
-    async def health_check(request: web.Request) -> web.Response:
-        state_now = health() if health is not None else {"status": "ok"}
-        if state.draining:
+    async def health_check(self, request: web.Request) -> web.Response:
+        state_now = self.health() if self.health is not None else {"status": "ok"}
+        if self.state.draining:
             state_now = {**state_now, "status": "stopping"}
         return _json(state_now, 200 if state_now.get("status") == "ok" else 503)
 
-    async def not_found(request: web.Request) -> web.Response:
-        return _error(f"no route {request.method} {request.path}", 404)
 
-    def job_route(path: str) -> str:
-        return path.removeprefix("/openai")  # as the platform forwards /openai/v1/<path>
+async def _not_found(request: web.Request) -> web.Response:
+    return _error(f"no route {request.method} {request.path}", 404)
 
-    async def post_route(request: web.Request) -> web.StreamResponse:
-        return await post(request, job_route(request.path))
 
-    async def get_route(request: web.Request) -> web.StreamResponse:
-        return await run_job(request, job_route(request.path), None)
+@web.middleware
+async def _echo_request_id(request: web.Request, handler) -> web.StreamResponse:  # aiohttp names it handler
+    # Responses made before a job exists (unparsable bodies, unknown routes) still carry the caller's id.
+    response = await handler(request)
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given is not None and not response.prepared and REQUEST_ID_HEADER not in response.headers:
+        response.headers[REQUEST_ID_HEADER] = given
+    return response
 
-    @web.middleware
-    async def echo_request_id(request: web.Request, handler) -> web.StreamResponse:  # aiohttp names it handler
-        # Responses made before a job exists (unparsable bodies, unknown routes) still carry the caller's id.
-        response = await handler(request)
-        given = request.headers.get(REQUEST_ID_HEADER)
-        if given is not None and not response.prepared and REQUEST_ID_HEADER not in response.headers:
-            response.headers[REQUEST_ID_HEADER] = given
-        return response
 
+def _openai_errors(state: GatewayState):
     @web.middleware
     async def openai_errors(request: web.Request, handler) -> web.StreamResponse:  # aiohttp names it handler
         """Whatever goes wrong, the caller gets an OpenAI error body (aiohttp's own answers are plain text)."""
@@ -243,25 +277,34 @@ def create_app(handler: Handler, health: Callable[[], dict] | None = None, state
             log.exception("gateway error on %s %s", request.method, request.path)
             return _error("internal error in the gateway; see the worker log", 500)
 
-    @web.middleware
-    async def error_dialect(request: web.Request, handler) -> web.StreamResponse:  # aiohttp names it handler
-        """The errors made while answering a request take the dialect of the route its path falls under."""
-        token = _dialect.set(routes.dialect(request.path))
-        try:
-            return await handler(request)
-        finally:
-            _dialect.reset(token)
+    return openai_errors
 
+
+@web.middleware
+async def _error_dialect(request: web.Request, handler) -> web.StreamResponse:  # aiohttp names it handler
+    """The errors made while answering a request take the dialect of the route its path falls under."""
+    token = _dialect.set(routes.dialect(request.path))
+    try:
+        return await handler(request)
+    finally:
+        _dialect.reset(token)
+
+
+def create_app(handler: Handler, health: Callable[[], dict] | None = None, state: GatewayState | None = None,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> web.Application:
+    """The gateway's aiohttp application: every path of the route table, each call a job of `handler`; `/health`
+    from `health()`; and an error body in the route's dialect for anything else."""
+    jobs = _Jobs(handler, health, state or GatewayState(), body_timeout_s)
     app = web.Application(client_max_size=MAX_BODY_BYTES,
-                          middlewares=[error_dialect, echo_request_id, openai_errors])
+                          middlewares=[_error_dialect, _echo_request_id, _openai_errors(jobs.state)])
     for route in ROUTES:  # the job router's own table (routes.py)
         for path in route.http_paths():
             if route.method == "POST":
-                app.router.add_post(path, post_route)
+                app.router.add_post(path, jobs.post_route)
             else:
-                app.router.add_get(path, get_route)
-    app.router.add_get("/health", health_check)
-    app.router.add_route("*", "/{tail:.*}", not_found)
+                app.router.add_get(path, jobs.get_route)
+    app.router.add_get("/health", jobs.health_check)
+    app.router.add_route("*", "/{tail:.*}", _not_found)
     return app
 
 
