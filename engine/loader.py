@@ -1,11 +1,13 @@
 """Loading a model and its tokenizer onto the chosen device."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -159,17 +161,48 @@ def _dense_checkpoint(config: EngineConfig, folder: Path, gguf: Path | None) -> 
         return True  # no readable config.json: the load reports it
 
 
-def load(config: EngineConfig) -> LoadedModel:
-    from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,
-                              AutoTokenizer)
+@dataclass(frozen=True)
+class _Checkpoint:
+    """A model's files and how its weights are read: what the steps of `load` share."""
+    config: EngineConfig
+    name: str  # the source's name
+    folder: Path
+    gguf: Path | None  # the GGUF file of a GGUF source
+    gguf_types: tuple[str, ...]  # GGUF block types multiplied from the file's blocks
+    platform: devices.Platform
+    placement: dict  # from_pretrained's device arguments
+    verdicts: startup_cache.Verdicts
 
+    @property
+    def device(self) -> torch.device:
+        return self.platform.device
+
+    @property
+    def label(self) -> str:
+        """The model as load errors name it."""
+        return self.config.model or self.name
+
+
+@dataclass
+class _Loading:
+    """A model as read so far; `model` is replaced when the CPU plan reads it again in another dtype."""
+    model: torch.nn.Module | None
+    hf_tokenizer: Any
+    task: Task
+    vision: VisionProcessor | None = None
+    fallback_reason: str | None = None
+    causal_lm: Callable[[torch.dtype], torch.nn.Module] | None = None  # a text generator read again in a dtype
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    """The model and tokenizer `config` names, read onto the platform it resolves to and prepared for serving
+    there (CPU fast paths, quantized layers, batch invariance)."""
     started = time.perf_counter()
     if config.quantized_activations not in packed_linear.ACTIVATIONS:  # before anything is packed for it
         raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: int16 or int8")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     platform = resolve_platform(config.device, config.simulated_device_memory)
-    device = platform.device
     placement = _placement(config, platform)
     source = store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir,
                            baked_dir=config.baked_model_dir)
@@ -177,6 +210,29 @@ def load(config: EngineConfig) -> LoadedModel:
     verdicts = (startup_cache.open_verdicts(config.cache_dir, "model", folder, config.baked_model_dir)
                 if config.startup_cache and platform.cpu_fast_paths and folder.is_dir() else startup_cache.in_memory())
     gguf = source.path / source.gguf_file if source.gguf_file else None
+    dtype, gguf_blocks, gguf_types = _weights_dtype(config, platform, folder, gguf, verdicts)
+    checkpoint = _Checkpoint(config, source.name, folder, gguf, gguf_types, platform, placement, verdicts)
+    tokenizer_folder = _tokenizer_folder(config, folder)
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"model {checkpoint.label}: no config.json in {folder}")
+    loading = _read_model(checkpoint, tokenizer_folder, dtype)
+    dtype, invariant = _prepare_for_platform(checkpoint, loading, dtype, gguf_blocks)
+    if config.quantized_activations != "int16" and not quantized_weights.eight_bit_activations(loading.model):
+        # Never a setting that silently does nothing.
+        raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: this model has no layers "
+                             "multiplied from packed integers by the CPU kernels (a quantized checkpoint's integer "
+                             "layers, bitsandbytes' 4-bit codes excepted, QUANTIZATION=int8/int4's, or a GGUF file's "
+                             "served from its blocks with DTYPE=auto), which are all it changes; unset it")
+    log.info("batch invariance: %s (BATCH_INVARIANT=%s)", "on" if invariant else "off",
+             str(config.batch_invariant).lower())
+    return _loaded_model(checkpoint, loading, dtype, invariant, started)
+
+
+def _weights_dtype(config: EngineConfig, platform: devices.Platform, folder: Path, gguf: Path | None,
+                   verdicts) -> tuple[torch.dtype, bool, tuple[str, ...]]:
+    """The dtype the weights are read in; whether a GGUF file's layers are tried from its blocks under float32
+    activations (engine/cpu/plan.py decides after loading whether they stay); and the GGUF block types multiplied
+    from the file's blocks."""
     # The AVX512_BF16 kernel weighs in on bfloat16 only for checkpoints of dense weights: a quantized one's packed
     # layers read the same bytes either way (the 330M Q4_K_M file ran 7-10% slower at 8 and 16 streams with
     # bfloat16 activations than with float32 ones on a 2-core Intel Xeon).
@@ -189,89 +245,122 @@ def load(config: EngineConfig) -> LoadedModel:
         () if gguf_blocks or dtype == torch.float32 else quantized_checkpoint.GGUF_RECOVERED_TYPES)
     if gguf_blocks:
         dtype = torch.float32
-    if config.tokenizer:
-        tokenizer_source = store.resolve(config.tokenizer, revision=config.tokenizer_revision,
-                                         cache_dir=config.cache_dir, baked_dir=config.baked_model_dir,
-                                         role="tokenizer")
-        tokenizer_folder = local_folder(tokenizer_source, config.cache_dir, config.baked_model_dir)
-    else:
-        tokenizer_folder = folder
-    if not (folder / "config.json").is_file():
-        raise ModelLoadError(f"model {config.model or source.name}: no config.json in {folder}")
+    return dtype, gguf_blocks, gguf_types
+
+
+def _tokenizer_folder(config: EngineConfig, folder: Path) -> Path:
+    """Where the tokenizer is read from: TOKENIZER_NAME's source, else the model's folder."""
+    if not config.tokenizer:
+        return folder
+    tokenizer_source = store.resolve(config.tokenizer, revision=config.tokenizer_revision,
+                                     cache_dir=config.cache_dir, baked_dir=config.baked_model_dir,
+                                     role="tokenizer")
+    return local_folder(tokenizer_source, config.cache_dir, config.baked_model_dir)
+
+
+def _read_model(checkpoint: _Checkpoint, tokenizer_folder: Path, dtype: torch.dtype) -> _Loading:
+    """The tokenizer and the model, read as what its architecture serves: a vision-language model, a text
+    generator or an encoder/classifier. Any failure is a ModelLoadError naming the model."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = checkpoint.config
     try:
         hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, trust_remote_code=config.trust_remote_code)
-        model_config = AutoConfig.from_pretrained(folder, trust_remote_code=config.trust_remote_code)
+        model_config = AutoConfig.from_pretrained(checkpoint.folder, trust_remote_code=config.trust_remote_code)
         task = model_task(model_config)
-        quantization = _quantization(config, model_config, gguf, task, device)
-        vision = None
+        quantization = _quantization(config, model_config, checkpoint.gguf, task, checkpoint.device)
         if task == "generate" and is_vision_config(model_config):
             if quantization is not None:
                 raise quantized_checkpoint.QuantizationError(
                     f"{quantization}: quantized vision-language models are not served yet (their packed layers "
                     f"would need the vision path's loader); serve the unquantized checkpoint")
-            model, vision, fallback_reason = _vision_model(folder, model_config, config, dtype, placement, verdicts)
-            hf_tokenizer = vision.hf.tokenizer
-        elif task == "generate":
+            model, vision, fallback_reason = _vision_model(checkpoint.folder, model_config, config, dtype,
+                                                           checkpoint.placement, checkpoint.verdicts)
+            return _Loading(model, vision.hf.tokenizer, task, vision, fallback_reason)
+        if task == "generate":
             fallback_reason = _fallback_reason(model_config)
-
-            def causal_lm(dtype: torch.dtype) -> torch.nn.Module:
-                # The fallback path runs the model with transformers' own attention and cache.
-                implementation = {} if fallback_reason else {"attn_implementation": attention.ATTENTION_IMPLEMENTATION}
-                if quantization in quantized_checkpoint.READ_ON_CPU and device.type == "cpu":
-                    model = quantized_checkpoint.load(folder, model_config, quantization, dtype,
-                                                      trust_remote_code=config.trust_remote_code, **implementation)
-                else:
-                    model = AutoModelForCausalLM.from_pretrained(
-                        folder, dtype=dtype, trust_remote_code=config.trust_remote_code, **placement,
-                        **implementation)
-                model.eval()
-                model.requires_grad_(False)
-                if quantization in quantized_checkpoint.LOAD_TIME_METHODS:
-                    quantized_checkpoint.quantize_at_load(model, quantization)
-                if gguf is not None and device.type == "cpu" and config.native_kernels != "off":
-                    # Q4_0, Q5_0 / Q5_1 and K-quant layers multiply from their file's blocks; Q4_1 / Q8_0 ones too
-                    # unless they keep the product that recovers them from float32 weights (engine/cpu/plan.py).
-                    quantized_checkpoint.gguf_layers(model, gguf, gguf_types)
-                if not fallback_reason:  # faster decode steps; the rewrites target decoder layers
-                    windows.mark_windows(model)
-                fusion.apply(model, verdicts)
-                return model
-
-            model = causal_lm(dtype)
-        else:
-            fallback_reason = None
-            # Encoders and classifiers never run a generation step: they keep their own attention (and its
-            # bidirectional masks) instead of the engine's KV-cache attention.
-            auto_class = AutoModelForSequenceClassification if task == "classify" else AutoModel
-            model = auto_class.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
-                                               trust_remote_code=config.trust_remote_code,
-                                               **placement)
-            model.eval()
-            model.requires_grad_(False)
+            causal_lm = functools.partial(_causal_lm, checkpoint, model_config, quantization, fallback_reason)
+            return _Loading(causal_lm(dtype), hf_tokenizer, task, None, fallback_reason, causal_lm)
+        return _Loading(_encoder_model(checkpoint, task, dtype), hf_tokenizer, task)
     except quantized_checkpoint.QuantizationError as exc:
-        raise ModelLoadError(f"model {config.model or source.name}: {_one_line(exc)}") from None
+        raise ModelLoadError(f"model {checkpoint.label}: {_one_line(exc)}") from None
     except Exception as exc:
-        raise ModelLoadError(f"model {config.model or source.name}: loading failed: "
+        raise ModelLoadError(f"model {checkpoint.label}: loading failed: "
                              f"{_one_line(exc)}") from exc
+
+
+def _causal_lm(checkpoint: _Checkpoint, model_config, quantization: str | None, fallback_reason: str | None,
+               dtype: torch.dtype) -> torch.nn.Module:
+    """A text generator read in `dtype`: from its packed checkpoint or by transformers, quantized at load or
+    multiplied from its GGUF blocks where that applies, and rewritten for the paged engine's decode steps."""
+    from transformers import AutoModelForCausalLM
+
+    config, folder, device = checkpoint.config, checkpoint.folder, checkpoint.device
+    # The fallback path runs the model with transformers' own attention and cache.
+    implementation = {} if fallback_reason else {"attn_implementation": attention.ATTENTION_IMPLEMENTATION}
+    if quantization in quantized_checkpoint.READ_ON_CPU and device.type == "cpu":
+        model = quantized_checkpoint.load(folder, model_config, quantization, dtype,
+                                          trust_remote_code=config.trust_remote_code, **implementation)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, trust_remote_code=config.trust_remote_code, **checkpoint.placement,
+            **implementation)
+    model.eval()
+    model.requires_grad_(False)
+    if quantization in quantized_checkpoint.LOAD_TIME_METHODS:
+        quantized_checkpoint.quantize_at_load(model, quantization)
+    if checkpoint.gguf is not None and device.type == "cpu" and config.native_kernels != "off":
+        # Q4_0, Q5_0 / Q5_1 and K-quant layers multiply from their file's blocks; Q4_1 / Q8_0 ones too
+        # unless they keep the product that recovers them from float32 weights (engine/cpu/plan.py).
+        quantized_checkpoint.gguf_layers(model, checkpoint.gguf, checkpoint.gguf_types)
+    if not fallback_reason:  # faster decode steps; the rewrites target decoder layers
+        windows.mark_windows(model)
+    fusion.apply(model, checkpoint.verdicts)
+    return model
+
+
+def _encoder_model(checkpoint: _Checkpoint, task: Task, dtype: torch.dtype) -> torch.nn.Module:
+    """An embedding model or a classifier (a cross-encoder)."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    # Encoders and classifiers never run a generation step: they keep their own attention (and its
+    # bidirectional masks) instead of the engine's KV-cache attention.
+    auto_class = AutoModelForSequenceClassification if task == "classify" else AutoModel
+    model = auto_class.from_pretrained(checkpoint.folder, dtype=dtype, attn_implementation="sdpa",
+                                       trust_remote_code=checkpoint.config.trust_remote_code,
+                                       **checkpoint.placement)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _prepare_for_platform(checkpoint: _Checkpoint, loading: _Loading, dtype: torch.dtype,
+                          gguf_blocks: bool) -> tuple[torch.dtype, bool]:
+    """A text generator on the CPU fast paths gets the native kernels and engine/cpu/plan.py's layouts (read again
+    in bfloat16 first where the GGUF block products lose); elsewhere packed layers are expanded. Returns the dtype
+    served and whether outputs are batch invariant."""
+    config, verdicts = checkpoint.config, checkpoint.verdicts
     invariant = config.batch_invariant is True
-    if task == "generate" and platform.cpu_fast_paths and vision is None:  # never on CUDA, real or simulated
+    # Never on CUDA, real or simulated.
+    if loading.task == "generate" and checkpoint.platform.cpu_fast_paths and loading.vision is None:
         cpu_plan.load_kernels(config, dtype, verdicts)
-        if gguf_blocks and not cpu_plan.gguf_blocks_win(model, verdicts):
-            dtype, model = torch.bfloat16, None  # the float32 copy goes before the bfloat16 one loads
-            model = causal_lm(dtype)
+        if gguf_blocks and not cpu_plan.gguf_blocks_win(loading.model, verdicts):
+            dtype, loading.model = torch.bfloat16, None  # the float32 copy goes before the bfloat16 one loads
+            loading.model = loading.causal_lm(dtype)
             cpu_plan.load_kernels(config, dtype, verdicts)
-        invariant = cpu_plan.apply(model, dtype, config, from_gguf=gguf is not None, verdicts=verdicts)
-    elif packed_linear.layers(model):  # no native kernels on this path: the same weights, expanded
-        packed_linear.apply(model, None)
-    if config.quantized_activations != "int16" and not quantized_weights.eight_bit_activations(model):
-        # Never a setting that silently does nothing.
-        raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: this model has no layers "
-                             "multiplied from packed integers by the CPU kernels (a quantized checkpoint's integer "
-                             "layers, bitsandbytes' 4-bit codes excepted, QUANTIZATION=int8/int4's, or a GGUF file's "
-                             "served from its blocks with DTYPE=auto), which are all it changes; unset it")
-    log.info("batch invariance: %s (BATCH_INVARIANT=%s)", "on" if invariant else "off",
-             str(config.batch_invariant).lower())
-    pooling = pooling_config(folder, model.config, task, config.pooling_type, config.embedding_normalize)
+        invariant = cpu_plan.apply(loading.model, dtype, config, from_gguf=checkpoint.gguf is not None,
+                                   verdicts=verdicts)
+    elif packed_linear.layers(loading.model):  # no native kernels on this path: the same weights, expanded
+        packed_linear.apply(loading.model, None)
+    return dtype, invariant
+
+
+def _loaded_model(checkpoint: _Checkpoint, loading: _Loading, dtype: torch.dtype, invariant: bool,
+                  started: float) -> LoadedModel:
+    """The LoadedModel: the model with its pooling, length limit and engine Tokenizer."""
+    config, model, vision = checkpoint.config, loading.model, loading.vision
+    pooling = pooling_config(checkpoint.folder, model.config, loading.task, config.pooling_type,
+                             config.embedding_normalize)
 
     limit = _model_max_len(model.config.get_text_config())
     if config.max_model_len is not None and config.max_model_len > limit:
@@ -279,12 +368,14 @@ def load(config: EngineConfig) -> LoadedModel:
     max_model_len = config.max_model_len or limit
     vocab_size = model.get_input_embeddings().num_embeddings
     chat_template = config.chat_template or (vision.chat_template if vision is not None else None)
-    tokenizer = Tokenizer(hf_tokenizer, chat_template, _eos_ids(hf_tokenizer, model), vocab_size)
-    log.info("loaded %s on %s (%s, max_model_len %d, task %s, pooling %s%s from %s) in %.1f s", source.name,
-             platform.name, str(dtype).removeprefix("torch."), max_model_len, task, pooling.pooling_type,
+    tokenizer = Tokenizer(loading.hf_tokenizer, chat_template, _eos_ids(loading.hf_tokenizer, model), vocab_size)
+    platform = checkpoint.platform
+    log.info("loaded %s on %s (%s, max_model_len %d, task %s, pooling %s%s from %s) in %.1f s", checkpoint.name,
+             platform.name, str(dtype).removeprefix("torch."), max_model_len, loading.task, pooling.pooling_type,
              " normalized" if pooling.normalize else "", pooling.source, time.perf_counter() - started)
-    return LoadedModel(model, tokenizer, device, dtype, max_model_len, source.name, _generation_defaults(model),
-                       task, pooling, fallback_reason, platform, verdicts, invariant, vision)
+    return LoadedModel(model, tokenizer, checkpoint.device, dtype, max_model_len, checkpoint.name,
+                       _generation_defaults(model), loading.task, pooling, loading.fallback_reason, platform,
+                       checkpoint.verdicts, invariant, vision)
 
 
 _CROSS_ATTENTION_VISION = ("mllama",)
