@@ -17,7 +17,13 @@
 // run VDPBF16PS at half the rate of their float32 FMAs, where prompt chunks, bound by the multiplies, run faster
 // this way; at a few rows both are bound by reading the weights. engine/cpu/bf16_weights.py times the two and
 // keeps one for every batch size.
-#include <torch/extension.h>
+// ATen's tensor and the few operators used, not <torch/extension.h>: that header (the whole C++ frontend and
+// pybind11) costs each file most of its compile time, and only the files that bind to Python need it.
+#include <ATen/core/Tensor.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include <bit>

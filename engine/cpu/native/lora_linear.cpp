@@ -14,7 +14,13 @@
 // Sums are float32; a bfloat16 output is rounded once, to nearest even. The adapter's matrices are of the layer's
 // type, or bfloat16 under a float32 layer whose own product is coarser than that (GGUF blocks with 16-bit integer
 // activations): they are read once a call from memory, so half the bytes is most of a mixed step's cost.
-#include <torch/extension.h>
+// ATen's tensor and the few operators used, not <torch/extension.h>: that header (the whole C++ frontend and
+// pybind11) costs each file most of its compile time, and only the files that bind to Python need it.
+#include <ATen/core/Tensor.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>

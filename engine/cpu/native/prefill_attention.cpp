@@ -8,7 +8,13 @@
 // head (the query heads sharing that key head ride along as extra rows), walks only the keys its tokens reach,
 // and multiplies in register tiles: scores as rows x 64 keys against the keys transposed once per call, values
 // as rows x head size. The softmax is the online one (running maximum and sum per row), in float32.
-#include <torch/extension.h>
+// ATen's tensor and the few operators used, not <torch/extension.h>: that header (the whole C++ frontend and
+// pybind11) costs each file most of its compile time, and only the files that bind to Python need it.
+#include <ATen/core/Tensor.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

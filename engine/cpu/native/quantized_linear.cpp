@@ -8,7 +8,13 @@
 // minimum m half-precision numbers. `pack_blocks` recovers d, m and q from the float32 weights and keeps them
 // only where every weight equals fl(fl(q * d) + m) (Q4_1) or fl(q * d) (Q8_0) bit for bit, so the product
 // multiplies by exactly the model's weights; only the order of the sums differs from a float32 product.
-#include <torch/extension.h>
+// ATen's tensor and the few operators used, not <torch/extension.h>: that header (the whole C++ frontend and
+// pybind11) costs each file most of its compile time, and only the files that bind to Python need it.
+#include <ATen/core/Tensor.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
