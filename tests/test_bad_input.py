@@ -290,6 +290,7 @@ BODY_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BODY_CASES))
 def test_malformed_body_in_process_and_over_http(worker, gateway_url, case):
     make, status, words, param = BODY_CASES[case]

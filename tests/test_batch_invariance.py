@@ -35,11 +35,13 @@ def _exact(result: dict) -> tuple:
     return choice["ids"], [(lp.token_id, lp.logprob, lp.top) for lp in choice["logprobs"]]
 
 
+@pytest.mark.slow
 def test_mixed_concurrent_requests_equal_solo_runs_exactly(worker):
     assert worker.engine.batch_invariant  # BATCH_INVARIANT=auto turns it on for the embedded GGUF model
     _assert_mixed_equal_solo(worker.engine, document=3)
 
 
+@pytest.mark.slow
 def test_another_engine_in_the_process_leaves_this_ones_invariance(worker, tmp_path):
     """Batch invariance belongs to the engine that chose it: starting a second engine without it in the same
     process (a float32 safetensors model, BATCH_INVARIANT=false) must not turn it off for the first. It was one

@@ -54,6 +54,7 @@ def _trim(ids: list[int], eos: frozenset[int]) -> list[int]:
     return ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width,n,max_tokens,settings", [
     (2, 2, 10, {}),
     (4, 3, 14, {"length_penalty": 0.5, "early_stopping": True}),
@@ -117,6 +118,7 @@ def reference_beam_search(model, ids: list[int], width: int, groups: int, divers
     return [h for _, h in sorted((h for g in state for h in g["done"]), key=lambda h: h[0], reverse=True)]
 
 
+@pytest.mark.slow
 def test_group_beam_search_is_diverse_and_matches_its_definition(engine, reference):
     ids = chat_ids(engine, PROMPTS[1])
     eos = sorted(engine.tokenizer.eos_token_ids)

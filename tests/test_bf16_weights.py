@@ -75,6 +75,7 @@ def test_bad_arguments_are_errors_not_crashes(kernels):
         kernels.bf16_pack(torch.randn(32, 64))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biased q/k/v projections, fused with their biases
 def test_a_bfloat16_model_serves_the_same_tokens_through_the_product(kernels, tmp_path, tokenizer_folder,
                                                                     monkeypatch, caplog, family):

@@ -51,6 +51,7 @@ def _verdict_line(log: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_second_start_reuses_every_verdict_and_a_corrupt_file_is_probed_again(base_path):
     first, log = _start(base_path)
     line = _verdict_line(log)

@@ -112,6 +112,7 @@ def _blocks(engine: AsyncEngine) -> tuple[int, int, int]:
     return kv.num_blocks, kv.nbytes // kv.num_blocks, weights
 
 
+@pytest.mark.slow
 def test_kv_capacity_follows_simulated_memory_utilization_and_the_profiled_step(model_folder):
     results = {}
     for memory, utilization, batched in ((64, 0.9, 32), (128, 0.9, 32), (128, 0.5, 32), (128, 0.9, 512)):
@@ -131,6 +132,7 @@ def test_kv_capacity_follows_simulated_memory_utilization_and_the_profiled_step(
     assert results[128, 0.9, 512][0] < results[128, 0.9, 32][0]
 
 
+@pytest.mark.slow
 def test_a_hybrid_model_keeps_its_state_slots_in_the_simulated_memory(tmp_path, tokenizer_folder):  # noqa: F811
     """LFM2 (convolution and attention layers) is served exactly on the simulated CUDA path, and its recurrent-state
     slots (one per MAX_NUM_SEQS) come out of the device's memory before the KV cache does."""
@@ -209,6 +211,7 @@ def _serve_then_idle(engine: AsyncEngine) -> str:
     return text
 
 
+@pytest.mark.slow
 def test_nothing_cpu_only_runs_on_the_cuda_path(model_folder, monkeypatch):
     calls = _record_cpu_only_calls(monkeypatch)
     # The recorders see the CPU path's calls (DTYPE=auto probes bfloat16, packs weights, trims when idle).
@@ -277,6 +280,7 @@ def test_layer_split_devices_needs_several_gpus(model_folder, device):
         asyncio.run(engine.start())
 
 
+@pytest.mark.slow
 def test_the_device_check_prints_the_path_and_a_benchmark(model_folder):
     env = {**os.environ, "MODEL_NAME": str(model_folder), "DEVICE": "cuda-sim", "SIMULATED_DEVICE_MEMORY": str(
         64 * MIB), "MAX_NUM_BATCHED_TOKENS": "64", "MAX_NUM_SEQS": "4", "DTYPE": "auto"}

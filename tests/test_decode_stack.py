@@ -41,6 +41,7 @@ def _decode_steps(runner, rows: int) -> list[torch.Tensor]:
         return logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,dtype,quantization", [
     ("llama", "bfloat16", None),  # bf16_linear's products
     ("qwen2", "bfloat16", None),  # biased q/k/v and a sliding window in the first layer

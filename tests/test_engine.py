@@ -17,6 +17,7 @@ def engine(worker):
     return worker.engine
 
 
+@pytest.mark.slow
 def test_batched_greedy_equals_solo_greedy(engine):
     prompts = [chat_ids(engine, p) for p in PROMPTS[:6]]
 
@@ -34,6 +35,7 @@ def test_batched_greedy_equals_solo_greedy(engine):
     assert len({tuple(r["choices"][0]["ids"]) for r in alone}) == len(prompts)  # the prompts really differ
 
 
+@pytest.mark.slow
 def test_engine_matches_transformers_generate(engine, worker):
     """Greedy tokens equal transformers' own generate on the same weights, for a short prompt and for a long one
     that is prefilled in several chunks."""
@@ -171,6 +173,7 @@ def test_a_request_whose_event_loop_closed_is_dropped(engine):
     del stream
 
 
+@pytest.mark.slow
 def test_requests_beyond_the_cap_wait_and_complete(worker):
     config = EngineConfig(**{**worker.settings.engine_config().__dict__, "max_num_seqs": 2})
     small = AsyncEngine(config)
@@ -256,6 +259,7 @@ def test_a_failing_request_fails_alone(engine, monkeypatch):
     assert engine.engine.num_requests == 0, engine.engine._groups
 
 
+@pytest.mark.slow
 def test_model_loads_once_for_many_first_jobs_and_failures_reach_every_waiter(worker, tmp_path):
     from engine.loader import load
     from openai_compat.config import ServingConfig

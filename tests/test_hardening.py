@@ -148,6 +148,7 @@ def test_what_one_request_may_ask_for_is_bounded(worker, monkeypatch, body, word
         assert word in error["message"], error
 
 
+@pytest.mark.slow
 def test_a_small_request_is_answered_while_a_maximal_request_is_prepared(gateway_url):
     """256 text prompts of about 1000 tokens each: as much as one request may carry. Validating and tokenizing it
     takes a while; none of that may hold up the event loop that answers everyone else."""
@@ -233,6 +234,7 @@ def _idle_rss_mb(pid: int, base: str) -> float:
     return _rss_mb(pid)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
 def test_memory_returns_to_the_warm_baseline_after_long_prompts(tmp_path):
     """Two distinct ~1300-token prompts grow the KV cache to 8 rows x 1536 columns (566 MB, over the 512 MB kept
@@ -275,6 +277,7 @@ def second_engine(worker):
     engine.close()
 
 
+@pytest.mark.slow
 def test_the_idle_engine_gives_freed_heap_memory_back(worker, second_engine):
     """The mechanism behind the test above, at the scale the issue saw (1.9 GB kept after 20 long prompts): heap
     blocks freed under a raised mmap threshold stay with the allocator until it is trimmed, which the engine
@@ -297,6 +300,7 @@ def test_the_idle_engine_gives_freed_heap_memory_back(worker, second_engine):
     assert before - after > 400, f"RSS {before:.0f} MB with the blocks, {after:.0f} MB after freeing them idle"
 
 
+@pytest.mark.slow
 def test_a_closed_engine_leaves_its_model_to_the_collector(worker):
     """Each start freezes the objects alive then (host_memory.freeze_long_lived), and the collector never looks at
     frozen objects: before close() handed them back, every closed engine's model (1 GB for the embedded one,
@@ -322,6 +326,7 @@ def test_a_closed_engine_leaves_its_model_to_the_collector(worker):
 # ---------------------------------------------------------------- 4: secrets stay out of every output
 
 
+@pytest.mark.slow
 def test_s3_credentials_never_reach_any_output(tmp_path):
     """A password in the endpoint URL, the secret key in the environment, and a profile's key and endpoint
     password: the S3 endpoint is unreachable, so every one of them passes through error paths."""
@@ -404,6 +409,7 @@ def _open_streams(base: str, count: int, max_tokens: int) -> tuple[list, threadi
     return results, threads
 
 
+@pytest.mark.slow
 def test_sigterm_lets_running_streams_finish_then_exits_0(tmp_path):
     process, base, log_path = gateway(tmp_path, env={"SHUTDOWN_GRACE_SECONDS": "200"})
     try:
@@ -422,6 +428,7 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(tmp_path):
     assert "shutdown: taking no new requests; 3 running" in log and "3 of 3 running requests finished, 0 cut" in log
 
 
+@pytest.mark.slow
 def test_sigterm_cuts_what_outlives_the_grace_period_and_says_so(tmp_path):
     process, base, log_path = gateway(tmp_path, env={"SHUTDOWN_GRACE_SECONDS": "1"})
     try:
@@ -525,6 +532,7 @@ class FakePlatform:
         return web.Response(text="ok")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grace, max_tokens", [(180, 12), (1, 4000)], ids=["finishes", "cut"])
 def test_platform_worker_drains_on_sigterm(tmp_path, grace, max_tokens):
     job = {"id": "job-sigterm", "input": {"openai_route": COMPLETIONS, "openai_input": {
@@ -586,6 +594,7 @@ def _raw(port: int, data: bytes, wait: float = 10.0, trickle: float | None = Non
     return answer, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_http_edges_get_quick_openai_answers_and_clean_logs(tmp_path):
     process, base, log_path = gateway(tmp_path, "--header-timeout", "2", "--body-timeout", "2")
     port = int(base.rsplit(":", 1)[1])
@@ -620,6 +629,7 @@ def test_http_edges_get_quick_openai_answers_and_clean_logs(tmp_path):
 # ---------------------------------------------------------------- 7: start-up
 
 
+@pytest.mark.slow
 def test_lazy_gateway_with_a_bad_setting_exits_before_serving(tmp_path):
     process, _, log_path = gateway(tmp_path, "--lazy", env={"MAX_NUM_SEQS": "lots"}, ready=False)
     assert process.wait(timeout=120) != 0
@@ -642,6 +652,7 @@ def test_torch_threads_are_bounded_by_the_machine(monkeypatch):
 # ---------------------------------------------------------------- 8: error shapes
 
 
+@pytest.mark.slow
 def test_empty_chat_template_output_is_the_callers_400(monkeypatch, tmp_path, caplog):
     from api_helpers import Worker
     worker = Worker(monkeypatch, tmp_path, CUSTOM_CHAT_TEMPLATE="{% for m in messages %}{% endfor %}")

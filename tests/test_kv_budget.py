@@ -35,12 +35,14 @@ def seeded(max_tokens: int, seed: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=seed, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_budget_is_fixed_and_reported(small):
     stats = small.engine.stats()
     assert stats["kv_capacity_tokens"] == BUDGET_TOKENS
     assert stats["kv_capacity_bytes"] <= small.config.kv_cache_memory
 
 
+@pytest.mark.slow
 def test_many_long_requests_under_a_small_budget_all_complete_exactly(small):
     core = small.engine
     prompts = [chat_ids(small, p) for p in PROMPTS]
@@ -81,6 +83,7 @@ def test_many_long_requests_under_a_small_budget_all_complete_exactly(small):
             assert got["ids"] == alone[key]["ids"], f"seeded request {i} changed after preemption"
 
 
+@pytest.mark.slow
 def test_n_choices_survive_preemption(small):
     """Choices of one request share prompt blocks; preempted and recomputed, they still match a quiet run."""
     ids = chat_ids(small, PROMPTS[2])
@@ -160,6 +163,7 @@ def test_memory_settings_are_checked_at_start(monkeypatch, env, named):
         load_settings()
 
 
+@pytest.mark.slow
 def test_a_cache_smaller_than_one_context_stops_the_load(worker):
     config = EngineConfig(**{**worker.settings.engine_config().__dict__, "max_model_len": 2048,
                              "kv_cache_memory": 1000 * _bytes_per_token(worker)})
@@ -197,6 +201,7 @@ def test_a_sliding_window_layer_reads_only_the_blocks_its_window_reaches():
     assert key - first < mask.shape[-1] and not mask[0, 0, query, key - first]
 
 
+@pytest.mark.slow
 def test_beam_search_survives_preemption(small):
     """Beams (sequences that park until their siblings' logits are in) preempted by a crowd and recomputed give
     the beams of a quiet run."""

@@ -35,6 +35,7 @@ def _kv(engine: AsyncEngine):
     return engine._engine.runner.kv
 
 
+@pytest.mark.slow
 def test_auto_keeps_float16_keys_and_values_on_cpu(worker):
     """The embedded float32 model under DTYPE=auto (the worker's default): float16 pools, 2 bytes a value, and
     the same greedy tokens as the test worker's float32 activations and cache (DTYPE=float32)."""
@@ -53,6 +54,7 @@ def test_auto_keeps_float16_keys_and_values_on_cpu(worker):
     assert got == greedy_tokens(worker.engine, ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, kv_cache_dtype, expected", [
     ("float32", "auto", torch.float32),  # an explicit model type keeps its cache in it
     ("auto", "float32", torch.float32),

@@ -91,6 +91,7 @@ def check_family(model_type: str, overrides: dict, tmp_path, tokenizer_folder, t
     return engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_adapters_alone_and_mixed_match_peft_merged(model_type, tmp_path, tokenizer_folder):
     check_family(model_type, FAST_FAMILIES[model_type], tmp_path, tokenizer_folder)
@@ -126,6 +127,7 @@ def test_speculation_and_beam_search_combine_with_adapters(tmp_path, tokenizer_f
         engine.close()
 
 
+@pytest.mark.slow
 def test_fallback_path_matches_peft_merged(tmp_path, tokenizer_folder):
     check_family("gptj", FALLBACK_FAMILIES["gptj"], tmp_path, tokenizer_folder,
                  targets=["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"])
@@ -144,6 +146,7 @@ def plain_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_gguf_blocks_with_an_adapter_match_the_dequantized_weights_plus_delta(tmp_path):
     """The embedded GGUF model served from its Q4_1 / Q8_0 blocks, with a rank-16 adapter on every projection:
     greedy tokens equal PEFT's merged model built on the float32 weights the blocks dequantize to."""
@@ -212,12 +215,14 @@ def _post(client, path: str, body: dict):
     return client.post(path, body=body, cast_to=httpx.Response)
 
 
+@pytest.mark.slow
 def test_models_list_the_adapters_with_their_parent(served):
     cards = {m.id: m for m in served["client"].models.list().data}
     assert set(cards) >= {served["base"], "one"}
     assert cards["one"].parent == served["base"] and getattr(cards[served["base"]], "parent", None) is None
 
 
+@pytest.mark.slow
 def test_model_chooses_the_adapter_in_every_generating_api(served):
     client, ids = served["client"], prompts(11)[1]
     assert _complete(client, "one", ids) == reference(served["merged"]["one"], ids)
@@ -370,6 +375,7 @@ def test_lora_settings_are_checked(monkeypatch):
     assert config.modules == (LoraSpec("a", "/x", "b"),) and (config.max_loras, config.max_cpu_loras) == (2, 3)
 
 
+@pytest.mark.slow
 def test_legacy_jobs_and_job_routes_name_adapters(served, monkeypatch, tmp_path):
     """worker-vllm's job form takes the adapter in a `lora` field, and the load/unload routes work as job routes
     (openai_route), through the handler's job router."""

@@ -189,6 +189,7 @@ def test_stop_sequence_and_max_tokens(claude):
 # ---------------------------------------------------------------- tools
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
 def test_forced_tool_use_matches_the_schema_and_streams_as_json_deltas(claude, choice):
     message = create(claude, WEATHER_Q, max_tokens=40, tools=[TIME, WEATHER], tool_choice=choice)
@@ -408,6 +409,7 @@ THINKING_TEMPLATE = (
     "{% endif %}")
 
 
+@pytest.mark.slow
 def test_thinking_maps_to_the_templates_switch(monkeypatch, tmp_path):
     """A template with an enable_thinking switch and <think> parsing (as Qwen3's): enabled returns the thinking
     as a thinking block (the small model never closes it, so a stop sequence ends the reply), disabled closes

@@ -53,6 +53,7 @@ COMPACT_FAMILIES = {"llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_
                     "smollm3"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(FAST_FAMILIES))
 def test_family_matches_transformers(model_type, tmp_path, tokenizer_folder):
     model = build_model(model_type, FAST_FAMILIES[model_type], tmp_path, tokenizer_folder)
@@ -157,6 +158,7 @@ def test_a_native_kernel_path_that_differs_falls_back_to_the_compact_forward_wit
         engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(HYBRID_FAMILIES))
 def test_hybrid_family_matches_transformers(model_type, tmp_path, tokenizer_folder, caplog):
     """Recurrent and convolution layers run in the batched engine: rows of different lengths decode in one pass,
@@ -213,6 +215,7 @@ def _transformers_beams(model, ids: list[int], width: int, n: int) -> list[list[
     return out[:, len(ids):].tolist()
 
 
+@pytest.mark.slow
 def test_hybrid_states_follow_their_sequences_through_preemption_beams_and_failures(tmp_path, tokenizer_folder):
     """A hybrid model (Mamba and attention layers) under a KV budget so small that requests preempt each other:
     a preempted sequence recomputes its state, beams copy their parent's state when the search reassigns them,
@@ -333,12 +336,14 @@ def test_fallback_log_lines_carry_the_job_id(tmp_path, tokenizer_folder, monkeyp
     assert job == "job-fallback-log"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(FALLBACK_FAMILIES))
 def test_fallback_family_matches_transformers(model_type, tmp_path, tokenizer_folder, caplog):
     # The start-up log names the path and why (the model class the check refused).
     _serve_on_fallback(model_type, tmp_path, tokenizer_folder, caplog, lambda model: type(model).__name__)
 
 
+@pytest.mark.slow
 def test_a_fallback_model_over_the_api(tmp_path, tokenizer_folder):
     """Over HTTP with the official client: beam search on a fallback-path model is a 400 naming the parameter
     and why (never sampled instead), and the worker goes on serving the next request; /health, /stats and
@@ -404,6 +409,7 @@ def test_a_model_that_keeps_its_state_in_its_modules_is_served_on_the_fallback(t
                        lambda model: "keeps recurrent state outside the cache", families)
 
 
+@pytest.mark.slow
 def test_fallback_outputs_equal_the_paged_engine(tmp_path, tokenizer_folder):
     """The fallback path gives what the paged engine gives for a model both can run: streamed text, stop
     strings, finish reasons, logprobs, prompt logprobs; and an aborted request leaves it."""

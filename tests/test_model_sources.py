@@ -159,6 +159,7 @@ def block_network(monkeypatch) -> list:
 # ---------------------------------------------------------------- loading and generating from S3
 
 
+@pytest.mark.slow
 def test_model_name_s3_loads_and_generates_like_the_local_copy(s3, small_model, local_completion, tmp_path,
                                                                monkeypatch):
     from worker.settings import load_settings
@@ -174,6 +175,7 @@ def test_model_name_s3_loads_and_generates_like_the_local_copy(s3, small_model, 
     assert same_files(small_model, entry) and manifest_intact(entry)
 
 
+@pytest.mark.slow
 def test_tokenizer_name_from_s3_needs_no_config_json(s3, small_model, local_completion, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         s3.upload_file(str(small_model / name), BUCKET, f"tokenizer-only/{name}")
@@ -183,6 +185,7 @@ def test_tokenizer_name_from_s3_needs_no_config_json(s3, small_model, local_comp
     assert len(cache_entries(tmp_path)) == 2
 
 
+@pytest.mark.slow
 def test_handler_process_serves_model_name_from_moto_server(served_s3, local_completion, tmp_path):
     """The worker as deployed: handler.py in its own process, configured only by environment variables."""
     from engine.cpu import native_kernels
@@ -379,6 +382,7 @@ def _bytes_in(folder: Path) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_crash_mid_download_leaves_no_complete_looking_folder(served_s3, small_model, tmp_path):
     served_s3.bytes_per_s = 2 * 2**20
     go = tmp_path / "go"
@@ -406,6 +410,7 @@ def test_crash_mid_download_leaves_no_complete_looking_folder(served_s3, small_m
     assert not scratch[0].exists()  # the next builder cleared the dead one's leftovers
 
 
+@pytest.mark.slow
 def test_two_processes_starting_together_download_once(served_s3, small_model, tmp_path):
     served_s3.bytes_per_s = 4 * 2**20  # a download of a few seconds: the second process arrives during it
     go = tmp_path / "go"
@@ -461,6 +466,7 @@ def test_jobs_fail_with_the_load_error_instead_of_hanging(s3, tmp_path):
         assert uri in body["error"]["message"] and "no objects under prefix" in body["error"]["message"]
 
 
+@pytest.mark.slow
 def test_deploy_mode_exits_with_one_line_naming_the_uri(served_s3, tmp_path):
     uri = f"s3://{BUCKET}/missing"
     result = subprocess.run([sys.executable, "handler.py"], cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -475,6 +481,7 @@ def test_deploy_mode_exits_with_one_line_naming_the_uri(served_s3, tmp_path):
 # ---------------------------------------------------------------- baked models
 
 
+@pytest.mark.slow
 def test_baked_model_loads_with_no_network_call(served_s3, small_model, local_completion, tmp_path, monkeypatch):
     baked = tmp_path / "baked"
     # What the Dockerfile runs at build time.

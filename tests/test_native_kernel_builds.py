@@ -50,6 +50,7 @@ def test_the_best_variant_whose_instructions_the_cpu_has_is_chosen():
     assert native_kernels.build_name(AVX512_VNNI) != native_kernels.build_name(AVX2)
 
 
+@pytest.mark.slow
 @x86_only
 def test_a_cpu_without_the_builds_instructions_serves_through_pytorch(monkeypatch, caplog):
     """A CPU lacking AVX-512 never loads the AVX-512 build, even where that build sits in the build folder (as on a
@@ -103,6 +104,7 @@ def test_the_avx2_build_has_no_avx512_instructions_and_passes_its_check():
     assert native_kernels.self_check(kernels) == ""
 
 
+@pytest.mark.slow
 @x86_only
 @pytest.mark.skipif(not shutil.which("qemu-x86_64"), reason="needs qemu-user (Debian: apt-get install qemu-user)")
 def test_an_emulated_cpu_without_avx512_loads_and_checks_the_avx2_build():
@@ -156,6 +158,7 @@ def _kill_session(session: int) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_start_killed_during_the_build_never_blocks_the_next(tmp_path):
     """A start killed (with its compiler, as a container stop kills them) in the middle of the build: the next
     start builds, loads and checks the kernels within the bound."""
@@ -181,6 +184,7 @@ def test_a_start_killed_during_the_build_never_blocks_the_next(tmp_path):
     print(f"the start after the kill took {time.monotonic() - started:.0f} s")
 
 
+@pytest.mark.slow
 def test_a_start_waits_for_a_live_build_at_most_the_bound_and_says_for_whom(tmp_path, monkeypatch, caplog):
     """Another process holds the build (it is compiling): the start logs whom it waits for, gives up at the bound
     and serves through PyTorch's operations."""
@@ -210,6 +214,7 @@ def test_a_start_waits_for_a_live_build_at_most_the_bound_and_says_for_whom(tmp_
     assert not list(root.glob("*.so"))
 
 
+@pytest.mark.slow
 def test_every_path_to_the_same_sources_and_venv_shares_one_build(tmp_path):
     """The checkout and the venv reached through symlinks (another path to the same files, as a mounted or
     linked install is): each start loads the same build file without compiling, in either order, so no two paths

@@ -429,6 +429,7 @@ class _Counting:
         return counted
 
 
+@pytest.mark.slow
 def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(caplog, monkeypatch):
     """Batched decode rows of different lengths (several attention buckets) and a prompt chunked into a decode
     step: greedy tokens through the kernels equal those through PyTorch's operations (NATIVE_KERNELS=off). The

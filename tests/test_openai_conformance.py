@@ -598,6 +598,7 @@ def persona_client():
         process.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_chat_template_kwargs_reach_the_template(client, persona_client):
     default = chat(persona_client, max_tokens=8)
     assert default.choices[0].message.content == PARIS_ANSWER  # the same prompt as the model's own template

@@ -286,6 +286,7 @@ def _serve_batched(engine, rows: list[list[int]]):
         engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_a_quantized_checkpoint_serves_the_dequantized_models_tokens(fmt, tmp_path, tokenizer_folder):
     from transformers import AutoModelForCausalLM
@@ -343,6 +344,7 @@ def round_activations_to_bytes(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (largest.double() / 127)).reshape(x.shape)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sym", [True, False], ids=["symmetric", "zero-points"])
 def test_eight_bit_activations_serve_the_tokens_of_their_arithmetic(sym, tmp_path, tokenizer_folder):
     """QUANTIZED_ACTIVATIONS=int8 on a GPTQ 4-bit checkpoint: every layer multiplies 8-bit activations (as
@@ -1088,6 +1090,7 @@ def _write_gguf(tmp_path, types: dict, second_layer: dict, embeddings: str = "Q6
     return folder
 
 
+@pytest.mark.slow
 def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
@@ -1113,6 +1116,7 @@ def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatc
     assert served.compact is not None, served.compact_reason
 
 
+@pytest.mark.slow
 def test_a_bfloat16_gguf_model_reads_every_block_type_from_the_file(tmp_path, monkeypatch):
     """A file like llama.cpp's Q4_K_M of a model whose rows do not divide into 256 (mostly Q5_0, Q8_0 where it
     keeps more bits, Q8_0 tied embeddings) loads as bfloat16: every one of its layers, Q4_1 / Q8_0 included,
@@ -1143,6 +1147,7 @@ def test_a_bfloat16_gguf_model_reads_every_block_type_from_the_file(tmp_path, mo
     assert served.model.lm_head.source == "lm_head (GGUF Q8_0)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["bitsandbytes-nf4-b64-double-quant", "gptq-4bit-g32-desc-act"])
 def test_a_quantized_base_serves_its_lora_adapter(fmt, tmp_path, tokenizer_folder):
     """QLoRA's deployment: a 4-bit checkpoint (NF4; GPTQ with act order, whose q/k/v stay separate products side

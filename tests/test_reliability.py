@@ -9,6 +9,8 @@ import sys
 import time
 import urllib.request
 
+import pytest
+
 from conftest import MODEL, ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -20,11 +22,13 @@ def health(gateway_url: str) -> dict:
         return json.loads(response.read())
 
 
+@pytest.mark.slow
 def test_short_soak_loses_nothing(gateway_url):
     result = asyncio.run(soak.soak(gateway_url, requests=40, concurrency=8))
     assert result["failures"] == 0, result["first_failures"]
 
 
+@pytest.mark.slow
 def test_cancellation_storm_leaves_nothing_behind(gateway_url, client):
     from openai import AsyncOpenAI
 
@@ -79,6 +83,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 def test_device_failure_fails_the_job_then_exits():
     result = subprocess.run([sys.executable, "-c", _DEVICE_FAILURE], cwd=ROOT, capture_output=True, text=True,
                             timeout=240)
@@ -88,6 +93,7 @@ def test_device_failure_fails_the_job_then_exits():
     assert "device failure" in result.stderr
 
 
+@pytest.mark.slow
 def test_startup_failure_exits_with_one_clear_line(tmp_path):
     env = {**os.environ, "RUNPOD_WEBHOOK_GET_JOB": "http://127.0.0.1:9/unused", "MODEL_NAME": str(tmp_path / "missing")}
     result = subprocess.run([sys.executable, "handler.py"], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -50,6 +50,7 @@ def test_bad_words_hold_in_beam_search(engine):
     assert all(banned not in c["ids"] for c in result["choices"])
 
 
+@pytest.mark.slow
 def test_priority_orders_admission_when_requests_wait():
     """One sequence at a time: while the first request runs, a later request with a lower priority value is
     admitted before an earlier one with a higher value."""

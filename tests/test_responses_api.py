@@ -413,6 +413,7 @@ def parsing_url():
 THINKING = {"structured_outputs": {"regex": r"<think>[a-z ]{1,12}</think>\nParis"}}
 
 
+@pytest.mark.slow
 def test_reasoning_comes_back_as_reasoning_items(parsing_url):
     client = openai.OpenAI(base_url=parsing_url, api_key="unused", max_retries=0, timeout=300)
     whole = create(client, input=QUESTION, extra_body=THINKING, max_output_tokens=20)
@@ -445,6 +446,7 @@ def test_reasoning_effort_reaches_the_chat_template(parsing_url):
     assert effort.reasoning.effort == "high"
 
 
+@pytest.mark.slow
 def test_openai_agents_tool_loop(parsing_url):
     """The openai-agents SDK drives a tool loop over the Responses API: a forced call with parsed arguments, the
     tool's result sent back as a function_call_output item, and a final answer (gibberish, on a 135M model)."""

@@ -51,6 +51,7 @@ def _run_batch(engine, prompts, params, tag):
     return asyncio.run(together())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["ngram_engine", "draft_engine"])
 def test_greedy_speculation_equals_plain_decoding(worker, request, which):
     engine = request.getfixturevalue(which)
@@ -79,6 +80,7 @@ def test_greedy_speculation_equals_plain_decoding(worker, request, which):
     assert engine.engine.stats()["speculative_proposed_tokens"] - before <= 28
 
 
+@pytest.mark.slow
 def test_sampled_speculation_keeps_the_distribution(worker, ngram_engine):
     """Many samples of a short continuation of a repetitive text (prompt lookup guesses most tokens): with and
     without speculation each position's token follows the same distribution (a two-sample chi-square test;
@@ -193,6 +195,7 @@ def test_draft_length_follows_each_sequences_acceptance():
     assert lengths.length(1, 4) == 2  # a new sequence starts from even odds: guesses kept 1/2, 1/4 > 0.2
 
 
+@pytest.mark.slow
 def test_speculating_engine_switches_modes_and_keeps_greedy_output(worker):
     prompt = chat_ids(worker.engine, ECHO[0])
     plain = asyncio.run(generate(worker.engine, "plain-adaptive", prompt, greedy(32)))["choices"][0]["ids"]

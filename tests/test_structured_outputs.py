@@ -278,6 +278,7 @@ HERMES_OUTPUT = (r'<think>[a-z ]{1,12}</think>\n<tool_call>\n\{"name": "get_weat
                  r'\{"city": "Paris", "unit": "celsius"\}\}\n</tool_call>')
 
 
+@pytest.mark.slow
 def test_auto_tool_choice_and_reasoning_parse_the_models_output(parsing_client):
     body = {"guided_regex": HERMES_OUTPUT}
     whole = chat(parsing_client, WEATHER_Q, tools=[WEATHER_TOOL], extra_body=body).choices[0]
@@ -316,6 +317,7 @@ FEW_SHOT = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistan
             {"role": "user", "content": "Weather in Rome?"}]
 
 
+@pytest.mark.slow
 def test_strict_tools_under_auto_tool_choice_are_enforced(parsing_client):
     """tool_choice auto leaves the model free to answer or call, and a strict tool's calls match its schema.
     Measured without strict on these four seeds, the embedded model calls the tool every time and invents
@@ -345,6 +347,7 @@ def test_strict_tools_under_auto_tool_choice_are_enforced(parsing_client):
     assert "strict tools" in message
 
 
+@pytest.mark.slow
 def test_a_tool_schema_that_recurses_without_end_is_a_400_that_says_so(client):
     """A required property that refers to itself admits no finite value: the grammar engine gives up at the first
     tokens. That is the request's doing, so a short 400 instead of a 500 carrying the parser's state dump."""

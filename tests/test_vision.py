@@ -114,6 +114,7 @@ def with_images(messages, urls: dict[str, str]) -> list[dict]:
             for m in messages]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tokens_equal_generate(family, folders, monkeypatch, tmp_path):
     worker = Worker(monkeypatch, tmp_path, MODEL_NAME=str(folders[family]), DTYPE="float32")
@@ -142,6 +143,7 @@ def test_greedy_tokens_equal_generate(family, folders, monkeypatch, tmp_path):
     assert worker.job(chat_job(text_only))["choices"][0]["token_ids"] == reference.tokens(text_only, [])[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llava", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_concurrent_image_and_text_requests_batch_and_each_equals_generate(family, folders, monkeypatch, tmp_path):
     """LLaVA's, Mistral 3's, Qwen2-VL's and Qwen2.5-VL's decoders run batched on the paged engine, each Qwen
@@ -235,6 +237,7 @@ def _error(out: dict, param: str, *words: str) -> None:
         assert word in error["message"], error
 
 
+@pytest.mark.slow
 def test_bad_images_fetch_limits_and_the_limit_per_prompt_are_400s_naming_the_part(folders, monkeypatch, tmp_path):
     small = picture(5, (8, 8))
     server = _serve(encoded(small))
@@ -283,6 +286,7 @@ def test_bad_images_fetch_limits_and_the_limit_per_prompt_are_400s_naming_the_pa
         server.shutdown()
 
 
+@pytest.mark.slow
 def test_official_clients_over_http_chat_responses_messages_and_tokenize(folders):
     import anthropic
     import httpx
@@ -334,6 +338,7 @@ def test_official_clients_over_http_chat_responses_messages_and_tokenize(folders
         stop_gateway(process)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llava", "mistral3", "qwen2_vl"])
 def test_prefix_cache_reuses_an_image_in_a_later_turn_and_never_a_different_image(family, folders, monkeypatch,
                                                                                   tmp_path):
@@ -361,6 +366,7 @@ def test_prefix_cache_reuses_an_image_in_a_later_turn_and_never_a_different_imag
         assert (hits() > before) == cached, (later, hits() - before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llava_next", "mistral3", "qwen2_vl", "qwen2_5_vl"])
 def test_prompt_chunks_that_split_an_image_block_equal_generate(family, folders, monkeypatch, tmp_path):
     """Prompts prefilled 16 tokens at a time, so a chunk ends inside an image's block of tokens (for Mistral 3, a
@@ -382,6 +388,7 @@ def test_prompt_chunks_that_split_an_image_block_equal_generate(family, folders,
     assert isinstance(worker.engine.engine, Engine)
 
 
+@pytest.mark.slow
 def test_qwen2_vl_requests_preempted_and_recomputed_equal_generate(folders, monkeypatch, tmp_path):
     """A KV cache of 128 tokens (8 blocks) for five image requests of about 75 tokens each: some are preempted and
     recomputed, generated tokens included, whose rotary positions run on from the prompt's (index plus the
@@ -421,6 +428,7 @@ def test_qwen2_vl_requests_preempted_and_recomputed_equal_generate(folders, monk
             assert got["logprob"] == pytest.approx(logprob, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_detail_low_shows_the_processor_a_512_pixel_view_and_tokenize_counts_its_image_tokens(folders, monkeypatch,
                                                                                              tmp_path):
     """Qwen2-VL's image-token count follows the picture's size: `detail: low` on a 640x480 picture is its
@@ -458,6 +466,7 @@ def test_detail_low_shows_the_processor_a_512_pixel_view_and_tokenize_counts_its
     _error(bad, "messages[0].content[0].image_url.detail", "auto, low or high")
 
 
+@pytest.mark.slow
 def test_a_qwen2_vl_folder_saved_with_its_video_processor_is_served(folders, monkeypatch, tmp_path):
     """A Qwen2-VL folder as transformers saves the full processor (the video processor's settings in
     processor_config.json and video_preprocessor_config.json, which need torchvision to load): the worker loads
@@ -478,6 +487,7 @@ def test_a_qwen2_vl_folder_saved_with_its_video_processor_is_served(folders, mon
     assert (out["prompt_token_ids"], out["choices"][0]["token_ids"]) == reference.tokens(as_reference(ONE), [a])
 
 
+@pytest.mark.slow
 def test_an_image_is_encoded_on_a_thread_that_ends_with_it(folders, monkeypatch, tmp_path):
     """The encoder's torch work runs beside the engine on a thread that ends with it: a thread that ran parallel
     torch work keeps an OpenMP team while it lives, and once a process holds more OpenMP threads than cores libgomp
