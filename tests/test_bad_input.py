@@ -617,6 +617,7 @@ RESPONSES_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(RESPONSES_CASES))
 def test_malformed_responses_body_in_process_and_over_http(worker, gateway_url, case):
     make, status, words, param = RESPONSES_CASES[case]

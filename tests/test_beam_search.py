@@ -133,6 +133,7 @@ def test_group_beam_search_is_diverse_and_matches_its_definition(engine, referen
     assert got == reference_beam_search(reference, ids, 4, 2, 1.5, 10, eos)[:4]
 
 
+@pytest.mark.slow
 def test_beam_search_keeps_stop_strings_and_min_tokens(engine):
     ids = chat_ids(engine, PROMPTS[0])
     free = asyncio.run(generate(engine, "free", ids, beams(2, 2, 12)))["choices"][0]

@@ -38,6 +38,7 @@ def test_passthrough_template_gives_the_plain_completion(plain_model, tmp_path, 
     assert_same_generation(worker.chat(TEXT), worker.complete(TEXT))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content", [
     TEXT,
     "{{ 7*7 }}",
@@ -54,6 +55,7 @@ def test_custom_template_replaces_the_models_own_and_content_stays_text(template
     assert_same_generation(custom.chat(content), custom.complete(content))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template", [
     "{{ messages.__class__.__mro__[-1].__subclasses__() }}",
     "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
@@ -91,6 +93,7 @@ def test_invalid_custom_template_stops_start_up(monkeypatch):
     assert load_settings().custom_chat_template.startswith("{% for m")
 
 
+@pytest.mark.slow
 def test_reasoning_effort_reaches_the_template_and_audio_is_refused(plain_model, tmp_path, monkeypatch):
     """reasoning_effort is a template variable (gpt-oss templates read it), as vLLM passes it; what a text model
     cannot do (audio out, web search) is a 400 instead of being ignored."""

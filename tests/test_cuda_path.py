@@ -63,6 +63,7 @@ def served(engine: AsyncEngine, rows: list[list[int]]) -> list[list[int]]:
     return [choices[0] for choices in asyncio.run(batched())]
 
 
+@pytest.mark.slow
 def test_the_simulated_cuda_path_serves_transformers_greedy_tokens_in_float32(model_folder):
     from transformers import AutoModelForCausalLM
 
@@ -78,6 +79,7 @@ def test_the_simulated_cuda_path_serves_transformers_greedy_tokens_in_float32(mo
         engine.close()
 
 
+@pytest.mark.slow
 def test_the_simulated_cuda_path_runs_bfloat16_and_agrees_with_transformers(model_folder):
     """DTYPE=auto takes bfloat16 as on a GPU. Its greedy tokens are transformers' own in bfloat16, except where a
     choice is a near-tie in float32 (bfloat16 keeps 8 bits of mantissa; the engine sums in another order)."""
@@ -153,6 +155,7 @@ def test_a_hybrid_model_keeps_its_state_slots_in_the_simulated_memory(tmp_path, 
     assert few_seqs - many_seqs >= 56 * per_slot // per_block
 
 
+@pytest.mark.slow
 def test_a_fallback_model_on_the_simulated_cuda_path(tmp_path, tokenizer_folder):  # noqa: F811
     """BLOOM (its attention does not dispatch through the engine's) is served by the fallback path on the
     simulated CUDA path too, exactly, with the sampler's CUDA ways."""

@@ -84,6 +84,7 @@ def test_the_decode_stack_computes_the_layer_paths_logits(family, dtype, quantiz
         engine.close()
 
 
+@pytest.mark.slow
 def test_layers_the_stack_does_not_cover_keep_the_layer_path(tmp_path, tokenizer_folder):
     """Qwen3 normalises each query and key head before the rotary embedding, which the stack does not: its
     decode steps go layer by layer through the same kernels."""
@@ -100,6 +101,7 @@ def test_layers_the_stack_does_not_cover_keep_the_layer_path(tmp_path, tokenizer
         engine.close()
 
 
+@pytest.mark.slow
 def test_a_stack_that_differs_is_caught_at_start_up(tmp_path, tokenizer_folder, monkeypatch, caplog):
     """The start-up probe has a step of decode rows alone, which the stack serves: a stack computing slightly
     differently fails the check of the native-kernel path, and the compact forward runs without the kernels."""

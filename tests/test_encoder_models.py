@@ -169,6 +169,7 @@ ST_MODULES = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers
               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
 
 
+@pytest.mark.slow
 def test_plain_encoder_embeds_with_its_sentence_transformers_pooling(tmp_path, cross_encoder):
     tokenizer = cross_encoder[2]
     model = _plain_encoder(tmp_path / "encoder", tokenizer, ST_MODULES)  # mean pooling, no Normalize module
@@ -190,6 +191,7 @@ def test_plain_encoder_embeds_with_its_sentence_transformers_pooling(tmp_path, c
         engine.close()
 
 
+@pytest.mark.slow
 def test_a_sentence_transformers_module_the_worker_cannot_run_is_a_400(tmp_path, cross_encoder):
     dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
     _plain_encoder(tmp_path / "encoder", cross_encoder[2], ST_MODULES + [dense])

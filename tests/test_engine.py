@@ -57,6 +57,7 @@ def test_engine_matches_transformers_generate(engine, worker):
     assert len(chat_ids(engine, long_text)) > 2 * engine.config.max_num_batched_tokens
 
 
+@pytest.mark.slow
 def test_parameters_do_not_leak_across_a_batch(engine):
     ids = [chat_ids(engine, p) for p in PROMPTS[:5]]
     cases = [
@@ -226,6 +227,7 @@ def test_prefix_cache_reuses_prompt_blocks(engine):
     assert_same_greedy(first["choices"][0], second["choices"][0]["ids"])
 
 
+@pytest.mark.slow
 def test_a_failing_request_fails_alone(engine, monkeypatch):
     """A fault inside generation for one request (injected into its sampling) fails that request only."""
     from engine.sampling.sampler import Sampler

@@ -48,6 +48,7 @@ def test_chat_completion_names_paris(worker):
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
+@pytest.mark.slow
 def test_stream_matches_non_stream_and_batches_grow(worker):
     request = {**PARIS_REQUEST, "messages": [{"role": "user", "content": "Name three colors of the rainbow."}],
                "max_tokens": 40, "ignore_eos": True}
@@ -124,6 +125,7 @@ def test_legacy_messages_form_uses_chat_template(worker):
     assert templated["choices"][0]["tokens"] == body["choices"][0]["tokens"]
 
 
+@pytest.mark.slow
 def test_legacy_default_max_tokens_is_100(worker):
     (body,) = run_job({"prompt": "Count from one to a thousand:", "sampling_params": {"temperature": 0,
                                                                                      "ignore_eos": True}})
@@ -217,6 +219,7 @@ def test_rp_serve_api_runsync_returns_output():
         process.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_deploy_mode_starts_sdk_with_async_generator_handler(worker, monkeypatch):
     import inspect
 

@@ -193,6 +193,7 @@ MESSAGE_SHAPES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", MESSAGE_SHAPES)
 def test_large_messages_bodies_cost_a_small_multiple_of_their_size(worker, shape):
     body = MESSAGE_SHAPES[shape]

@@ -82,6 +82,7 @@ def test_other_choices_are_honoured_and_serve(tmp_path, tokenizer_folder, caplog
         engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("float32_under_auto")
 def test_a_model_whose_values_overflow_float16_keeps_float32(tmp_path, tokenizer_folder, caplog):  # noqa: F811
     """Values past float16's range would saturate at 65504 in the cache: the start-up probe sees the logits move,
@@ -104,6 +105,7 @@ def test_a_model_whose_values_overflow_float16_keeps_float32(tmp_path, tokenizer
         engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("float32_under_auto")
 def test_a_float16_cache_serves_a_tiny_model_as_transformers_does(tmp_path, tokenizer_folder):  # noqa: F811
     """The same tiny Llama without the outlying values keeps the float16 cache, and greedy tokens stay those of

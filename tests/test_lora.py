@@ -97,6 +97,7 @@ def test_adapters_alone_and_mixed_match_peft_merged(model_type, tmp_path, tokeni
     check_family(model_type, FAST_FAMILIES[model_type], tmp_path, tokenizer_folder)
 
 
+@pytest.mark.slow
 def test_speculation_and_beam_search_combine_with_adapters(tmp_path, tokenizer_folder):
     """Speculation (the base drafting, the adapter verifying) keeps the adapter's greedy tokens, and beam search
     with an adapter equals transformers' beam search on the merged model (structured outputs: the API test)."""
@@ -354,6 +355,7 @@ def test_unsupported_adapter_kinds_are_refused(option, why, tmp_path, tokenizer_
     assert registry.names() == []
 
 
+@pytest.mark.slow
 def test_lora_settings_are_checked(monkeypatch):
     from worker.settings import SettingsError, load_settings
 

@@ -74,6 +74,7 @@ def test_family_matches_transformers(model_type, tmp_path, tokenizer_folder):
         engine.close()
 
 
+@pytest.mark.slow
 def test_comparison_fails_when_a_layer_is_perturbed(tmp_path, tokenizer_folder):
     """The comparison above can fail: a small change to one layer's output in the served model is caught."""
     model = build_model("mistral", FAST_FAMILIES["mistral"], tmp_path, tokenizer_folder)
@@ -111,6 +112,7 @@ def _raises(layer_call):
     return call
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, reason", [
     (_differs, "its logits differ from the model's own forward"),
     (_raises, "it failed on this model (RuntimeError: shapes do not broadcast)")])
@@ -134,6 +136,7 @@ def test_a_compact_forward_that_differs_is_not_used(change, reason, tmp_path, to
         engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", [_differs, _raises])
 def test_a_native_kernel_path_that_differs_falls_back_to_the_compact_forward_without_it(
         change, tmp_path, tokenizer_folder, monkeypatch, caplog):
@@ -288,6 +291,7 @@ def _serve_on_fallback(model_type: str, tmp_path, tokenizer_folder, caplog, reas
         engine.close()
 
 
+@pytest.mark.slow
 def test_fallback_log_lines_carry_the_job_id(tmp_path, tokenizer_folder, monkeypatch):
     """A request failing on the fallback loop's thread (a fault injected into its sampling) is logged inside
     its job's context, as on the paged engine, so the line names the job."""
@@ -383,6 +387,7 @@ def test_a_fallback_model_over_the_api(tmp_path, tokenizer_folder):
         process.wait(timeout=30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["lfm2", "mamba"])
 def test_a_model_the_start_up_probe_rejects_is_served_on_the_fallback(model_type, tmp_path, tokenizer_folder,
                                                                        monkeypatch, caplog):
@@ -398,6 +403,7 @@ def test_a_model_the_start_up_probe_rejects_is_served_on_the_fallback(model_type
                        lambda model: "the paged engine cannot run it", HYBRID_FAMILIES)
 
 
+@pytest.mark.slow
 def test_a_model_that_keeps_its_state_in_its_modules_is_served_on_the_fallback(tmp_path, tokenizer_folder, caplog):
     """RecurrentGemma keeps its recurrent state in its own modules, outside any cache: the start-up probe sees a
     stateful model that left no state in the cache and picks the fallback, which (as the model hands back no

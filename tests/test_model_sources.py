@@ -225,6 +225,7 @@ def test_second_start_uses_the_cache_without_any_network_call(served_s3, small_m
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.slow
 def test_revision_label_keys_the_cache(s3, tmp_path):
     default = resolve(URI, tmp_path)
     labelled = resolve(URI, tmp_path, revision="v2")
@@ -246,6 +247,7 @@ def test_damaged_cache_entry_is_downloaded_again(s3, small_model, tmp_path, capl
 # ---------------------------------------------------------------- failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("uri, setup, cause", [
     ("s3://no-such-bucket/small", None, "the bucket does not exist"),
     (f"s3://{BUCKET}/missing", None, "no objects under prefix 'missing/' in bucket models"),
@@ -263,6 +265,7 @@ def test_unusable_sources_fail_with_the_uri_and_cause(s3, tmp_path, uri, setup, 
     assert cache_entries(tmp_path) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key, reason", [
     ("evil/../escaped.txt", "contains '..'"),
     ("evil/sub/../../../escaped.txt", "contains '..'"),
@@ -300,6 +303,7 @@ def s3_with_auth(s3, monkeypatch):
     yield keys
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("who, cause", [
     ("unknown key", "the access key id is not known"),
     ("wrong secret", "the secret access key does not match"),
@@ -342,6 +346,7 @@ def test_unreachable_endpoint_fails_fast(aws_env, tmp_path, monkeypatch):
     assert URI in message and endpoint in message and "network error" in message
 
 
+@pytest.mark.slow
 def test_network_failure_mid_download_leaves_nothing_behind(served_s3, small_model, tmp_path):
     served_s3.cut_after = 4 * 2**20  # part-way through the 18 MB weights file
     with pytest.raises(ModelSourceError) as failure:
@@ -500,6 +505,7 @@ def test_baked_model_loads_with_no_network_call(served_s3, small_model, local_co
     assert attempts == [] and not cache.exists()
 
 
+@pytest.mark.slow
 def test_baked_record_applies_only_to_its_source_and_revision(served_s3, tmp_path):
     baked = tmp_path / "baked"
     from engine.sources.prefetch import main as prefetch

@@ -90,6 +90,7 @@ def _greedy(engine: AsyncEngine, ids: list[int]) -> list[int]:
     return asyncio.run(run())
 
 
+@pytest.mark.slow  # compiles the avx2 build where the build folder lacks it
 @x86_only
 @pytest.mark.skipif(not shutil.which("objdump"), reason="needs objdump")
 def test_the_avx2_build_has_no_avx512_instructions_and_passes_its_check():

@@ -474,6 +474,7 @@ def test_the_embedded_model_serves_the_same_tokens_with_and_without_the_kernels(
         assert prefills["auto"] > 0 and prefills["words"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prompt_chunks_of_a_16_bit_model_attend_through_the_prefill_kernel(tmp_path, tokenizer_folder, monkeypatch,
                                                                            dtype):

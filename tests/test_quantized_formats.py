@@ -397,6 +397,7 @@ def test_eight_bit_activations_serve_the_tokens_of_their_arithmetic(sym, tmp_pat
     assert served.compact is not None, served.compact_reason
 
 
+@pytest.mark.slow
 def test_eight_bit_activations_where_nothing_takes_them_are_refused(tmp_path, tokenizer_folder):
     """A setting that would change nothing (a dense model) or an unknown value stops the start with one line
     naming it."""
@@ -428,6 +429,7 @@ def round_to_nearest(w: torch.Tensor, method: str) -> torch.Tensor:
     return (torch.round((blocks - lo) / d).clamp(0, 15) * d + lo).view_as(w)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantization_at_load_serves_the_rounded_weights(method, tmp_path, tokenizer_folder):
     model = dense_llama(tmp_path, tokenizer_folder, seed=1)
@@ -470,6 +472,7 @@ def _refused(folder, match: str, **kw) -> str:
     return message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config,match", [
     ({"bits": 3}, "GPTQ with 3-bit weights is not supported"),
     ({"group_size": 16}, "GPTQ group_size 16 is not supported"),
@@ -510,6 +513,7 @@ def test_a_packed_weight_of_another_shape_than_its_layer_is_refused(tmp_path, to
                      "layer")
 
 
+@pytest.mark.slow
 def test_quantization_must_match_the_checkpoint(tmp_path, tokenizer_folder):
     folder = _gptq_folder(tmp_path, tokenizer_folder)
     _refused(folder, "QUANTIZATION=awq but the checkpoint is gptq", quantization="awq")

@@ -103,6 +103,7 @@ def test_startup_failure_exits_with_one_clear_line(tmp_path):
     assert len(lines) == 1 and str(tmp_path / "missing") in lines[0], result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_gateway_streams_tokens_as_they_are_produced(client, gateway_url):
     """The first token reaches the client while its request is still generating in the engine, and the tokens
     arrive in separate chunks: nothing is buffered to the end."""

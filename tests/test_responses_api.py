@@ -438,6 +438,7 @@ def test_reasoning_comes_back_as_reasoning_items(parsing_url):
     assert again.usage.input_tokens == by_hand.usage.input_tokens
 
 
+@pytest.mark.slow
 def test_reasoning_effort_reaches_the_chat_template(parsing_url):
     client = openai.OpenAI(base_url=parsing_url, api_key="unused", max_retries=0, timeout=300)
     plain = create(client, input=QUESTION, max_output_tokens=1)

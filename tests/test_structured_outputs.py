@@ -301,6 +301,7 @@ def test_auto_tool_choice_and_reasoning_parse_the_models_output(parsing_client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.slow
 def test_structured_output_applies_to_the_answer_after_thinking(parsing_client):
     # The grammar starts after </think>, so the thinking is free and the answer matches; SmolLM2 has no
     # <think> token, so here the grammar constrains from the first token and the reply has no thinking.

@@ -275,6 +275,7 @@ def test_strict_call_grammar_takes_a_json_answer_or_calls(llg_tokenizer):
     assert tool_parsers.PARSERS["pythonic"]().call_grammar(CALLS, None, None) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,body", [("hermes", "\n{call}\n</tool_call>"), ("mistral", "[{call}]")])
 def test_strict_call_grammar_opens_calls_at_a_special_token_marker(llg_tokenizer, name, body):
     """Where the tokenizer has the format's marker as one special token, the grammar names it by id (here the
