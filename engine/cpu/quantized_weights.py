@@ -170,9 +170,9 @@ def _exact_blocks(model: torch.nn.Module, kernels, words: bool, limit: int | Non
 def gguf_block_share(path) -> float:
     """The share of a GGUF file's tensor bytes stored in the block types the product multiplies from (Q4_1, Q8_0),
     read from the file's header: a model mostly in other types (Q4_K, ...) would find few exact blocks."""
-    import gguf
+    from engine.quantization import gguf_header
 
-    sizes = [(tensor.tensor_type.name, int(tensor.n_bytes)) for tensor in gguf.GGUFReader(path).tensors]
+    sizes = [(tensor.tensor_type.name, tensor.n_bytes) for tensor in gguf_header.read(path)[1]]
     total = sum(size for _, size in sizes)
     return sum(size for name, size in sizes if name in _FORMATS.values()) / total if total else 0.0
 

@@ -124,14 +124,15 @@ def gguf_layers(model: torch.nn.Module, path: Path, types: tuple[str, ...]) -> i
     the loaded type's rounding; the query and key rows in llama's order tried too). Returns how many."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    arch_name = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    from engine.quantization import gguf_header
+
+    arch_name, file_tensors = gguf_header.read(path)
     arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name), None)
     if arch is None:
         return 0
     config = model.config
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in file_tensors}
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is model.get_input_embeddings().weight
     replaced, kept = 0, {}
