@@ -47,9 +47,10 @@ def close_started() -> None:
 
 def _share_builds(base: Path, default_model: bool) -> None:
     """A fresh BASE_PATH with the default one's CPU kernel builds and (for the embedded default model) its GGUF
-    conversion linked in, as test_cold_start links them: neither the compiler (about a minute, where no earlier
-    load in the process found the build) nor the conversion (17 s) is what a test of a Worker is about. Both are
-    named by what they are made from, so a linked one is the one that would be made."""
+    conversion and start-up verdicts linked in, as test_cold_start links the first two: neither the compiler,
+    the conversion nor the start-up probes' timings (seconds a start) are what a test of a Worker is about. Each
+    is named by what it is made from (a verdict by the CPU, model, versions and engine sources), so a linked one
+    is the one that would be made; test_cold_start covers probing and reusing them."""
     from engine.config import EngineConfig
     from engine.cpu import native_kernels
     from engine.loader import model_folder
@@ -62,6 +63,9 @@ def _share_builds(base: Path, default_model: bool) -> None:
     if default_model and not (base / "converted").exists():
         model_folder(EngineConfig(cache_dir=default))  # converted there once, by the first test that needs it
         (base / "converted").symlink_to(default / "converted", target_is_directory=True)
+    if default_model and not (base / "startup-verdicts").exists():
+        (default / "startup-verdicts").mkdir(parents=True, exist_ok=True)
+        (base / "startup-verdicts").symlink_to(default / "startup-verdicts", target_is_directory=True)
 
 
 class Worker:
