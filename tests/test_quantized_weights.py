@@ -354,6 +354,7 @@ def test_16_bit_activations_are_used_only_up_to_the_size_where_they_win(kernels,
             model.model(ids).last_hidden_state)[0, -1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # gguf.GGUFReader, the reference, takes seconds
 def test_the_gguf_header_reader_finds_what_ggufs_own_reader_finds():
     """engine/quantization/gguf_header.py reads the tensor table without GGUFReader's metadata parsing: every
     tensor's name, type, size and bytes (shaped alike) equal the gguf package's on the embedded model's file."""
