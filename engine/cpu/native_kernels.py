@@ -151,7 +151,7 @@ def build_name(variant: Variant) -> str:
 
 def build_dir(cache_dir: Path | str | None = None) -> Path:
     """Where builds are made and kept: $NATIVE_KERNELS_DIR, else <cache_dir>/native-kernels (the worker's
-    BASE_PATH), else BASE_PATH's default as worker/settings.py has it (the network volume when mounted)."""
+    BASE_PATH), else BASE_PATH's default as engine/settings.py has it (the network volume when mounted)."""
     if os.environ.get("NATIVE_KERNELS_DIR"):
         return Path(os.environ["NATIVE_KERNELS_DIR"])
     if cache_dir is None:
