@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import MODEL
 
@@ -17,6 +19,19 @@ def complete(client, prompt=PROMPT, **kwargs):
     kwargs.setdefault("max_tokens", 8)
     kwargs.setdefault("temperature", 0)
     return client.completions.create(model=MODEL, prompt=prompt, **kwargs)
+
+
+def metric_samples(root: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a gateway's /metrics page (root: its URL without /openai/v1), by name and labels."""
+    response = httpx.get(f"{root}/metrics", timeout=60)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(response.text) for s in family.samples}
+
+
+def metric_value(samples, name: str) -> float:
+    """A metric's value for the served model, summed over its other labels."""
+    return sum(v for (n, labels), v in samples.items() if n == name and dict(labels).get("model_name") == MODEL)
 
 
 def error_of(call) -> tuple[int, dict]:

@@ -19,6 +19,7 @@ import time
 import httpx
 import pytest
 
+from api_helpers import metric_samples, metric_value
 from conftest import run_job
 
 CHAT = "/v1/chat/completions"
@@ -63,12 +64,8 @@ def _in_process_engine_tokens() -> tuple[int, int]:
 
 def _gateway_engine_tokens(base: str) -> tuple[float, float]:
     """The gateway's prompt and generated token counters, from its Prometheus page."""
-    totals = {"vllm:prompt_tokens_total": 0.0, "vllm:generation_tokens_total": 0.0}
-    for line in httpx.get(base + "/metrics", timeout=60).text.splitlines():
-        name = line.partition("{")[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals["vllm:prompt_tokens_total"], totals["vllm:generation_tokens_total"]
+    samples = metric_samples(base)
+    return metric_value(samples, "vllm:prompt_tokens_total"), metric_value(samples, "vllm:generation_tokens_total")
 
 
 def job_error(job_input, job_id: str = "bad-input") -> dict:

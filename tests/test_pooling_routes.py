@@ -11,8 +11,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from api_helpers import metric_samples, metric_value
 from conftest import MODEL, run_job
 
 TEXT = "The capital of France is Paris."
@@ -194,34 +194,23 @@ def test_embeddings_do_not_disturb_a_running_generation(async_client):
 # ---------------------------------------------------------------- metrics, stats, request ids
 
 
-def _samples(root: str) -> dict[tuple[str, tuple], float]:
-    response = httpx.get(f"{root}/metrics", timeout=60)
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(response.text) for s in family.samples}
-
-
-def _value(samples, name: str) -> float:
-    return sum(v for (n, labels), v in samples.items() if n == name and dict(labels).get("model_name") == MODEL)
-
-
 def test_metrics_counters_grow_by_the_tokens_a_request_used(root, client):
     client.embeddings.create(model=MODEL, input="warm up")  # the model is loaded and labels exist
-    before = _samples(root)
+    before = metric_samples(root)
     reply = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0,
                                       extra_body={"ignore_eos": True})
-    after = _samples(root)
-    assert _value(after, "vllm:generation_tokens_total") - _value(before, "vllm:generation_tokens_total") == 5
-    assert _value(after, "vllm:prompt_tokens_total") - _value(before, "vllm:prompt_tokens_total") \
+    after = metric_samples(root)
+    assert metric_value(after, "vllm:generation_tokens_total") - metric_value(before, "vllm:generation_tokens_total") == 5
+    assert metric_value(after, "vllm:prompt_tokens_total") - metric_value(before, "vllm:prompt_tokens_total") \
         == reply.usage.prompt_tokens
     for histogram in ("vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
                       "vllm:request_queue_time_seconds", "vllm:e2e_request_latency_seconds"):
-        assert _value(after, histogram + "_count") - _value(before, histogram + "_count") == 1, histogram
-    assert _value(after, "vllm:time_to_first_token_seconds_sum") > _value(before, "vllm:time_to_first_token_seconds_sum")
+        assert metric_value(after, histogram + "_count") - metric_value(before, histogram + "_count") == 1, histogram
+    assert metric_value(after, "vllm:time_to_first_token_seconds_sum") > metric_value(before, "vllm:time_to_first_token_seconds_sum")
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert (gauge, (("model_name", MODEL),)) in after, gauge
     embedded = client.embeddings.create(model=MODEL, input=[TEXT, QUERY])
-    assert _value(_samples(root), "vllm:prompt_tokens_total") - _value(after, "vllm:prompt_tokens_total") \
+    assert metric_value(metric_samples(root), "vllm:prompt_tokens_total") - metric_value(after, "vllm:prompt_tokens_total") \
         == embedded.usage.prompt_tokens
 
 
