@@ -146,16 +146,11 @@ def _kill_session(session: int) -> None:
     """SIGKILL to every process of a session, as a container's stop kills all of them (killing the process group
     is not enough: ninja starts each compiler in a group of its own)."""
     for _ in range(3):  # a dying shell may still have started a child
-        for stat in Path("/proc").glob("[0-9]*/stat"):
+        for pid in _session_processes(session):
             try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == session:
-                try:
-                    os.kill(int(stat.parent.name), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         time.sleep(0.2)
 
 
