@@ -79,14 +79,17 @@ def read(path: Path) -> tuple[str, list[HeaderTensor]]:
     for _ in range(n_kv):
         key = cursor.string().decode("utf-8")
         kind = cursor.take("I")
-        metadata[key] = cursor.value(kind, keep=key in ("general.architecture", "general.alignment"))
+        value = cursor.value(kind, keep=key in ("general.architecture", "general.alignment"))
+        if value is not None:
+            metadata[key] = value
     infos = []
     for _ in range(n_tensors):
         name = cursor.string().decode("utf-8")
-        dims = cursor.take(f"{cursor.take('I')}Q")
-        dims = (dims,) if isinstance(dims, int) else dims
+        n_dims = cursor.take("I")
+        dims = struct.unpack_from(f"<{n_dims}Q", cursor.buffer, cursor.at)
+        cursor.at += 8 * n_dims
         kind, offset = cursor.take("IQ")
-        infos.append((name, tuple(dims), gguf.GGMLQuantizationType(kind), offset))
+        infos.append((name, dims, gguf.GGMLQuantizationType(kind), offset))
     alignment = metadata.get("general.alignment") or gguf.GGUF_DEFAULT_ALIGNMENT
     start = -(-cursor.at // alignment) * alignment
     tensors = []
