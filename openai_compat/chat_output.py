@@ -35,7 +35,7 @@ class ChatOutputParser:
         self.text = ""
         self._reasoning_sent = 0
         self._content_sent = 0
-        self._stream = ToolCallStream(max_calls)
+        self._stream = ToolCallStream(tools, max_calls)
 
     def _split(self, text: str, final: bool) -> Split:
         return self.reasoning.split(text, final) if self.reasoning is not None else Split(None, text)
@@ -46,7 +46,7 @@ class ChatOutputParser:
         if self.tools is None:
             return ParsedMessage(split.content, split.reasoning)
         scan = self.tools.scan(split.content, True)
-        calls = tool_calls_of(scan)
+        calls = tool_calls_of(scan, self.tools)
         if self.max_calls is not None:
             calls = calls[:self.max_calls]
         return ParsedMessage(final_content(scan), split.reasoning, calls)

@@ -14,6 +14,7 @@ class PartialCall:
     name: str | None  # None until the whole name has been written
     arguments: str  # the JSON text of the arguments so far
     complete: bool = False
+    id: str | None = None  # the call's id, where the format writes one
 
 
 @dataclass
@@ -145,7 +146,8 @@ def held_back(text: str, markers: tuple[str, ...]) -> int:
     return longest
 
 
-def scan_json_calls(text: str, i: int, final: bool, separators: str = ",;") -> tuple[list[PartialCall], bool]:
+def scan_json_calls(text: str, i: int, final: bool, separators: str = ",;", name_keys=("name",),
+                    argument_keys=("arguments", "parameters")) -> tuple[list[PartialCall], bool]:
     """Call objects one after another from text[i] (optionally in a JSON list), separated by `,` or `;`.
     Returns the calls and whether everything from i on was read as calls."""
     calls: list[PartialCall] = []
@@ -158,7 +160,7 @@ def scan_json_calls(text: str, i: int, final: bool, separators: str = ",;") -> t
             return calls, skip_ws(text, j + 1) == len(text)
         if text[j] != "{":
             return calls, False
-        call, end = scan_call_object(text, j, final)
+        call, end = scan_call_object(text, j, final, name_keys, argument_keys)
         if call is None:
             return calls, False
         calls.append(call)

@@ -2,8 +2,9 @@
 (`content`), for whole outputs and for streams.
 
 Two formats: thinking between `<think>` and `</think>` (Qwen3, DeepSeek-R1 and its distills, SmolLM3, GLM,
-...), and gpt-oss's harmony channels (`analysis` is thinking, `final` is the answer). The parser is named by
-REASONING_PARSER (vLLM's names) or recognised from the chat template.
+...; Seed-OSS, Command R7B, Hunyuan 3 and Gemma 4 with markers of their own), and gpt-oss's harmony channels
+(`analysis` is thinking, `final` is the answer). The parser is named by REASONING_PARSER (vLLM's names) or
+recognised from the chat template.
 """
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ from dataclasses import dataclass
 
 from .output_scan import held_back
 
-THINK_PARSERS = frozenset({"deepseek_r1", "qwen3", "deepseek_v3", "glm45", "seed_oss", "ernie45", "minimax_m2",
-                           "hunyuan_a13b", "think"})
+# Families whose thinking block has its own markers; every other name of THINK_PARSERS uses <think></think>.
+THINK_MARKERS = {"seed_oss": ("<seed:think>", "</seed:think>"),
+                 "command_r": ("<|START_THINKING|>", "<|END_THINKING|>"),
+                 "hy3": ("<think:opensource>", "</think:opensource>"),
+                 "gemma4": ("<|channel>thought", "<channel|>")}
+THINK_PARSERS = frozenset({"deepseek_r1", "qwen3", "deepseek_v3", "glm45", "ernie45", "minimax_m2",
+                           "hunyuan_a13b", "think", *THINK_MARKERS})
 HARMONY_PARSERS = frozenset({"openai_gptoss", "gpt_oss", "harmony"})
 NAMES = THINK_PARSERS | HARMONY_PARSERS
 
@@ -25,9 +31,28 @@ def parser_name_for(setting: str | None, chat_template: str | None) -> str | Non
     template = chat_template or ""
     if "<|channel|>" in template and "<|message|>" in template:
         return "openai_gptoss"
+    for name, (_, close) in THINK_MARKERS.items():
+        if close in template:
+            return name
     if "</think>" in template:
         return "think"
     return None
+
+
+_SAMPLE = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hello!"},
+           {"role": "user", "content": "Thanks."}]
+
+
+def recognise(setting: str | None, chat_template: str | None, render=None) -> str | None:
+    """parser_name_for, looking for the markers also in a conversation the template renders (`render`: messages
+    -> prompt text), since some templates build their markers in pieces (Hunyuan 3)."""
+    seen = chat_template or ""
+    if not setting and render is not None:
+        try:
+            seen += render(_SAMPLE, add_generation_prompt=True)
+        except Exception:  # a template that cannot render this is judged by its text alone
+            pass
+    return parser_name_for(setting, seen)
 
 
 @dataclass
@@ -55,9 +80,11 @@ class ReasoningParser:
 
 class ThinkParser(ReasoningParser):
     OPEN, CLOSE = "<think>", "</think>"
-    markers = (OPEN, CLOSE)
 
-    def __init__(self, prompt_text: str):
+    def __init__(self, prompt_text: str, markers: tuple[str, str] | None = None):
+        if markers is not None:
+            self.OPEN, self.CLOSE = markers
+        self.markers = (self.OPEN, self.CLOSE)
         # Templates that open the thinking block themselves (DeepSeek-R1, Qwen3 thinking models) leave the
         # model inside it at the first generated token.
         self.starts_inside = prompt_text.rstrip().endswith(self.OPEN)
@@ -129,4 +156,4 @@ class HarmonyParser(ReasoningParser):
 def make_parser(name: str, prompt_text: str) -> ReasoningParser:
     if name in HARMONY_PARSERS:
         return HarmonyParser()
-    return ThinkParser(prompt_text)
+    return ThinkParser(prompt_text, THINK_MARKERS.get(name))

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 from engine import (AdapterError, AnswerGate, AsyncEngine, GenerationError, GrammarFailure, GrammarSpec, ImageInputs,
                     RequestOutput, SamplingParams, TokenLogprob, redact)
 
+from . import reasoning, tool_parsers
 from .config import ServingConfig
 from .errors import OpenAIError, context_exceeded
 from .metrics import ServingMetrics
@@ -65,6 +66,8 @@ class OpenAIServing:
         self.config = config
         self.metrics = ServingMetrics(engine, lambda: self.served_model_name)
         self.grammars = GrammarCache()
+        self._tool_format: tuple[str | None, str] | None = None
+        self._reasoning_format: tuple[str | None] | None = None
 
     # ---------------------------------------------------------------- the model
 
@@ -74,6 +77,36 @@ class OpenAIServing:
             await self.engine.start()
         except Exception as exc:
             raise OpenAIError(redact(f"the model could not be loaded: {exc}"), status=500) from exc
+        self.tool_format()
+        self.reasoning_format()
+
+    def reasoning_format(self) -> str | None:
+        """The reasoning parser's name (REASONING_PARSER's): the setting, else the one for the thinking markers
+        the chat template writes. Decided once, when the model has loaded, and logged."""
+        if self._reasoning_format is None:
+            tokenizer = self.engine.tokenizer
+            render = (lambda messages, **kwargs: tokenizer.render_chat(messages, **kwargs)) \
+                if tokenizer.has_chat_template else None
+            self._reasoning_format = (reasoning.recognise(self.config.reasoning_parser, tokenizer.chat_template,
+                                                          render),)
+            log.info("reasoning parser: %s", self._reasoning_format[0] or "none (thinking, if any, stays in content)")
+        return self._reasoning_format[0]
+
+    def tool_format(self) -> str | None:
+        """The tool-call format (TOOL_CALL_PARSER's name) of tool_choice "auto": the setting, else the one the
+        chat template writes (None: unknown). Decided once, when the model has loaded, and logged with why."""
+        if self._tool_format is None:
+            tokenizer = self.engine.tokenizer
+            if self.config.tool_call_parser:
+                self._tool_format = (self.config.tool_call_parser, "TOOL_CALL_PARSER names it")
+            elif not tokenizer.has_chat_template:
+                self._tool_format = (None, "the model has no chat template")
+            else:
+                self._tool_format = tool_parsers.recognise(
+                    lambda messages, **kwargs: tokenizer.render_chat(messages, **kwargs))
+            name, why = self._tool_format
+            log.info("tool-call format: %s (%s)", name or "none recognised; set TOOL_CALL_PARSER", why)
+        return self._tool_format[0]
 
     async def ready_for(self, model: str | None) -> None:
         """Load the model and check that the request names it, one of its LoRA adapters, or no model."""

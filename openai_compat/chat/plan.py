@@ -39,8 +39,7 @@ async def plan_chat(serving: OpenAIServing, request: ChatCompletionRequest, prom
     """The plan for a chat request whose conversation rendered to `prompt`."""
     config = serving.config
     tokenizer = serving.engine.tokenizer
-    template = tokenizer.chat_template
-    reasoning_name = reasoning.parser_name_for(config.reasoning_parser, template)
+    reasoning_name = serving.reasoning_format()
     reasoning_parser = reasoning.make_parser(reasoning_name, prompt.text or "") if reasoning_name else None
     choice = request.effective_tool_choice
     tool_parser: tool_parsers.ToolParser | None = None
@@ -50,8 +49,7 @@ async def plan_chat(serving: OpenAIServing, request: ChatCompletionRequest, prom
     elif choice == "required":
         tool_parser = tool_parsers.RequiredParser()
     elif choice == "auto" and request.tools:
-        parser_name = (tool_parsers.parser_name_for(config.tool_call_parser, template)
-                       if config.enable_auto_tool_choice else None)
+        parser_name = serving.tool_format() if config.enable_auto_tool_choice else None
         if parser_name is None:
             raise OpenAIError(
                 "tool_choice \"auto\" needs a tool-call parser, and "
@@ -60,7 +58,8 @@ async def plan_chat(serving: OpenAIServing, request: ChatCompletionRequest, prom
                    "TOOL_CALL_PARSER)")
                 + "; tool_choice \"required\" or a named function works on any model, and \"none\" "
                   "passes the tools to the template only", param="tool_choice")
-        tool_parser = tool_parsers.PARSERS[parser_name]()
+        tool_parser = tool_parsers.PARSERS[parser_name](
+            [tool_parsers.CallSchema(t.function.name, t.function.parameters or {}) for t in request.tools])
     constraint = (forced_tool_constraint(request)
                   or strict_tools_constraint(request, tool_parser, parser_name, tokenizer)
                   or request.constraint())

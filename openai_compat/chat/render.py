@@ -58,11 +58,27 @@ async def render_chat(serving: OpenAIServing, request: ChatCompletionRequest, ad
 
     pictures = await load_images(serving, image_urls)
 
-    def render() -> tuple[list[int], str, Any]:
-        text = tokenizer.render_chat(messages, add_generation_prompt=request.add_generation_prompt,
+    def render_messages(conversation: list[dict[str, Any]]) -> str:
+        return tokenizer.render_chat(conversation, add_generation_prompt=request.add_generation_prompt,
                                      continue_final_message=request.continue_final_message,
                                      tools=tools, documents=request.documents,
                                      template_kwargs=template_kwargs)
+
+    def render() -> tuple[list[int], str, Any]:
+        try:
+            text = render_messages(messages)
+        except ChatTemplateError:
+            # A few templates (Functionary v3.2) write the arguments as they are and want the text the client
+            # sent, vLLM's other form; if that fails too, the first error is the one reported.
+            as_sent = _with_arguments_as_sent(messages, request)
+            if as_sent is None:
+                raise
+            try:
+                text = render_messages(as_sent)
+            except ChatTemplateError:
+                text = None
+            if text is None:
+                raise
         serving.check_prompt_chars(text, "messages")
         if pictures:  # the processor expands each image's placeholder into the model's image tokens
             ids, images = vision.prepare(text, pictures, add_special_tokens, encode=not count_only)
@@ -123,6 +139,15 @@ async def load_images(serving: OpenAIServing, image_urls: list[tuple[str, str, s
             raise OpenAIError(f"{param}: {exc}", param=param) from None
 
     return list(await asyncio.gather(*(one(*source) for source in image_urls)))
+
+
+def _with_arguments_as_sent(messages: list[dict[str, Any]], request: ChatCompletionRequest
+                            ) -> list[dict[str, Any]] | None:
+    """The conversation with each call's arguments as the text the client sent (None: it has no calls)."""
+    if not any(m.tool_calls for m in request.messages):
+        return None
+    return [{**entry, "tool_calls": [call.model_dump() for call in message.tool_calls]} if message.tool_calls
+            else entry for entry, message in zip(messages, request.messages)]
 
 
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .. import reasoning
 from ..chat.protocol import ChatCompletionRequest
 from ..errors import OpenAIError
 from ..serving import OpenAIServing
@@ -39,7 +38,7 @@ class Thinking:
     @classmethod
     def of(cls, serving: OpenAIServing) -> "Thinking":
         template = serving.engine.tokenizer.chat_template or ""
-        parser = reasoning.parser_name_for(serving.config.reasoning_parser, template)
+        parser = serving.reasoning_format()
         return cls(parsed=parser is not None, switch=THINKING_SWITCH in template)
 
 

@@ -1,0 +1,152 @@
+"""Every tool-call format the worker reads, under vLLM's TOOL_CALL_PARSER names (the first name of each is the
+one the start-up log reports), with the families that write it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..output_scan import Scan
+from .base import ToolParser
+from .json_formats import (HarmonyToolParser, HermesParser, LFM2Parser, Llama3JsonParser, MistralParser,
+                           PythonicParser, tagged_json)
+from .markup import Markup, MarkupParser, Params, gemma_arguments, markup_parser
+
+_NAME = r"(?P<name>[\w.\-]+)"
+
+
+class KimiK2Parser(MarkupParser):
+    """Kimi-K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>
+    {json}<|tool_call_end|>...<|tool_calls_section_end|>`. Call ids are `functions.NAME:INDEX`, as the model
+    writes them and its template expects them back."""
+    needs_special_tokens = True
+    spec = Markup(
+        section=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+        head=r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[\w.\-]+?):(?P<index>\d+)\s*"
+             r"<\|tool_call_argument_begin\|>",
+        marker="<|tool_call_begin|>", close="<|tool_call_end|>")
+
+
+_QWEN3_XML = dict(head=r"\s*<function=(?P<name>[^>\n]+)>", marker="<function=",
+                  params=Params(r"<parameter=(?P<key>[^>\n]+)>", "</parameter>"), close="</function>")
+_DSML_PARAMS = dict(head=r'\s*<｜DSML｜invoke name="(?P<name>[^"]+)">', marker="<｜DSML｜invoke",
+                    params=Params(r'<｜DSML｜parameter name="(?P<key>[^"]+)"(?: string="(?P<string>true|false)")?>',
+                                  "</｜DSML｜parameter>"), close="</｜DSML｜invoke>")
+_DEEPSEEK_SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+_GLM = dict(head=r"\s*" + _NAME + r"\s*(?=<arg_key>|$)", marker="",
+            params=Params(r"<arg_key>(?P<key>[^<]*)</arg_key>\s*<arg_value>", "</arg_value>"))
+
+Qwen3XmlParser = markup_parser(Markup(section=("<tool_call>", "</tool_call>"), **_QWEN3_XML),
+                               "Qwen3-Coder, Qwen3.5: `<tool_call><function=NAME><parameter=KEY>value</parameter>"
+                               "</function></tool_call>`.")
+SeedOssParser = markup_parser(Markup(section=("<seed:tool_call>", "</seed:tool_call>"), **_QWEN3_XML),
+                              "Seed-OSS: Qwen3-Coder's calls inside `<seed:tool_call>`.")
+GlmParser = markup_parser(Markup(section=("<tool_call>", "</tool_call>"), **_GLM),
+                          "GLM-4.5 to 4.7: `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value>"
+                          "</tool_call>`.")
+MiniMaxM2Parser = markup_parser(Markup(
+    section=("<minimax:tool_call>", "</minimax:tool_call>"), head=r'\s*<invoke name="(?P<name>[^"]+)">',
+    marker="<invoke", params=Params(r'<parameter name="(?P<key>[^"]+)">', "</parameter>"), close="</invoke>"),
+    'MiniMax-M2: `<minimax:tool_call><invoke name="NAME"><parameter name="KEY">value</parameter></invoke>'
+    '</minimax:tool_call>`.')
+DeepSeekV32Parser = markup_parser(Markup(section=("<｜DSML｜function_calls>", "</｜DSML｜function_calls>"),
+                                         **_DSML_PARAMS),
+                                  'DeepSeek-V3.2: `<｜DSML｜invoke name="NAME"><｜DSML｜parameter name="KEY" '
+                                  'string="true">value</｜DSML｜parameter>` in `<｜DSML｜function_calls>`.',
+                                  special=True)
+DeepSeekV4Parser = markup_parser(Markup(section=("<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"), **_DSML_PARAMS),
+                                 "DeepSeek-V4: V3.2's invocations inside `<｜DSML｜tool_calls>`.", special=True)
+DeepSeekV3Parser = markup_parser(Markup(
+    section=_DEEPSEEK_SECTION,
+    head=r"\s*<｜tool▁call▁begin｜>(?:function)?<｜tool▁sep｜>(?P<name>[^\n<]+)\n```(?:json)?\n",
+    marker="<｜tool▁call▁begin｜>", close="```<｜tool▁call▁end｜>"),
+    "DeepSeek-V3 and R1: `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and a ```json block.",
+    special=True)
+DeepSeekV31Parser = markup_parser(Markup(
+    section=_DEEPSEEK_SECTION, head=r"\s*<｜tool▁call▁begin｜>(?P<name>[^<\n]+?)<｜tool▁sep｜>",
+    marker="<｜tool▁call▁begin｜>", close="<｜tool▁call▁end｜>"),
+    "DeepSeek-V3.1: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>`.", special=True)
+FunctionaryV31Parser = markup_parser(Markup(head=r"<function=(?P<name>[^>\n]+)>", marker="<function=",
+                                            close="</function>"),
+                                     "Functionary v3.1: `<function=NAME>{json}</function>`.")
+
+
+class FunctionaryV32Parser(MarkupParser):
+    """Functionary v3.2: `>>>NAME\\n{json}`; `>>>all` opens text for the user. The generation prompt ends with
+    the first `>>>`, so the reply starts with a name."""
+    spec = Markup(head=r">>>(?P<name>[^\n]+)\n", marker=">>>", content_names=frozenset({"all"}))
+
+    def scan(self, text, final):
+        if not text.startswith(">>>"):
+            if not final and ">>>".startswith(text):
+                return Scan("")
+            text = ">>>" + text
+        return super().scan(text, final)
+
+SolarOpenParser = markup_parser(Markup(
+    section=("<|tool_calls|>", "<|calls|>"),
+    head=r"\s*<\|tool_call:begin\|>(?P<id>[^<]*)<\|tool_call:name\|>(?P<name>[^<]+)<\|tool_call:args\|>",
+    marker="<|tool_call:begin|>", close="<|tool_call:end|>"),
+    "Solar Open: `<|tool_call:begin|>ID<|tool_call:name|>NAME<|tool_call:args|>{json}<|tool_call:end|>`.",
+    special=True)
+Gemma4Parser = markup_parser(Markup(head=r"<\|tool_call>call:" + _NAME, marker="<|tool_call>",
+                                    close="<tool_call|>", convert=gemma_arguments),
+                             'Gemma 4: `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>`.', special=True)
+MiniCPMParser = markup_parser(Markup(head=r'<function name="(?P<name>[^"]+)">', marker='<function name="',
+                                     params=Params(r'<param name="(?P<key>[^"]+)">', "</param>"),
+                                     close="</function>"),
+                              'MiniCPM 5: `<function name="NAME"><param name="KEY">value</param></function>`.')
+HunyuanParser = markup_parser(Markup(
+    section=("<tool_calls:opensource>", "</tool_calls:opensource>"),
+    head=r"\s*<tool_call:opensource>(?P<name>[^<]+?)<tool_sep:opensource>", marker="<tool_call:opensource>",
+    params=Params(r"<arg_key:opensource>(?P<key>[^<]*)</arg_key:opensource>\s*<arg_value:opensource>",
+                  "</arg_value:opensource>"), close="</tool_call:opensource>"),
+    "Hunyuan 3: GLM's keys and values, each tag suffixed `:opensource`.", special=True)
+
+MiniMaxParser = tagged_json("<tool_calls>", "</tool_calls>",
+                            "MiniMax-M1, Apriel: JSON calls (one per line, or a list) in `<tool_calls>`.")
+GraniteParser = tagged_json("<|tool_call|>", None, "Granite 3: `<|tool_call|>[{json}, ...]`.", special=True)
+NemotronParser = tagged_json("<TOOLCALL>", "</TOOLCALL>", "Nemotron Nano 2: `<TOOLCALL>[{json}, ...]</TOOLCALL>`.")
+CommandRParser = tagged_json("<|START_ACTION|>", "<|END_ACTION|>",
+                             'Command R7B: `<|START_ACTION|>[{"tool_name": ..., "parameters": ...}]'
+                             '<|END_ACTION|>`.', name_keys=("tool_name", "name"), special=True)
+GigaChatParser = tagged_json("<|function_call|>", None, "GigaChat 3.1: `<|function_call|>{json}`.")
+
+
+@dataclass(frozen=True)
+class Format:
+    names: tuple[str, ...]  # TOOL_CALL_PARSER names; the first is the one reported
+    parser: type[ToolParser]
+    families: str
+
+
+# In recognition order: where two formats would read the same text, the first is chosen.
+FORMATS: tuple[Format, ...] = (
+    Format(("hermes", "qwen", "qwen2_5", "qwen3"), HermesParser,
+           "Qwen2.5, Qwen3, QwQ, Hermes 2/3, Granite 4, MiMo, Bielik"),
+    Format(("qwen3_coder", "qwen3_xml"), Qwen3XmlParser, "Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, Step 3.5"),
+    Format(("glm45", "glm47", "glm4_moe"), GlmParser, "GLM-4.5, 4.6, 4.7, Ling 3, Laguna"),
+    Format(("seed_oss",), SeedOssParser, "Seed-OSS"),
+    Format(("minimax_m2",), MiniMaxM2Parser, "MiniMax-M2"),
+    Format(("minimax", "apriel"), MiniMaxParser, "MiniMax-M1, Apriel 1.5/1.6"),
+    Format(("kimi_k2",), KimiK2Parser, "Kimi-K2"),
+    Format(("deepseek_v3", "deepseek_r1"), DeepSeekV3Parser, "DeepSeek-V3, R1 and its Qwen distills"),
+    Format(("deepseek_v31",), DeepSeekV31Parser, "DeepSeek-V3.1"),
+    Format(("deepseek_v32",), DeepSeekV32Parser, "DeepSeek-V3.2"),
+    Format(("deepseek_v4",), DeepSeekV4Parser, "DeepSeek-V4"),
+    Format(("mistral",), MistralParser, "Mistral, Mistral Nemo/Small, Ministral, Devstral"),
+    Format(("openai",), HarmonyToolParser, "gpt-oss (harmony)"),
+    Format(("llama3_json", "llama"), Llama3JsonParser, "Llama 3.1, 3.2, 3.3"),
+    Format(("functionary_v3_1", "functionary"), FunctionaryV31Parser, "Functionary v3.1"),
+    Format(("functionary_v3_2",), FunctionaryV32Parser, "Functionary v3.2"),
+    Format(("granite",), GraniteParser, "Granite 3.x"),
+    Format(("nemotron_json",), NemotronParser, "Nemotron Nano 2"),
+    Format(("command_r",), CommandRParser, "Command R7B, Command A"),
+    Format(("gemma4",), Gemma4Parser, "Gemma 4"),
+    Format(("solar_open",), SolarOpenParser, "Solar Open"),
+    Format(("minicpm",), MiniCPMParser, "MiniCPM 5"),
+    Format(("hunyuan",), HunyuanParser, "Hunyuan 3"),
+    Format(("gigachat3",), GigaChatParser, "GigaChat 3.1"),
+    Format(("lfm2",), LFM2Parser, "LFM2, LFM2.5"),
+    Format(("pythonic", "llama4_pythonic", "olmo3"), PythonicParser, "Llama 3.2 (pythonic), Llama 4, OLMo 3"),
+)
+
+PARSERS: dict[str, type[ToolParser]] = {name: f.parser for f in FORMATS for name in f.names}

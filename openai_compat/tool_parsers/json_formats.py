@@ -1,0 +1,290 @@
+"""Tool calls written as JSON: Hermes/Qwen `<tool_call>{json}</tool_call>` and the other families that wrap
+JSON call objects (or a list of them) in their own tags, Llama 3 JSON (`{"name", "parameters"}`, optionally after
+`<|python_tag|>`, several separated by `;`), Mistral `[TOOL_CALLS]` (a JSON list, or `name[ARGS]{json}`),
+pythonic lists (`[f(a=1), g(b="x")]`, Llama 4, LFM2 and others) and gpt-oss harmony messages to `functions.NAME`
+(with the harmony reasoning parser). Arguments are the exact JSON text the model wrote, so the pieces a stream
+sends add up to what the whole response carries.
+"""
+from __future__ import annotations
+
+import ast
+import json
+
+from ..output_scan import (PartialCall, Scan, held_back, scan_json_calls, skip_ws, valid_call,
+                           value_end)
+from .base import CallSchema, ToolParser, alphanumeric_id, json_text
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)  # a Lark string literal
+
+
+def _call_rules(calls: list[CallSchema], key: str, before: str = "", after: str = "") -> tuple[str, str]:
+    """Lark rules, one per tool, for `{"name": NAME, key: ARGUMENTS}` in this format's own words around it (the
+    arguments under the tool's schema); returns the rules and the alternative that names them."""
+    rules = []
+    for i, call in enumerate(calls):
+        head = json.dumps({"name": call.name})[:-1] + ", " + json.dumps(key) + ": "
+        rules.append(f"call_{i}: {_literal(before + head)} %json {json.dumps(call.parameters)} {_literal('}' + after)}")
+    return "\n".join(rules), "(" + " | ".join(f"call_{i}" for i in range(len(calls))) + ")"
+
+
+def _marker(text: str, special_id: int | None) -> str:
+    """A format's marker in Lark: its special token by id, or its text."""
+    return f"<[{special_id}]>" if special_id is not None else _literal(text)
+
+
+def _opener(text: str, special_id: int | None) -> str:
+    """The rule `opener`: free text up to a format's marker. A special-token marker can never be part of text; a
+    text marker ends the text at its first occurrence (a lazy lexeme), so every call the parser would find is
+    generated under the grammar."""
+    if special_id is not None:
+        return f"opener: TEXT <[{special_id}]>"
+    return f"opener[lazy]: TEXT {_literal(text)}"
+
+
+_FREE_TEXT = "TEXT: /(.|\\n)*/"
+
+
+def _cut_off(calls: list[PartialCall]) -> bool:
+    """The reply ended (max_tokens) inside its last call's arguments, after whole calls: the calls stay calls,
+    as a stream has already sent them, the last one as far as it was written."""
+    return bool(calls) and calls[-1].name is not None and not calls[-1].complete and all(
+        valid_call(c) for c in calls[:-1])
+
+
+class TaggedJsonParser(ToolParser):
+    """JSON call objects (one, several, or a JSON list) between a family's opening and closing tags, any number
+    of times, with text around them. A closing tag of None: the calls run to the end of the reply."""
+    OPEN: str = ""
+    CLOSE: str | None = None
+    NAME_KEYS: tuple[str, ...] = ("name",)
+    ARGUMENT_KEYS: tuple[str, ...] = ("arguments", "parameters")
+
+    @property
+    def marker(self) -> str:  # type: ignore[override]
+        return self.OPEN
+
+    def scan(self, text: str, final: bool) -> Scan:
+        content: list[str] = []
+        calls: list[PartialCall] = []
+        at = 0
+        while True:
+            start = text.find(self.OPEN, at)
+            segment = text[at:] if start == -1 else text[at:start]
+            if start == -1 and not final:
+                segment = segment[:len(segment) - held_back(segment, (self.OPEN,))]
+            if at == 0 or segment.strip():  # whitespace between and after calls is not content
+                content.append(segment)
+            if start == -1:
+                break
+            body_start = start + len(self.OPEN)
+            close = text.find(self.CLOSE, body_start) if self.CLOSE else -1
+            body = text[body_start:] if close == -1 else text[body_start:close]
+            finished = close != -1 or final
+            found, all_calls = scan_json_calls(body, 0, finished, name_keys=self.NAME_KEYS,
+                                               argument_keys=self.ARGUMENT_KEYS)
+            cut = final and close == -1 and _cut_off(found)
+            if finished and not cut and (not found or not all_calls or not all(valid_call(c) for c in found)):
+                # Not calls after all: the text stays content, as the model wrote it.
+                content.append(text[start:] if close == -1 else text[start:close + len(self.CLOSE)])
+            else:
+                calls.extend(found)
+            if close == -1:
+                break
+            at = close + len(self.CLOSE)
+        return Scan("".join(content), calls)
+
+
+class HermesParser(TaggedJsonParser):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, with text around them."""
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def call_grammar(self, calls, answer, special_id):
+        rules, call = _call_rules(calls, "arguments", "\n", "\n" + self.CLOSE)
+        if answer is not None:
+            return (f"start: answer | calls\nanswer: {answer}\ncalls: (opener {call} /\\n?/)+\n"
+                    f"opener: {_marker(self.OPEN, special_id)}\n{rules}")
+        return (f"%llguidance {{}}\nstart: (opener {call})* TEXT\n{_opener(self.OPEN, special_id)}\n{_FREE_TEXT}\n"
+                f"{rules}")
+
+
+def tagged_json(open_: str, close: str | None, doc: str, name_keys=("name",), special: bool = False
+                ) -> type[TaggedJsonParser]:
+    return type("TaggedJsonParser", (TaggedJsonParser,), {
+        "OPEN": open_, "CLOSE": close, "NAME_KEYS": name_keys, "__doc__": doc, "needs_special_tokens": special})
+
+
+class Llama3JsonParser(ToolParser):
+    """The whole reply is `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`), several
+    separated by `;`; anything else is content."""
+    TAG = "<|python_tag|>"
+    marker = TAG
+
+    def call_grammar(self, calls, answer, special_id):
+        if answer is not None:
+            return None  # a JSON answer and a JSON call start alike; llguidance cannot choose between them
+        rules, call = _call_rules(calls, "parameters")
+        tag = f"<[{special_id}]>? " if special_id is not None else ""
+        # Free text may not start with "{": the parser reads such a reply as calls.
+        return f"start: {tag}{call} (/; ?/ {call})* | TEXT\nTEXT: /(\\s*[^{{\\s](.|\\n)*)?/\n{rules}"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        stripped = text.lstrip()
+        start = len(text) - len(stripped)
+        if stripped.startswith(self.TAG):
+            start += len(self.TAG)
+        elif not stripped.startswith("{"):
+            if not final and (self.TAG.startswith(stripped) or not stripped):
+                return Scan("")
+            return Scan(text)
+        calls, all_calls = scan_json_calls(text, start, final, separators=";")
+        if final and not _cut_off(calls) and (not calls or not all_calls or not all(valid_call(c) for c in calls)):
+            return Scan(text)
+        return Scan("", calls)
+
+
+class MistralParser(ToolParser):
+    """`[TOOL_CALLS]` followed by a JSON list of calls, or by `name[ARGS]{json}` (newer tokenizers)."""
+    needs_special_tokens = True
+    MARKER, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+    marker = MARKER
+
+    def call_id(self, index, call):
+        return call.id or alphanumeric_id()  # its templates refuse any other form of id
+
+    def call_grammar(self, calls, answer, special_id):
+        rules, call = _call_rules(calls, "arguments")
+        array = f'"[" {call} (", " {call})* "]"'
+        if answer is not None:
+            return f"start: answer | {_marker(self.MARKER, special_id)} {array}\nanswer: {answer}\n{rules}"
+        return (f"%llguidance {{}}\nstart: TEXT | opener {array}\n{_opener(self.MARKER, special_id)}\n"
+                f"{_FREE_TEXT}\n{rules}")
+
+    def scan(self, text: str, final: bool) -> Scan:
+        start = text.find(self.MARKER)
+        if start == -1:
+            return Scan(text if final else text[:len(text) - held_back(text, (self.MARKER,))])
+        content = text[:start]
+        rest = text[start + len(self.MARKER):]
+        if self.ARGS in rest or (rest.strip() and rest.lstrip()[0] not in "[{"):
+            calls = []
+            for piece in rest.split(self.MARKER):
+                head, sep, args = piece.partition(self.ARGS)
+                if not sep:
+                    if final:
+                        return Scan(text)
+                    break
+                name, _, call_id = head.partition(self.CALL_ID)  # Mistral Small 3.2 writes the call's id
+                j = skip_ws(args, 0)
+                end = value_end(args, j)
+                complete = end is not None
+                calls.append(PartialCall(name.strip(), args[j:end] if end is not None else args[j:].rstrip()
+                                         if final else args[j:], complete, call_id.strip() or None))
+        else:
+            calls, all_calls = scan_json_calls(rest, 0, final)
+            if final and not all_calls and not _cut_off(calls):
+                return Scan(text)
+        if final and not _cut_off(calls) and (not calls or not all(valid_call(c) for c in calls)):
+            return Scan(text)
+        return Scan(content, calls)
+
+
+class PythonicParser(ToolParser):
+    """A Python list of calls with keyword arguments: `[get_weather(city="Paris"), ...]`, the whole reply or
+    (LFM2) between OPEN and CLOSE tags. Calls are sent when the list is complete."""
+    OPEN: str | None = None
+    CLOSE: str | None = None
+
+    @property
+    def marker(self) -> str | None:  # type: ignore[override]
+        return self.OPEN
+
+    def scan(self, text: str, final: bool) -> Scan:
+        if self.OPEN is None:
+            stripped = text.strip()
+            if not stripped.startswith("["):
+                return Scan(text if final or stripped else "")
+            if not final:
+                return Scan("")
+            calls = _python_calls(stripped)
+            return Scan(text) if calls is None else Scan("", calls)
+        start = text.find(self.OPEN)
+        if start == -1:
+            return Scan(text if final else text[:len(text) - held_back(text, (self.OPEN,))])
+        body_start = start + len(self.OPEN)
+        close = text.find(self.CLOSE, body_start)
+        if close == -1 and not final:
+            return Scan(text[:start])
+        body = text[body_start:] if close == -1 else text[body_start:close]
+        calls = _python_calls(body.strip())
+        if calls is None:
+            return Scan(text)
+        after = "" if close == -1 else text[close + len(self.CLOSE):]
+        return Scan(text[:start] + (after if after.strip() else ""), calls)
+
+
+class LFM2Parser(PythonicParser):
+    """LFM2: `<|tool_call_start|>[get_weather(city='Paris')]<|tool_call_end|>`."""
+    OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
+    needs_special_tokens = True
+
+
+def _python_calls(text: str) -> list[PartialCall] | None:
+    try:
+        tree = ast.parse(text, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                return None
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            calls.append(PartialCall(node.func.id, json_text(arguments), True))
+        return calls
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return None
+
+
+class HarmonyToolParser(ToolParser):
+    """gpt-oss: the harmony reasoning parser hands over each message addressed to a function as
+    `<|start|>HEADER<|message|>ARGUMENTS<|call|>`, HEADER naming `to=functions.NAME`."""
+    needs_special_tokens = True
+    START, MESSAGE, CALL = "<|start|>", "<|message|>", "<|call|>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        content: list[str] = []
+        calls: list[PartialCall] = []
+        for i, part in enumerate(text.split(self.START)):
+            header, sep, body = part.partition(self.MESSAGE)
+            name = header.split("to=functions.", 1)[1].split()[0].split("<|")[0] if sep and \
+                "to=functions." in header else None
+            if name is None:
+                content.append(part if i == 0 else self.START + part)
+                continue
+            complete = body.endswith(self.CALL)
+            calls.append(PartialCall(name, body.removesuffix(self.CALL).lstrip(), complete or final))
+        return Scan("".join(content), calls)
+
+
+class NamedFunctionParser(ToolParser):
+    """tool_choice naming a function: the reply is that function's arguments, generated under its schema."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def scan(self, text: str, final: bool) -> Scan:
+        args = text.strip() if final else text.lstrip()
+        return Scan("", [PartialCall(self.name, args, final)])
+
+
+class RequiredParser(ToolParser):
+    """tool_choice `required`: the reply is a JSON list of `{"name", "parameters"}`, generated under a grammar
+    built from the tools' schemas."""
+
+    def scan(self, text: str, final: bool) -> Scan:
+        calls, _ = scan_json_calls(text, 0, final)
+        return Scan("", calls)
+
+
