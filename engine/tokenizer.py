@@ -57,6 +57,13 @@ class Tokenizer:
         added = getattr(self.hf, "added_tokens_decoder", {}).get(token_id) if token_id is not None else None
         return token_id if added is not None and added.special else None
 
+    def special_tokens(self) -> dict[str, int]:
+        """Every special token by its text (grammars name them by id: text tokens never spell one out)."""
+        if getattr(self, "_special_tokens", None) is None:
+            decoder = getattr(self.hf, "added_tokens_decoder", {}) or {}
+            self._special_tokens = {added.content: token_id for token_id, added in decoder.items() if added.special}
+        return self._special_tokens
+
     def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool,
                     spaces_between_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.hf, prompt_ids, skip_special_tokens, spaces_between_special_tokens)

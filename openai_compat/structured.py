@@ -25,14 +25,14 @@ def forced_tool_constraint(request: ChatCompletionRequest) -> Constraint | None:
     choice = request.tool_choice
     if isinstance(choice, NamedToolChoice):
         index = request.tool_names.index(choice.function.name)
-        return Constraint("json_schema", json.dumps(_parameters(tools[index].function.parameters)),
+        return Constraint("json_schema", json.dumps(tool_schema(tools[index].function.parameters)),
                           f"tools[{index}].function.parameters")
     defs: dict[str, Any] = {}
     options = []
     for index, tool in enumerate(tools):
         key = f"tool{index}"
         # Each tool's schema moves under the root's $defs, so its own "#/..." references are rebased there.
-        defs[key] = _rebase_refs(_parameters(tool.function.parameters), f"#/$defs/{key}")
+        defs[key] = _rebase_refs(tool_schema(tool.function.parameters), f"#/$defs/{key}")
         options.append({"type": "object", "properties": {"name": {"const": tool.function.name},
                                                          "parameters": {"$ref": f"#/$defs/{key}"}},
                         "required": ["name", "parameters"], "additionalProperties": False})
@@ -56,7 +56,7 @@ def strict_tools_constraint(request: ChatCompletionRequest, parser: ToolParser |
     if answer is not None and answer.kind != "json_schema":
         raise OpenAIError(f"{answer.param} cannot be combined with strict tools under tool_choice \"auto\" (a JSON "
                           f"schema answer can)", param=answer.param)
-    calls = [CallSchema(t.function.name, _parameters(t.function.parameters) if t.function.strict
+    calls = [CallSchema(t.function.name, tool_schema(t.function.parameters) if t.function.strict
                         else {"type": "object"}) for t in tools]
     marker = parser.marker
     grammar = parser.call_grammar(calls, f"%json {answer.text}" if answer is not None else None,
@@ -69,7 +69,8 @@ def strict_tools_constraint(request: ChatCompletionRequest, parser: ToolParser |
     return Constraint("grammar", grammar, "tools")
 
 
-def _parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
+def tool_schema(schema: dict[str, Any] | None) -> dict[str, Any]:
+    """A tool's arguments schema (a tool without one takes an empty object)."""
     return schema if schema is not None else {"type": "object", "properties": {}}
 
 

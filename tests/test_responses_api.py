@@ -474,8 +474,10 @@ def test_openai_agents_tool_loop(parsing_url):
             client = openai.AsyncOpenAI(base_url=parsing_url, api_key="unused", http_client=http, max_retries=0)
             agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
                                  model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+                                 # One call: forced calls are written in Hermes' own tags, after which a
+                                 # 135M model that does not know the format goes on calling to max_tokens.
                                  model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
-                                                                     max_tokens=30))
+                                                                     max_tokens=30, parallel_tool_calls=False))
             return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
 
     result = asyncio.run(run())

@@ -345,5 +345,86 @@ def test_the_gateway_returns_a_familys_calls_as_tool_calls(family):
             messages=QUESTION + [reply.choices[0].message.model_dump(exclude_none=True),
                                  {"role": "tool", "tool_call_id": call.id, "content": "14:05"}])
         assert follow.choices[0].finish_reason in ("length", "stop")
+        # Forced calls are generated in the family's own format: the text the model wrote holds its marker.
+        zones = [{"type": "function", "function": {"name": "get_time", "parameters": {
+            "type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}}, "required": ["zone"],
+            "additionalProperties": False}}}]
+        for choice, finish in (("required", "tool_calls"), ({"type": "function", "function": {"name": "get_time"}},
+                                                           "stop")):
+            forced = client.chat.completions.create(
+                model=request["model"], messages=QUESTION, tools=zones, tool_choice=choice, max_tokens=120,
+                temperature=0, parallel_tool_calls=False, extra_body={"return_token_ids": True})
+            calls = forced.choices[0].message.tool_calls
+            assert calls and {c.function.name for c in calls} == {"get_time"}, forced
+            assert all(json.loads(c.function.arguments)["zone"] in ("CET", "UTC") for c in calls)
+            assert forced.choices[0].finish_reason == finish
+            import requests
+            written = requests.post(url.removesuffix("/openai/v1") + "/v1/detokenize", timeout=60,
+                                    json={"tokens": forced.choices[0].model_extra["token_ids"]}).json()["prompt"]
+            assert NATIVE_MARKER[family] in written, written
     finally:
         stop_gateway(process)
+
+
+NATIVE_MARKER = {"Qwen3-Coder": "<function=get_time>", "GLM-4.6": "<tool_call>get_time",
+                 "moonshotai-Kimi-K2": "functions.get_time:", "unsloth-mistral-Devstral-Small-2507": "[TOOL_CALLS]"}
+
+
+# ---------------------------------------------------------------- forced calls in the family's own format
+
+# Formats whose forced calls (tool_choice "required", a named function) fall back to the JSON list any model can
+# write: their calls cannot be put into a grammar here (pythonic lists, harmony messages, Gemma 4's notation,
+# Solar's ids, Functionary v3.2's first call without its marker).
+NO_NATIVE_FORCING = {"pythonic", "lfm2", "openai", "gemma4", "solar_open", "functionary_v3_2"}
+
+
+@pytest.fixture(scope="module")
+def llg_tokenizer(hf_tokenizer):
+    import llguidance.hf
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=len(hf_tokenizer), eos_token=[hf_tokenizer.eos_token_id])
+
+
+def accepts(hf_tokenizer, llg_tokenizer, grammar: str, text: str) -> bool:
+    import llguidance
+    compiled = llguidance.grammar_from("lark", grammar)
+    assert not llguidance.LLMatcher.validate_grammar(compiled, llg_tokenizer), grammar
+    matcher = llguidance.LLMatcher(llg_tokenizer, compiled, log_level=0)
+    ok = matcher.consume_tokens(hf_tokenizer.encode(text, add_special_tokens=False)) and not matcher.is_error()
+    return ok and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_forced_calls_are_generated_in_the_familys_own_format(hf_tokenizer, llg_tokenizer, family):
+    """The grammar of a forced call accepts the call as the family's template writes it (what the model was
+    trained to write), refuses arguments outside the schema, and the family's parser reads back what it
+    accepts."""
+    tokenizer = template_tokenizer(hf_tokenizer, family)
+    name = FAMILIES[family][0]
+    parser = tool_parser(name)
+    schemas = [tool_parsers.CallSchema(t["function"]["name"], t["function"]["parameters"]) for t in TOOLS]
+    grammar = parser.forced_grammar(schemas[1:], single=True, specials={})
+    if name in NO_NATIVE_FORCING:
+        assert grammar is None
+        return
+    text = answer_part(tokenizer, name, written_reply(tokenizer, family, [("get_time", {"zone": "CET"})]))
+    assert accepts(hf_tokenizer, llg_tokenizer, grammar, text), (grammar, text)
+    assert not accepts(hf_tokenizer, llg_tokenizer, grammar, text.replace("get_time", "get_weather"))
+    (call,) = ChatOutputParser(None, parser).parse(text).tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {"zone": "CET"})
+    # Parallel calls, each under its own tool's schema.
+    several = parser.forced_grammar(schemas, single=False, specials={})
+    if family not in ONE_CALL_PER_TURN:
+        calls = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "CET"})]
+        text = answer_part(tokenizer, name, written_reply(tokenizer, family, calls))
+        assert accepts(hf_tokenizer, llg_tokenizer, several, text), (several, text)
+        assert parsed(ChatOutputParser(None, parser), text)[1] == calls
+        assert not accepts(hf_tokenizer, llg_tokenizer, several, text.replace("2", "two", 1))
+
+
+def answer_part(tokenizer, name: str, text: str) -> str:
+    """The part of a reply a forced call's grammar covers: after the thinking, from the first call on."""
+    parser = output_parser(tokenizer, name)
+    if parser.reasoning is not None:
+        text = parser.parse(text).content or text
+    marker = tool_parser(name).marker or "get_"
+    return text[text.index(marker):].strip() if marker in text else text.strip()

@@ -11,7 +11,8 @@ from .. import reasoning, tool_parsers
 from ..chat_output import ChatOutputParser
 from ..errors import OpenAIError
 from ..serving import OpenAIServing, Prompt
-from ..structured import forced_tool_constraint, strict_tools_constraint
+from ..protocol import Constraint
+from ..structured import forced_tool_constraint, strict_tools_constraint, tool_schema
 from .protocol import ChatCompletionRequest, NamedToolChoice
 
 
@@ -44,7 +45,12 @@ async def plan_chat(serving: OpenAIServing, request: ChatCompletionRequest, prom
     choice = request.effective_tool_choice
     tool_parser: tool_parsers.ToolParser | None = None
     parser_name = None
-    if isinstance(choice, NamedToolChoice):
+    native = None
+    if request.forces_tool_call:
+        native = _native_forced_calls(serving, request)
+    if native is not None:
+        tool_parser = native[0]
+    elif isinstance(choice, NamedToolChoice):
         tool_parser = tool_parsers.NamedFunctionParser(choice.function.name)
     elif choice == "required":
         tool_parser = tool_parsers.RequiredParser()
@@ -58,9 +64,8 @@ async def plan_chat(serving: OpenAIServing, request: ChatCompletionRequest, prom
                    "TOOL_CALL_PARSER)")
                 + "; tool_choice \"required\" or a named function works on any model, and \"none\" "
                   "passes the tools to the template only", param="tool_choice")
-        tool_parser = tool_parsers.PARSERS[parser_name](
-            [tool_parsers.CallSchema(t.function.name, t.function.parameters or {}) for t in request.tools])
-    constraint = (forced_tool_constraint(request)
+        tool_parser = tool_parsers.PARSERS[parser_name](_call_schemas(request))
+    constraint = ((native[1] if native is not None else forced_tool_constraint(request))
                   or strict_tools_constraint(request, tool_parser, parser_name, tokenizer)
                   or request.constraint())
     grammar = None
@@ -70,6 +75,28 @@ async def plan_chat(serving: OpenAIServing, request: ChatCompletionRequest, prom
     special = any(p is not None and p.needs_special_tokens for p in (reasoning_parser, tool_parser))
     return ChatPlan(grammar, reasoning_parser, tool_parser, 1 if request.parallel_tool_calls is False else None,
                     special, calls_finish=not isinstance(choice, NamedToolChoice))
+
+
+def _native_forced_calls(serving: OpenAIServing, request: ChatCompletionRequest
+                         ) -> tuple[tool_parsers.ToolParser, Constraint] | None:
+    """tool_choice "required" or a named function, in the model's own call format (the one it was trained to
+    write) when the worker knows it and can write the tools' schemas in it: the family's parser and the grammar.
+    None: the calls are forced in the JSON form any model can write."""
+    name = serving.tool_format()
+    if name is None or name not in tool_parsers.PARSERS:
+        return None
+    schemas = _call_schemas(request)
+    choice = request.tool_choice
+    named = isinstance(choice, NamedToolChoice)
+    forced = [s for s in schemas if s.name == choice.function.name] if named else schemas
+    parser = tool_parsers.PARSERS[name](schemas)
+    grammar = parser.forced_grammar(forced, single=named or request.parallel_tool_calls is False,
+                                    specials=serving.engine.tokenizer.special_tokens())
+    return (parser, Constraint("grammar", grammar, "tools")) if grammar is not None else None
+
+
+def _call_schemas(request: ChatCompletionRequest) -> list[tool_parsers.CallSchema]:
+    return [tool_parsers.CallSchema(t.function.name, tool_schema(t.function.parameters)) for t in request.tools or ()]
 
 
 def _answer_gate(tokenizer, parser: reasoning.ReasoningParser) -> AnswerGate:

@@ -41,6 +41,13 @@ class ToolParser:
         special token. None when the format cannot be put into such a grammar."""
         return None
 
+    def forced_grammar(self, calls: list[CallSchema], single: bool, specials: dict[str, int]) -> str | None:
+        """A Lark grammar for a reply of calls only, in this format: one call when `single`, else one or more,
+        each to one of `calls` with arguments under its schema (tool_choice "required" or a named function).
+        `specials`: the tokenizer's special tokens by text. None: this format has no such grammar (the worker
+        then forces its JSON list form)."""
+        return None
+
     def property_schema(self, tool: str | None, key: str) -> dict | None:
         schema = self.tools.get(tool or "")
         properties = schema.get("properties") if isinstance(schema, dict) else None

@@ -22,29 +22,38 @@ class KimiK2Parser(MarkupParser):
         section=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
         head=r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[\w.\-]+?):(?P<index>\d+)\s*"
              r"<\|tool_call_argument_begin\|>",
-        marker="<|tool_call_begin|>", close="<|tool_call_end|>")
+        marker="<|tool_call_begin|>", close="<|tool_call_end|>",
+        write="<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>{args}<|tool_call_end|>")
 
 
 _QWEN3_XML = dict(head=r"\s*<function=(?P<name>[^>\n]+)>", marker="<function=",
-                  params=Params(r"<parameter=(?P<key>[^>\n]+)>", "</parameter>"), close="</function>")
+                  params=Params(r"<parameter=(?P<key>[^>\n]+)>", "</parameter>"), close="</function>",
+                  write="\n<function={name}>\n{args}</function>\n", one_per_section=True)
 _DSML_PARAMS = dict(head=r'\s*<｜DSML｜invoke name="(?P<name>[^"]+)">', marker="<｜DSML｜invoke",
                     params=Params(r'<｜DSML｜parameter name="(?P<key>[^"]+)"(?: string="(?P<string>true|false)")?>',
-                                  "</｜DSML｜parameter>"), close="</｜DSML｜invoke>")
+                                  "</｜DSML｜parameter>"), close="</｜DSML｜invoke>",
+                    write='\n<｜DSML｜invoke name="{name}">\n{args}</｜DSML｜invoke>',
+                    write_param='<｜DSML｜parameter name="{key}" string="{string}">{value}</｜DSML｜parameter>\n')
 _DEEPSEEK_SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
 _GLM = dict(head=r"\s*" + _NAME + r"\s*(?=<arg_key>|$)", marker="",
-            params=Params(r"<arg_key>(?P<key>[^<]*)</arg_key>\s*<arg_value>", "</arg_value>"))
+            params=Params(r"<arg_key>(?P<key>[^<]*)</arg_key>\s*<arg_value>", "</arg_value>"),
+            write="{name}\n{args}", write_param="<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n",
+            one_per_section=True)
 
-Qwen3XmlParser = markup_parser(Markup(section=("<tool_call>", "</tool_call>"), **_QWEN3_XML),
+Qwen3XmlParser = markup_parser(Markup(section=("<tool_call>", "</tool_call>"), **_QWEN3_XML,
+                                      write_param="<parameter={key}>\n{value}\n</parameter>\n"),
                                "Qwen3-Coder, Qwen3.5: `<tool_call><function=NAME><parameter=KEY>value</parameter>"
                                "</function></tool_call>`.")
-SeedOssParser = markup_parser(Markup(section=("<seed:tool_call>", "</seed:tool_call>"), **_QWEN3_XML),
+SeedOssParser = markup_parser(Markup(section=("<seed:tool_call>", "</seed:tool_call>"), **_QWEN3_XML,
+                                     write_param="<parameter={key}>{value}</parameter>\n"),
                               "Seed-OSS: Qwen3-Coder's calls inside `<seed:tool_call>`.")
 GlmParser = markup_parser(Markup(section=("<tool_call>", "</tool_call>"), **_GLM),
                           "GLM-4.5 to 4.7: `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value>"
                           "</tool_call>`.")
 MiniMaxM2Parser = markup_parser(Markup(
     section=("<minimax:tool_call>", "</minimax:tool_call>"), head=r'\s*<invoke name="(?P<name>[^"]+)">',
-    marker="<invoke", params=Params(r'<parameter name="(?P<key>[^"]+)">', "</parameter>"), close="</invoke>"),
+    marker="<invoke", params=Params(r'<parameter name="(?P<key>[^"]+)">', "</parameter>"), close="</invoke>",
+    write='\n<invoke name="{name}">\n{args}</invoke>', write_param='<parameter name="{key}">{value}</parameter>\n'),
     'MiniMax-M2: `<minimax:tool_call><invoke name="NAME"><parameter name="KEY">value</parameter></invoke>'
     '</minimax:tool_call>`.')
 DeepSeekV32Parser = markup_parser(Markup(section=("<｜DSML｜function_calls>", "</｜DSML｜function_calls>"),
@@ -57,15 +66,17 @@ DeepSeekV4Parser = markup_parser(Markup(section=("<｜DSML｜tool_calls>", "</�
 DeepSeekV3Parser = markup_parser(Markup(
     section=_DEEPSEEK_SECTION,
     head=r"\s*<｜tool▁call▁begin｜>(?:function)?<｜tool▁sep｜>(?P<name>[^\n<]+)\n```(?:json)?\n",
-    marker="<｜tool▁call▁begin｜>", close="```<｜tool▁call▁end｜>"),
+    marker="<｜tool▁call▁begin｜>", close="```<｜tool▁call▁end｜>",
+    write="<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>"),
     "DeepSeek-V3 and R1: `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and a ```json block.",
     special=True)
 DeepSeekV31Parser = markup_parser(Markup(
     section=_DEEPSEEK_SECTION, head=r"\s*<｜tool▁call▁begin｜>(?P<name>[^<\n]+?)<｜tool▁sep｜>",
-    marker="<｜tool▁call▁begin｜>", close="<｜tool▁call▁end｜>"),
+    marker="<｜tool▁call▁begin｜>", close="<｜tool▁call▁end｜>",
+    write="<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"),
     "DeepSeek-V3.1: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>`.", special=True)
 FunctionaryV31Parser = markup_parser(Markup(head=r"<function=(?P<name>[^>\n]+)>", marker="<function=",
-                                            close="</function>"),
+                                            close="</function>", write="<function={name}>{args}</function>"),
                                      "Functionary v3.1: `<function=NAME>{json}</function>`.")
 
 
@@ -92,22 +103,31 @@ Gemma4Parser = markup_parser(Markup(head=r"<\|tool_call>call:" + _NAME, marker="
                              'Gemma 4: `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>`.', special=True)
 MiniCPMParser = markup_parser(Markup(head=r'<function name="(?P<name>[^"]+)">', marker='<function name="',
                                      params=Params(r'<param name="(?P<key>[^"]+)">', "</param>"),
-                                     close="</function>"),
+                                     close="</function>", write='<function name="{name}">{args}</function>',
+                                     write_param='<param name="{key}">{value}</param>'),
                               'MiniCPM 5: `<function name="NAME"><param name="KEY">value</param></function>`.')
 HunyuanParser = markup_parser(Markup(
     section=("<tool_calls:opensource>", "</tool_calls:opensource>"),
     head=r"\s*<tool_call:opensource>(?P<name>[^<]+?)<tool_sep:opensource>", marker="<tool_call:opensource>",
     params=Params(r"<arg_key:opensource>(?P<key>[^<]*)</arg_key:opensource>\s*<arg_value:opensource>",
-                  "</arg_value:opensource>"), close="</tool_call:opensource>"),
+                  "</arg_value:opensource>"), close="</tool_call:opensource>",
+    write="\n<tool_call:opensource>{name}<tool_sep:opensource>\n{args}</tool_call:opensource>",
+    write_param="<arg_key:opensource>{key}</arg_key:opensource>\n"
+                "<arg_value:opensource>{value}</arg_value:opensource>\n"),
     "Hunyuan 3: GLM's keys and values, each tag suffixed `:opensource`.", special=True)
 
 MiniMaxParser = tagged_json("<tool_calls>", "</tool_calls>",
-                            "MiniMax-M1, Apriel: JSON calls (one per line, or a list) in `<tool_calls>`.")
-GraniteParser = tagged_json("<|tool_call|>", None, "Granite 3: `<|tool_call|>[{json}, ...]`.", special=True)
-NemotronParser = tagged_json("<TOOLCALL>", "</TOOLCALL>", "Nemotron Nano 2: `<TOOLCALL>[{json}, ...]</TOOLCALL>`.")
+                            "MiniMax-M1, Apriel: JSON calls (one per line, or a list) in `<tool_calls>`.",
+                            layout="either")
+GraniteParser = tagged_json("<|tool_call|>", None, "Granite 3: `<|tool_call|>[{json}, ...]`.", special=True,
+                            layout="list")
+NemotronParser = tagged_json("<TOOLCALL>", "</TOOLCALL>", "Nemotron Nano 2: `<TOOLCALL>[{json}, ...]</TOOLCALL>`.",
+                             layout="list")
 CommandRParser = tagged_json("<|START_ACTION|>", "<|END_ACTION|>",
                              'Command R7B: `<|START_ACTION|>[{"tool_name": ..., "parameters": ...}]'
-                             '<|END_ACTION|>`.', name_keys=("tool_name", "name"), special=True)
+                             '<|END_ACTION|>`.', name_keys=("tool_name", "name"),
+                             argument_keys=("parameters", "arguments"), special=True, id_key="tool_call_id",
+                             layout="list")
 GigaChatParser = tagged_json("<|function_call|>", None, "GigaChat 3.1: `<|function_call|>{json}`.")
 
 

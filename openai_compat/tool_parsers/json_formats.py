@@ -12,6 +12,7 @@ import json
 
 from ..output_scan import (PartialCall, Scan, held_back, scan_json_calls, skip_ws, valid_call,
                            value_end)
+from . import forced
 from .base import CallSchema, ToolParser, alphanumeric_id, json_text
 
 
@@ -96,6 +97,36 @@ class TaggedJsonParser(ToolParser):
         return Scan("".join(content), calls)
 
 
+    ID_KEY: str | None = None  # the key of a call id some families write first in each call (Command R7B)
+    # How the family writes several calls (for forced calls): "lines" (one tag per call, or one object per line),
+    # "list" (a JSON list), or "either" where families that share the tags differ (MiniMax-M1, Apriel).
+    LAYOUT = "lines"
+
+    def forced_grammar(self, calls, single, specials):
+        string = forced.json_value({"type": "string"})
+
+        def one_call(_, call):
+            lead = f'({json.dumps(json.dumps(self.ID_KEY) + ": ")} {string} ", ")? ' if self.ID_KEY else ""
+            head = json.dumps(self.NAME_KEYS[0]) + ": " + json.dumps(call.name) + ", " + \
+                json.dumps(self.ARGUMENT_KEYS[0]) + ": "
+            # Some families write the call's id after its arguments (Apriel, Mistral Nemo).
+            return (f'"{{" {lead}{json.dumps(head)} {forced.json_value(call.parameters)} '
+                    f'(", \\"id\\": " {string})? "}}"')
+        rules, call = forced.call_rules(calls, one_call)
+        space, gap = forced.SPACE, forced.LIST_SPACE
+        listed = f'"[" {gap} {call} {gap} "]"' if single else \
+            f'"[" {gap} {call} ("," {gap} {call})* {gap} "]"'
+        inline = call if single else f"{call} ({space} {call})*"
+        body = {"list": listed, "lines": call if self.CLOSE else inline, "either": f"({listed} | {inline})"}[
+            self.LAYOUT]
+        opener = forced.literal(self.OPEN, specials)
+        closer = forced.literal(self.CLOSE, specials) if self.CLOSE else ""
+        group = forced.seq(opener, space, body, space if self.CLOSE else "", closer)
+        if single or self.CLOSE is None or self.LAYOUT != "lines":
+            return f"start: {group}\n{rules}"
+        return f"start: {group} ({space} {group})*\n{rules}"  # a tag per call (Hermes)
+
+
 class HermesParser(TaggedJsonParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, with text around them."""
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -109,10 +140,12 @@ class HermesParser(TaggedJsonParser):
                 f"{rules}")
 
 
-def tagged_json(open_: str, close: str | None, doc: str, name_keys=("name",), special: bool = False
+def tagged_json(open_: str, close: str | None, doc: str, name_keys=("name",), argument_keys=("arguments",
+                "parameters"), special: bool = False, id_key: str | None = None, layout: str = "lines"
                 ) -> type[TaggedJsonParser]:
     return type("TaggedJsonParser", (TaggedJsonParser,), {
-        "OPEN": open_, "CLOSE": close, "NAME_KEYS": name_keys, "__doc__": doc, "needs_special_tokens": special})
+        "OPEN": open_, "CLOSE": close, "NAME_KEYS": name_keys, "ARGUMENT_KEYS": argument_keys, "ID_KEY": id_key,
+        "LAYOUT": layout, "__doc__": doc, "needs_special_tokens": special})
 
 
 class Llama3JsonParser(ToolParser):
@@ -128,6 +161,10 @@ class Llama3JsonParser(ToolParser):
         tag = f"<[{special_id}]>? " if special_id is not None else ""
         # Free text may not start with "{": the parser reads such a reply as calls.
         return f"start: {tag}{call} (/; ?/ {call})* | TEXT\nTEXT: /(\\s*[^{{\\s](.|\\n)*)?/\n{rules}"
+
+    def forced_grammar(self, calls, single, specials):
+        rules, call = _call_rules(calls, "parameters")
+        return f"start: {call}" + ("" if single else f' ("; " {call})*') + f"\n{rules}"
 
     def scan(self, text: str, final: bool) -> Scan:
         stripped = text.lstrip()
@@ -152,6 +189,23 @@ class MistralParser(ToolParser):
 
     def call_id(self, index, call):
         return call.id or alphanumeric_id()  # its templates refuse any other form of id
+
+    def forced_grammar(self, calls, single, specials):
+        # The list Mistral Nemo writes (with the call's id) or the `NAME[ARGS]{...}` of newer Mistral models.
+        string = forced.json_value({"type": "string"})
+        marker, args = forced.literal(self.MARKER, specials), forced.literal(self.ARGS, specials)
+        call_id = forced.literal(self.CALL_ID, specials)
+        listed, named = [], []
+        for i, c in enumerate(calls):
+            head = json.dumps('{"name": ' + json.dumps(c.name) + ', "arguments": ')
+            listed.append(f'list_{i}: {head} {forced.json_value(c.parameters)} (", \\"id\\": " {string})? "}}"')
+            named.append(f"named_{i}: {json.dumps(c.name)} ({call_id} /[A-Za-z0-9]{{9}}/)? {args} "
+                         f"{forced.json_value(c.parameters)}")
+        one_listed = "(" + " | ".join(f"list_{i}" for i in range(len(calls))) + ")"
+        one_named = "(" + " | ".join(f"named_{i}" for i in range(len(calls))) + ")"
+        array = f'"[" {one_listed}' + ("" if single else f' (", " {one_listed})*') + ' "]"'
+        names = one_named + ("" if single else f" ({marker} {one_named})*")
+        return f"start: {marker} ({array} | {names})\n" + "\n".join(listed + named)
 
     def call_grammar(self, calls, answer, special_id):
         rules, call = _call_rules(calls, "arguments")

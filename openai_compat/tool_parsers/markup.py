@@ -16,7 +16,8 @@ from typing import Callable
 import regex
 
 from ..output_scan import PartialCall, Scan, held_back, skip_ws, value_end
-from .base import ToolParser, json_text, typed_value
+from . import forced
+from .base import CallSchema, ToolParser, json_text, typed_value
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,12 @@ class Markup:
     # Arguments in a family's own notation, converted to JSON once the call is closed (Gemma 4).
     convert: Callable[[str], str | None] | None = None
     content_names: frozenset[str] = field(default_factory=frozenset)  # heads that open content (`>>>all`)
+    # How the family writes a call, for forced calls: `{name}`, `{index}` (the call's place in the reply) and
+    # `{args}` (the JSON object, or the parameters, each written as `write_param` with `{key}`, `{value}` and
+    # optionally `{string}`: "true" for a string value). None: forced calls use the JSON form.
+    write: str | None = None
+    write_param: str | None = None
+    one_per_section: bool = False  # a section per call (Qwen3-Coder, GLM) rather than one for all
 
 
 class MarkupParser(ToolParser):
@@ -204,6 +211,60 @@ class MarkupParser(ToolParser):
             pos = value_stop + len(spec.params.close)
         out.append(PartialCall(name, "{" + ", ".join(parts) + ("}" if complete else ""), complete, call_id))
         return pos, complete
+
+
+    def forced_grammar(self, calls, single, specials):
+        spec = self.spec
+        if spec.write is None:
+            return None
+        head, _, tail = spec.write.partition("{args}")
+
+        def words(text: str, call: CallSchema) -> str:
+            pieces = text.replace("{name}", call.name).split("{index}")
+            return ' /[0-9]+/ '.join(forced.literal(p, specials) or '""' for p in pieces) if len(pieces) > 1 \
+                else forced.literal(pieces[0], specials)
+
+        def one_call(_, call: CallSchema) -> str | None:
+            if spec.write_param is None:
+                return forced.seq(words(head, call), forced.json_value(call.parameters), words(tail, call))
+            props = forced.properties(call.parameters)
+            if props is None:
+                return None
+            before, _, after = spec.write_param.partition("{value}")
+            parts = []
+            for key, schema, required in props:
+                value = forced.text_value(schema, after.lstrip("\n") or "<")
+                if value is None:
+                    return None
+                rule, is_string = value
+                if "{string}" in before and not is_string:
+                    rule = forced.json_value(schema)
+                opening = before.replace("{key}", key).replace("{string}", "true" if is_string else "false")
+                # Line breaks next to a text value are the value's (the parser takes one off each side).
+                closing = after
+                if not rule.startswith("%json"):
+                    opening, closing = opening.rstrip("\n"), after.lstrip("\n")
+                    if not is_string:
+                        rule = forced.seq(forced.SPACE, rule, forced.SPACE)
+                piece = forced.seq(forced.literal(opening, specials), rule, forced.literal(closing, specials))
+                parts.append(piece if required else f"({piece})?")
+            if not parts:
+                return None
+            return forced.seq(words(head, call), *parts, words(tail, call))
+
+        built = forced.call_rules(calls, one_call)
+        if built is None:
+            return None
+        rules, call = built
+        many = "" if single else f" ({forced.SPACE} {call})*"
+        if spec.section is None:
+            return f"start: {call}{many}\n{rules}"
+        opener, closer = (forced.literal(t, specials) for t in spec.section)
+        if spec.one_per_section:
+            group = forced.seq(opener, call, closer)
+            return f"start: {group}" + ("" if single else f" ({forced.SPACE} {group})*") + f"\n{rules}"
+        calls_rule = call if single else f"{call} ({forced.SPACE} {call})*"
+        return "start: " + forced.seq(opener, calls_rule, forced.SPACE, closer) + f"\n{rules}"
 
 
 def markup_parser(spec: Markup, doc: str, special: bool = False) -> type[MarkupParser]:
