@@ -38,8 +38,21 @@ RECORDED = {
         '[get_weather(city="Paris", unit="celsius"), get_time(zone="CET")]',
         None, [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
 }
+RECORDED.update({
+    # Formats of vLLM's parser set whose templates tests/chat_templates/ does not hold, as the models write them.
+    "longcat": ('<longcat_tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</longcat_tool_call>',
+                None, [("get_time", {"zone": "CET"})]),
+    "internlm": ('Let me check.<|action_start|><|plugin|>\n{"name": "get_time", "parameters": {"zone": "CET"}}'
+                 '<|action_end|>', "Let me check.", [("get_time", {"zone": "CET"})]),
+    "phi4_mini_json": ('functools[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+                       '{"name": "get_time", "arguments": {"zone": "CET"}}]',
+                       None, [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
+    "jamba": ('<tool_calls>[{"name": "get_time", "arguments": {"zone": "CET"}}]</tool_calls>', None,
+              [("get_time", {"zone": "CET"})]),
+})
 PARSER_OF = {"hermes": "hermes", "llama3_json": "llama3_json", "llama3_json_python_tag": "llama3_json",
-             "mistral": "mistral", "mistral_v11": "mistral", "pythonic": "pythonic"}
+             "mistral": "mistral", "mistral_v11": "mistral", "pythonic": "pythonic", "longcat": "longcat",
+             "internlm": "internlm", "phi4_mini_json": "phi4_mini_json", "jamba": "jamba"}
 
 
 def stream(parser: ChatOutputParser, text: str, piece: int = 3) -> dict:

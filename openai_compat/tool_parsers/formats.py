@@ -129,6 +129,12 @@ CommandRParser = tagged_json("<|START_ACTION|>", "<|END_ACTION|>",
                              argument_keys=("parameters", "arguments"), special=True, id_key="tool_call_id",
                              layout="list")
 GigaChatParser = tagged_json("<|function_call|>", None, "GigaChat 3.1: `<|function_call|>{json}`.")
+LongCatParser = tagged_json("<longcat_tool_call>", "</longcat_tool_call>",
+                            "LongCat: `<longcat_tool_call>{json}</longcat_tool_call>`.")
+InternLMParser = tagged_json("<|action_start|><|plugin|>", "<|action_end|>",
+                             'InternLM 2.5: `<|action_start|><|plugin|>{"name": ..., "parameters": ...}<|action_end|>`.',
+                             special=True)
+Phi4MiniParser = tagged_json("functools", None, "Phi-4-mini: `functools[{json}, ...]`.", layout="list")
 
 
 @dataclass(frozen=True)
@@ -140,13 +146,14 @@ class Format:
 
 # In recognition order: where two formats would read the same text, the first is chosen.
 FORMATS: tuple[Format, ...] = (
-    Format(("hermes", "qwen", "qwen2_5", "qwen3"), HermesParser,
+    Format(("hermes", "qwen", "qwen2_5", "qwen3", "ernie45"), HermesParser,
            "Qwen2.5, Qwen3, QwQ, Hermes 2/3, Granite 4, MiMo, Bielik"),
     Format(("qwen3_coder", "qwen3_xml"), Qwen3XmlParser, "Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, Step 3.5"),
     Format(("glm45", "glm47", "glm4_moe"), GlmParser, "GLM-4.5, 4.6, 4.7, Ling 3, Laguna"),
     Format(("seed_oss",), SeedOssParser, "Seed-OSS"),
     Format(("minimax_m2",), MiniMaxM2Parser, "MiniMax-M2"),
-    Format(("minimax", "apriel"), MiniMaxParser, "MiniMax-M1, Apriel 1.5/1.6"),
+    Format(("minimax", "apriel", "jamba", "hunyuan_a13b"), MiniMaxParser,
+           "MiniMax-M1, Apriel 1.5/1.6, Jamba 1.5+, Hunyuan-A13B"),
     Format(("kimi_k2",), KimiK2Parser, "Kimi-K2"),
     Format(("deepseek_v3", "deepseek_r1"), DeepSeekV3Parser, "DeepSeek-V3, R1 and its Qwen distills"),
     Format(("deepseek_v31",), DeepSeekV31Parser, "DeepSeek-V3.1"),
@@ -154,7 +161,7 @@ FORMATS: tuple[Format, ...] = (
     Format(("deepseek_v4",), DeepSeekV4Parser, "DeepSeek-V4"),
     Format(("mistral",), MistralParser, "Mistral, Mistral Nemo/Small, Ministral, Devstral"),
     Format(("openai",), HarmonyToolParser, "gpt-oss (harmony)"),
-    Format(("llama3_json", "llama"), Llama3JsonParser, "Llama 3.1, 3.2, 3.3"),
+    Format(("llama3_json", "llama", "llama4_json"), Llama3JsonParser, "Llama 3.1, 3.2, 3.3, 4 (JSON)"),
     Format(("functionary_v3_1", "functionary"), FunctionaryV31Parser, "Functionary v3.1"),
     Format(("functionary_v3_2",), FunctionaryV32Parser, "Functionary v3.2"),
     Format(("granite",), GraniteParser, "Granite 3.x"),
@@ -165,6 +172,9 @@ FORMATS: tuple[Format, ...] = (
     Format(("minicpm",), MiniCPMParser, "MiniCPM 5"),
     Format(("hunyuan",), HunyuanParser, "Hunyuan 3"),
     Format(("gigachat3",), GigaChatParser, "GigaChat 3.1"),
+    Format(("longcat",), LongCatParser, "LongCat-Flash"),
+    Format(("internlm",), InternLMParser, "InternLM 2.5"),
+    Format(("phi4_mini_json",), Phi4MiniParser, "Phi-4-mini"),
     Format(("lfm2",), LFM2Parser, "LFM2, LFM2.5"),
     Format(("pythonic", "llama4_pythonic", "olmo3"), PythonicParser, "Llama 3.2 (pythonic), Llama 4, OLMo 3"),
 )
