@@ -548,6 +548,83 @@ def test_hub_unreachable_fails_clearly_and_fast(tmp_path, monkeypatch):
     assert time.monotonic() - started < 30
 
 
+# ---------------------------------------------------------------- models already in a Hub cache (RunPod's cached models)
+
+CACHED_REPO = "llm-worker-tests/cached-small"
+COMMIT_MAIN, COMMIT_V2 = "a" * 40, "b" * 40
+
+
+def hub_cache_layout(root: Path, model: Path, commits: dict[str, str], *, drop: str | None = None) -> Path:
+    """`model`'s files in the Hub's cache layout under `root` (as RunPod's model cache and huggingface_hub write
+    it): blobs named by hash, each snapshot's files links to them, refs naming commits. `drop` leaves one blob
+    out (a link that resolves to nothing)."""
+    repo = root / f"models--{CACHED_REPO.replace('/', '--')}"
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    for ref, commit in commits.items():
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True, exist_ok=True)
+        for file in model.iterdir():
+            blob = repo / "blobs" / f"{commit[:8]}-{file.name}"
+            if file.name != drop:
+                blob.write_bytes(file.read_bytes())
+            (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    return repo
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """An endpoint nothing listens on: any download attempt fails, naming it."""
+    from huggingface_hub import constants
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    return endpoint
+
+
+def test_a_model_in_the_hub_cache_loads_in_place_with_no_network_call(small_model, local_completion, tmp_path,
+                                                                        monkeypatch, no_hub, caplog):
+    hub = tmp_path / "hub"
+    repo = hub_cache_layout(hub, small_model, {"main": COMMIT_MAIN})
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    cache = tmp_path / "worker-cache"
+    with caplog.at_level(logging.INFO, logger="engine.sources"):
+        local = resolve(CACHED_REPO, cache)
+    assert local.path == repo / "snapshots" / COMMIT_MAIN  # in place: no copy into the worker's cache
+    assert cache_entries(cache, "hf") == []
+    assert f"using the copy in the Hub cache at {repo / 'snapshots' / COMMIT_MAIN}" in caplog.text
+    # The engine serves it, as it serves the same files from a plain folder.
+    completion = run_jobs(EngineConfig(model=CACHED_REPO, cache_dir=cache),
+                          {"openai_route": "/v1/completions", "openai_input": COMPLETION})[0]
+    assert completion["choices"] == local_completion["choices"]
+
+
+def test_the_hub_cache_is_used_at_the_revision_asked_for(small_model, tmp_path, monkeypatch, no_hub):
+    hub = tmp_path / "hub"
+    repo = hub_cache_layout(hub, small_model, {"main": COMMIT_MAIN, "v2": COMMIT_V2})
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    assert resolve(CACHED_REPO, tmp_path, revision="v2").path == repo / "snapshots" / COMMIT_V2
+    assert resolve(CACHED_REPO, tmp_path, revision=COMMIT_V2).path == repo / "snapshots" / COMMIT_V2
+    assert resolve(CACHED_REPO, tmp_path, revision=COMMIT_MAIN[:10]).path == repo / "snapshots" / COMMIT_MAIN
+    assert resolve(CACHED_REPO, tmp_path, role="tokenizer").path == repo / "snapshots" / COMMIT_MAIN
+    # A revision the cache does not hold is downloaded (here: an endpoint that does not answer).
+    with pytest.raises(ModelSourceError, match=re.escape(no_hub)):
+        resolve(CACHED_REPO, tmp_path, revision="v3")
+
+
+def test_an_incomplete_snapshot_in_the_hub_cache_is_not_used(small_model, tmp_path, monkeypatch, no_hub, caplog):
+    hub = tmp_path / "hub"
+    hub_cache_layout(hub, small_model, {"main": COMMIT_MAIN}, drop="model.safetensors")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    with caplog.at_level(logging.WARNING, logger="engine.sources"), \
+            pytest.raises(ModelSourceError, match=re.escape(no_hub)):
+        resolve(CACHED_REPO, tmp_path)
+    assert "is incomplete (no weight files); not using it" in caplog.text
+    # The tokenizer alone is there: TOKENIZER_NAME can use it.
+    assert resolve(CACHED_REPO, tmp_path, role="tokenizer").path.name == COMMIT_MAIN
+
+
 # ---------------------------------------------------------------- local forms
 
 

@@ -70,8 +70,12 @@ def resolve(source: str | None, *, revision: str | None, cache_dir: Path, baked_
                                f"Face repo id)")
     if source.startswith(("/", "./", "../", "~")):
         raise ModelSourceError(f"model path {source} does not exist")
-    from engine.sources import hub
+    from engine.sources import hub, hub_cache
     if hub.is_repo_id(source):
+        cached = hub_cache.cached_snapshot(source, revision, role)
+        if cached is not None:
+            log.info("%s: using the copy in the Hub cache at %s (no download)", source, cached)
+            return _folder_model(cached, source)
         return _folder_model(hub.fetch(source, revision=revision, cache_dir=cache_dir, role=role), source)
     raise ModelSourceError(f"cannot load model {source!r}: not a local folder or .gguf file, an s3:// URI or a "
                            f"Hugging Face repo id")
