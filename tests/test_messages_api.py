@@ -219,6 +219,27 @@ def test_disable_parallel_tool_use_makes_one_call(claude):
     assert [block.type for block in message.content] == ["tool_use"]
 
 
+@pytest.mark.parametrize("dump", [lambda b: b.model_dump(), lambda b: b.model_dump(exclude_none=True),
+                                  lambda b: b.to_dict()], ids=["model_dump", "exclude_none", "to_dict"])
+def test_the_sdks_own_reply_blocks_go_back_as_they_were_dumped(claude, dump):
+    """An agent keeps its history as the SDK's reply objects dumped to JSON (fields newer than this worker's
+    models included, empty: `caller`, `toolset_name`, `citations`) and sends them back with the tool's result."""
+    reply = create(claude, WEATHER_Q, max_tokens=60, tools=[WEATHER],
+                   tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+    (call,) = [block for block in reply.content if block.type == "tool_use"]
+    history = WEATHER_Q + [{"role": "assistant", "content": [dump(block) for block in reply.content]},
+                           {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                         "content": "Sunny, 21 C"}]}]
+    assert create(claude, history, max_tokens=2, tools=[WEATHER], tool_choice={"type": "none"}).stop_reason \
+        == "max_tokens"
+    # A value this worker cannot honour is still refused, naming the field.
+    served = dict(history[1]["content"][-1], caller={"type": "code_execution_20250825", "tool_id": "srvtoolu_1"})
+    with pytest.raises(anthropic.BadRequestError) as failure:
+        create(claude, WEATHER_Q + [{"role": "assistant", "content": [served]}, history[2]], max_tokens=2,
+               tools=[WEATHER], tool_choice={"type": "none"})
+    assert "caller" in anthropic_error(failure, 400, "invalid_request_error", "direct caller")
+
+
 def test_tool_result_turn_renders_like_the_chat_tool_message(claude, client):
     chat_tool = {"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
                                                   "parameters": WEATHER_SCHEMA}}

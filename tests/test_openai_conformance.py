@@ -613,3 +613,29 @@ def test_chat_template_kwargs_reach_the_template(client, persona_client):
     # A template variable never overrides the request's own fields (vLLM merges them the same way).
     same = chat(persona_client, max_tokens=1, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
     assert same.usage.prompt_tokens == default.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("exclude_none", [False, True])
+def test_the_sdks_own_reply_message_goes_back_as_it_was_dumped(client, exclude_none):
+    """A client keeps its history as the SDK's reply objects dumped to JSON (`refusal`, `annotations`, `audio`,
+    `function_call` as None, this worker's `reasoning` fields) and sends them back with the tool's result."""
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}}, "required": ["zone"],
+        "additionalProperties": False}}}]
+    question = [{"role": "user", "content": "What time is it in Paris?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=question, tools=tools, max_tokens=40,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}})
+    message = reply.choices[0].message
+    (call,) = message.tool_calls
+    history = question + [message.model_dump(exclude_none=exclude_none),
+                          {"role": "tool", "tool_call_id": call.id, "content": "14:05"}]
+    follow = client.chat.completions.create(model=MODEL, messages=history, tools=tools, tool_choice="none",
+                                            max_tokens=2)
+    assert follow.choices[0].finish_reason == "length"
+    # A value this worker cannot honour is still refused, naming the field; a misspelt field too.
+    for field, value in (("audio", {"id": "audio_1"}), ("refusals", None)):
+        sent = dict(history[1], **{field: value})
+        with pytest.raises(openai.BadRequestError) as failure:
+            client.chat.completions.create(model=MODEL, messages=[history[0], sent, history[2]], max_tokens=2)
+        assert field in failure.value.body["message"] or field in str(failure.value.body.get("param")), \
+            failure.value.body

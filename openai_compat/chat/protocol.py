@@ -78,9 +78,31 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # the name newer clients (and this worker's replies) give reasoning_content
+    # Fields of the reply objects the official SDK returns, which clients send back as they dumped them:
+    # `refusal` is the assistant's text; the others are accepted empty and refused with a value nothing here uses.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+
+    @field_validator("annotations", "audio", "function_call")
+    @classmethod
+    def _empty(cls, value, info: ValidationInfo):
+        if value:
+            reason = {"annotations": "citations of a hosted search", "audio": "audio output",
+                      "function_call": "the deprecated function_call (send tool_calls)"}[info.field_name]
+            raise ValueError(f"{info.field_name} is accepted only empty: {reason} cannot be used here")
+        return None
 
     @model_validator(mode="after")
     def _content(self) -> "ChatMessage":
+        if self.reasoning is not None:
+            if self.reasoning_content is not None and self.reasoning_content != self.reasoning:
+                raise ParamError("reasoning", "reasoning and reasoning_content differ; send one of them")
+            self.reasoning_content = self.reasoning
+        if self.refusal and self.content is None:
+            self.content = self.refusal
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content")
         return self

@@ -23,7 +23,7 @@ MIN_THINKING_BUDGET = 1024
 # What each content block type may carry (besides `type`), and what it must.
 BLOCK_FIELDS = {
     "text": {"text", "cache_control", "citations"},
-    "tool_use": {"id", "name", "input", "cache_control"},
+    "tool_use": {"id", "name", "input", "cache_control", "caller", "toolset_name"},
     "tool_result": {"tool_use_id", "content", "is_error", "cache_control"},
     "thinking": {"thinking", "signature"},
     "redacted_thinking": {"data"},
@@ -146,6 +146,14 @@ class ContentBlock(BaseModel):
         for name in REQUIRED_BLOCK_FIELDS[self.type]:
             if getattr(self, name) is None:
                 raise ParamError(name, f"a {self.type} block needs {name}")
+        extra = self.model_extra or {}
+        # Fields of the SDK's own reply blocks, sent back as dumped: a direct call (or none) is what this worker
+        # makes; a server tool's call or an MCP toolset's tool cannot have come from it.
+        if extra.get("caller") not in (None, {"type": "direct"}):
+            raise ParamError("caller", "only a direct caller ({\"type\": \"direct\"}) is supported: server tools "
+                                       "and their callers do not exist here")
+        if extra.get("toolset_name") is not None:
+            raise ParamError("toolset_name", "MCP toolsets are not supported, so a tool_use block cannot name one")
         if self.type == "image":
             _check_image_source(self.source)
         return self
