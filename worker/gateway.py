@@ -26,6 +26,7 @@ import importlib
 import json
 import logging
 import signal
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -110,6 +111,8 @@ class GatewayState:
     running: dict[str, _Running] = field(default_factory=dict)
     draining: bool = False
     cut: list[str] = field(default_factory=list)
+    # Requests taken at once; past it a 429 (load-balancing endpoints: the platform has no queue to hold them).
+    max_running: int | None = None
 
 
 class _Refused(Exception):
@@ -203,6 +206,10 @@ class _Jobs:
             return _error(str(exc), 400, param=REQUEST_ID_HEADER)
         worker_logging.current_job.set(job_id)
         id_header = {REQUEST_ID_HEADER: job_id}
+        limit = self.state.max_running
+        if limit is not None and len(self.state.running) >= limit:
+            return _error(f"this worker is serving its limit of {limit} requests (MAX_CONCURRENCY); retry shortly "
+                          f"or add workers", 429, id_header)
         job = {"id": job_id, "input": {"openai_route": route, "openai_input": body}}
         running = self.state.running[job_id] = _Running(route, asyncio.current_task())
         parts = self.handler(job)
@@ -374,8 +381,51 @@ async def serve(module: HandlerModule, host: str, port: int, preload: bool, head
     log.info("serving the OpenAI API on http://%s:%d/openai/v1", host, port)
     print(f"llm-worker gateway ready on http://{host}:{port}/openai/v1", flush=True)
     await stop.wait()
+    await _drain(state, [site], grace, module)
+    await runner.cleanup()
+
+
+async def serve_behind(front, sites: list[web.TCPSite], stop: asyncio.Event) -> int:
+    """Load-balancing mode (worker/load_balancing.py): the gateway answers the requests the front server takes
+    on `sites`; the model loads meanwhile, its progress on /ping. Returns the exit status."""
+    module = load_handler("worker.handler:handler")
+    try:
+        options = module.options() if module.options is not None else {}
+    except Exception as exc:  # a bad setting: one clear line, non-zero exit
+        print(redact(f"llm-worker: {exc}"), file=sys.stderr, flush=True)
+        return 2
+    logging.getLogger("aiohttp.server").addFilter(_ClientFaultFilter())
+    state = GatewayState(max_running=options.get("max_concurrency"))
+    app = create_app(module.handler, module.health, state)
+    runner = web.AppRunner(app)
+    await runner.setup()  # frozen and started, never bound: the front hands it its requests
+    front.attach(app, lambda: {**(module.health() if module.health else {}),
+                               **({"status": "stopping"} if state.draining else {})})
+
+    async def load() -> None:
+        try:
+            await _preload(module.handler)
+            log.info("model loaded: /ping answers 200")
+        except SystemExit as exc:
+            front.fail(str(exc.code).removeprefix("llm-worker: "))
+        except Exception as exc:
+            front.fail(redact(f"the model could not be loaded: {exc}"))
+
+    loading = asyncio.create_task(load())
+    await stop.wait()
+    loading.cancel()
+    await asyncio.gather(loading, return_exceptions=True)
+    await _drain(state, sites, float(options.get("shutdown_grace_s", DEFAULT_SHUTDOWN_GRACE_S)), module)
+    await runner.cleanup()
+    return 0
+
+
+async def _drain(state: GatewayState, sites: list[web.TCPSite], grace: float, module: HandlerModule) -> None:
+    """SIGTERM: take nothing new, give running requests `grace` seconds, cut what is left (logged), close."""
+    loop = asyncio.get_running_loop()
     state.draining = True
-    await site.stop()  # no new connections; requests on open ones get a 503
+    for site in sites:
+        await site.stop()  # no new connections; requests on open ones get a 503
     running = len(state.running)
     log.info("shutdown: taking no new requests; %d running, waiting up to %.0f s for them", running, grace)
     deadline = loop.time() + grace
@@ -385,7 +435,6 @@ async def serve(module: HandlerModule, host: str, port: int, preload: bool, head
     for task in leftover:
         task.cancel()
     await asyncio.gather(*leftover, return_exceptions=True)
-    await runner.cleanup()
     if module.close is not None:
         await asyncio.to_thread(module.close)
     log.info("shutdown: done; %d of %d running requests finished, %d cut%s", running - len(state.cut), running,

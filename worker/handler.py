@@ -108,7 +108,8 @@ def close() -> None:
 
 def gateway_options() -> dict[str, Any]:
     """Validate the configuration (a bad value raises SettingsError) and give the local gateway its part."""
-    return {"shutdown_grace_s": get_worker().settings.shutdown_grace_seconds}
+    settings = get_worker().settings
+    return {"shutdown_grace_s": settings.shutdown_grace_seconds, "max_concurrency": settings.max_concurrency}
 
 
 _shutdown: GracefulShutdown | None = None

@@ -23,6 +23,11 @@ class WorkerSettings(EngineSettings):
     vllm_allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     # Serving
+    # Which kind of endpoint `python -m worker` serves: queue jobs, or HTTP for a load-balancing endpoint
+    # (worker/load_balancing.py, which reads these three itself, before anything heavy is imported).
+    serving_mode: Literal["auto", "queue", "http"] = "auto"
+    port: int | None = Field(default=None, ge=1, le=65535)
+    port_health: int | None = Field(default=None, ge=1, le=65535)
     max_concurrency: int = Field(default=30, ge=1)
     openai_response_role: str = "assistant"
     raw_openai_output: bool = True
