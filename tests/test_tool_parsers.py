@@ -47,12 +47,16 @@ RECORDED.update({
     "phi4_mini_json": ('functools[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
                        '{"name": "get_time", "arguments": {"zone": "CET"}}]',
                        None, [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
+    "granite-20b-fc": ('<function_call> {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+                       '\n<function_call> {"name": "get_time", "arguments": {"zone": "CET"}}',
+                       None, [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
     "jamba": ('<tool_calls>[{"name": "get_time", "arguments": {"zone": "CET"}}]</tool_calls>', None,
               [("get_time", {"zone": "CET"})]),
 })
 PARSER_OF = {"hermes": "hermes", "llama3_json": "llama3_json", "llama3_json_python_tag": "llama3_json",
              "mistral": "mistral", "mistral_v11": "mistral", "pythonic": "pythonic", "longcat": "longcat",
-             "internlm": "internlm", "phi4_mini_json": "phi4_mini_json", "jamba": "jamba"}
+             "internlm": "internlm", "phi4_mini_json": "phi4_mini_json", "jamba": "jamba",
+             "granite-20b-fc": "granite-20b-fc"}
 
 
 def stream(parser: ChatOutputParser, text: str, piece: int = 3) -> dict:

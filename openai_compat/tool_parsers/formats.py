@@ -134,6 +134,8 @@ LongCatParser = tagged_json("<longcat_tool_call>", "</longcat_tool_call>",
 InternLMParser = tagged_json("<|action_start|><|plugin|>", "<|action_end|>",
                              'InternLM 2.5: `<|action_start|><|plugin|>{"name": ..., "parameters": ...}<|action_end|>`.',
                              special=True)
+Granite20bParser = tagged_json("<function_call>", None,
+                               "Granite 20B function calling: `<function_call> {json}` for each call.")
 Phi4MiniParser = tagged_json("functools", None, "Phi-4-mini: `functools[{json}, ...]`.", layout="list")
 
 
@@ -165,6 +167,7 @@ FORMATS: tuple[Format, ...] = (
     Format(("functionary_v3_1", "functionary"), FunctionaryV31Parser, "Functionary v3.1"),
     Format(("functionary_v3_2",), FunctionaryV32Parser, "Functionary v3.2"),
     Format(("granite",), GraniteParser, "Granite 3.x"),
+    Format(("granite-20b-fc",), Granite20bParser, "Granite 20B function calling"),
     Format(("nemotron_json",), NemotronParser, "Nemotron Nano 2"),
     Format(("command_r",), CommandRParser, "Command R7B, Command A"),
     Format(("gemma4",), Gemma4Parser, "Gemma 4"),

@@ -56,11 +56,15 @@ def _cut_off(calls: list[PartialCall]) -> bool:
 
 class TaggedJsonParser(ToolParser):
     """JSON call objects (one, several, or a JSON list) between a family's opening and closing tags, any number
-    of times, with text around them. A closing tag of None: the calls run to the end of the reply."""
+    of times, with text around them. A closing tag of None: the calls run to the next opening tag or the end."""
     OPEN: str = ""
     CLOSE: str | None = None
     NAME_KEYS: tuple[str, ...] = ("name",)
     ARGUMENT_KEYS: tuple[str, ...] = ("arguments", "parameters")
+    ID_KEY: str | None = None  # the key of a call id some families write first in each call (Command R7B)
+    # How the family writes several calls (for forced calls): "lines" (one tag per call, or one object per line),
+    # "list" (a JSON list), or "either" where families that share the tags differ (MiniMax-M1, Apriel).
+    LAYOUT = "lines"
 
     @property
     def marker(self) -> str:  # type: ignore[override]
@@ -80,7 +84,8 @@ class TaggedJsonParser(ToolParser):
             if start == -1:
                 break
             body_start = start + len(self.OPEN)
-            close = text.find(self.CLOSE, body_start) if self.CLOSE else -1
+            close = text.find(self.CLOSE or self.OPEN, body_start)
+            closer = len(self.CLOSE) if self.CLOSE else 0  # a next opening tag stays for the next round
             body = text[body_start:] if close == -1 else text[body_start:close]
             finished = close != -1 or final
             found, all_calls = scan_json_calls(body, 0, finished, name_keys=self.NAME_KEYS,
@@ -88,19 +93,13 @@ class TaggedJsonParser(ToolParser):
             cut = final and close == -1 and _cut_off(found)
             if finished and not cut and (not found or not all_calls or not all(valid_call(c) for c in found)):
                 # Not calls after all: the text stays content, as the model wrote it.
-                content.append(text[start:] if close == -1 else text[start:close + len(self.CLOSE)])
+                content.append(text[start:] if close == -1 else text[start:close + closer])
             else:
                 calls.extend(found)
             if close == -1:
                 break
-            at = close + len(self.CLOSE)
+            at = close + closer
         return Scan("".join(content), calls)
-
-
-    ID_KEY: str | None = None  # the key of a call id some families write first in each call (Command R7B)
-    # How the family writes several calls (for forced calls): "lines" (one tag per call, or one object per line),
-    # "list" (a JSON list), or "either" where families that share the tags differ (MiniMax-M1, Apriel).
-    LAYOUT = "lines"
 
     def forced_grammar(self, calls, single, specials):
         string = forced.json_value({"type": "string"})
