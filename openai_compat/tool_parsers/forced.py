@@ -112,3 +112,30 @@ def properties(schema: dict[str, Any]) -> list[tuple[str, dict[str, Any], bool]]
     required = set(schema.get("required") or ())
     return [(key, value if isinstance(value, dict) else {}, key in required)
             for key, value in schema["properties"].items()]
+
+
+_PYTHON_STRING = r"/'([^'\\\n]|\\.)*'/"
+
+
+def python_value(schema: dict[str, Any]) -> str | None:
+    """Lark for a keyword argument's value in a pythonic call (`f(city="Paris", days=3)`): strings and numbers as
+    JSON writes them (valid Python too), True/False, None; None when the schema needs JSON's objects or arrays
+    (their true/false/null are not Python)."""
+    if "$ref" in json.dumps(schema):
+        return None
+    types = _types(schema)
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        # Python's repr quotes with ' (LFM2's template writes it so), JSON with ": either.
+        return "(" + " | ".join(json.dumps(q) for v in enum for q in (repr(v), json.dumps(v))) + ")"
+    if isinstance(enum, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in enum):
+        return json_value(schema)
+    if types == {"string"} and not any(k in schema for k in ("pattern", "format", "minLength", "maxLength")):
+        return f"({json_value(schema)} | {_PYTHON_STRING})"
+    if types and types <= {"string", "integer", "number"}:
+        return json_value(schema)
+    if types == {"boolean"}:
+        return '("True" | "False")'
+    if types == {"null"}:
+        return '"None"'
+    return None

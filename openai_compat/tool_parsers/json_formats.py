@@ -277,6 +277,34 @@ class PythonicParser(ToolParser):
         return Scan(text[:start] + (after if after.strip() else ""), calls)
 
 
+    def forced_grammar(self, calls, single, specials):
+        def one_call(_, call):
+            props = forced.properties(call.parameters)
+            if props is None:
+                return None
+            required, optional = [], []
+            for key, schema, needed in props:
+                value = forced.python_value(schema)
+                if value is None:
+                    return None
+                (required if needed else optional).append(f"{json.dumps(key + '=')} {value}")
+            if not required and len(optional) > 1:
+                return None  # keyword arguments in any subset need a first one to hang the commas on
+            if not required:
+                args = f"({optional[0]})?" if optional else ""
+            else:  # keyword arguments in any order: the required ones first, then any of the others
+                args = ' ", " '.join(required) + "".join(f' (", " {o})?' for o in optional)
+            return forced.seq(json.dumps(call.name + "("), args, '")"')
+        built = forced.call_rules(calls, one_call)
+        if built is None:
+            return None
+        rules, call = built
+        listed = f'"[" {call}' + ("" if single else f' (", " {call})*') + ' "]"'
+        opener = forced.literal(self.OPEN, specials) if self.OPEN else ""
+        closer = forced.literal(self.CLOSE, specials) if self.CLOSE else ""
+        return f"start: {forced.seq(opener, listed, closer)}\n{rules}"
+
+
 class LFM2Parser(PythonicParser):
     """LFM2: `<|tool_call_start|>[get_weather(city='Paris')]<|tool_call_end|>`."""
     OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
