@@ -548,7 +548,7 @@ def test_hub_unreachable_fails_clearly_and_fast(tmp_path, monkeypatch):
     assert time.monotonic() - started < 30
 
 
-# ---------------------------------------------------------------- models already in a Hub cache (RunPod's cached models)
+# ---------------------------------------------------------------- a Hub cache on the host (RunPod's cached models)
 
 CACHED_REPO = "llm-worker-tests/cached-small"
 COMMIT_MAIN, COMMIT_V2 = "a" * 40, "b" * 40

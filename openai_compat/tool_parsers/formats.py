@@ -132,7 +132,8 @@ GigaChatParser = tagged_json("<|function_call|>", None, "GigaChat 3.1: `<|functi
 LongCatParser = tagged_json("<longcat_tool_call>", "</longcat_tool_call>",
                             "LongCat: `<longcat_tool_call>{json}</longcat_tool_call>`.")
 InternLMParser = tagged_json("<|action_start|><|plugin|>", "<|action_end|>",
-                             'InternLM 2.5: `<|action_start|><|plugin|>{"name": ..., "parameters": ...}<|action_end|>`.',
+                             'InternLM 2.5: `<|action_start|><|plugin|>{"name": ..., "parameters": ...}'
+                             '<|action_end|>`.',
                              special=True)
 Granite20bParser = tagged_json("<function_call>", None,
                                "Granite 20B function calling: `<function_call> {json}` for each call.")
