@@ -362,6 +362,22 @@ def test_the_gateway_returns_a_familys_calls_as_tool_calls(family):
             written = requests.post(url.removesuffix("/openai/v1") + "/v1/detokenize", timeout=60,
                                     json={"tokens": forced.choices[0].model_extra["token_ids"]}).json()["prompt"]
             assert NATIVE_MARKER[family] in written, written
+        if FAMILIES[family][0] == "mistral":
+            # Anthropic's Messages API keeps the id in the form the template takes back on the next turn.
+            import anthropic
+            claude = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="unused", max_retries=0,
+                                         timeout=300)
+            anthropic_tools = [{"name": "get_time", "input_schema": zones[0]["function"]["parameters"]}]
+            used = claude.messages.create(model=request["model"], max_tokens=60, messages=QUESTION,
+                                          tools=anthropic_tools, tool_choice={"type": "tool", "name": "get_time"})
+            (block,) = [b for b in used.content if b.type == "tool_use"]
+            assert re.fullmatch(r"[A-Za-z0-9]{9}", block.id), block.id
+            after = claude.messages.create(
+                model=request["model"], max_tokens=2, tools=anthropic_tools, tool_choice={"type": "none"},
+                messages=QUESTION + [{"role": "assistant", "content": [b.model_dump() for b in used.content]},
+                                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id,
+                                                                   "content": "14:05"}]}])
+            assert after.stop_reason == "max_tokens"
     finally:
         stop_gateway(process)
 

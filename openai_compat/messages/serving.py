@@ -163,7 +163,10 @@ class Reply:
         function = call.function
         if call.index not in self._call_block:  # a call's first piece has its name
             events += self._close()
-            block = ToolUseContent(id=random_id("toolu").replace("-", "_"), input={},
+            # Anthropic's spelling of a generated id; an id in a form the model's template needs back (Mistral's,
+            # Kimi's) is kept, since the client returns it with the tool's result.
+            own = call.id and not call.id.startswith("chatcmpl-tool-")
+            block = ToolUseContent(id=call.id if own else random_id("toolu").replace("-", "_"), input={},
                                    name=function.name if function is not None and function.name else "")
             self.blocks.append(block)
             self._open = call.index
