@@ -162,7 +162,10 @@ class Llama3JsonParser(ToolParser):
         return f"start: {tag}{call} (/; ?/ {call})* | TEXT\nTEXT: /(\\s*[^{{\\s](.|\\n)*)?/\n{rules}"
 
     def forced_grammar(self, calls, single, specials):
-        rules, call = _call_rules(calls, "parameters")
+        def one_call(_, call):  # JSON laid out as forced.json_value writes it, as in the other formats
+            head = '{"name": ' + json.dumps(call.name) + ', "parameters": '
+            return f'{json.dumps(head)} {forced.json_value(call.parameters)} "}}"'
+        rules, call = forced.call_rules(calls, one_call)
         return f"start: {call}" + ("" if single else f' ("; " {call})*') + f"\n{rules}"
 
     def scan(self, text: str, final: bool) -> Scan:
