@@ -85,8 +85,7 @@ class OpenAIServing:
         the chat template writes. Decided once, when the model has loaded, and logged."""
         if self._reasoning_format is None:
             tokenizer = self.engine.tokenizer
-            render = (lambda messages, **kwargs: tokenizer.render_chat(messages, **kwargs)) \
-                if tokenizer.has_chat_template else None
+            render = tokenizer.render_chat if tokenizer.has_chat_template else None
             self._reasoning_format = (reasoning.recognise(self.config.reasoning_parser, tokenizer.chat_template,
                                                           render),)
             log.info("reasoning parser: %s", self._reasoning_format[0] or "none (thinking, if any, stays in content)")
@@ -102,8 +101,7 @@ class OpenAIServing:
             elif not tokenizer.has_chat_template:
                 self._tool_format = (None, "the model has no chat template")
             else:
-                self._tool_format = tool_parsers.recognise(
-                    lambda messages, **kwargs: tokenizer.render_chat(messages, **kwargs))
+                self._tool_format = tool_parsers.recognise(tokenizer.render_chat)
             name, why = self._tool_format
             log.info("tool-call format: %s (%s)", name or "none recognised; set TOOL_CALL_PARSER", why)
         return self._tool_format[0]

@@ -55,6 +55,17 @@ def start_worker(**env) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def stop_worker(worker: subprocess.Popen, ping: PingLog) -> tuple[str, list]:
+    """SIGTERM, then the worker's output and what /ping answered throughout."""
+    try:
+        worker.send_signal(signal.SIGTERM)
+        return worker.communicate(timeout=120)[0], ping.stop()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        ping.stop()
+
+
 def test_a_load_balancing_worker_answers_ping_through_its_start_serves_and_drains():
     port, health_port = free_port(), free_port()
     worker = start_worker(PORT=str(port), PORT_HEALTH=str(health_port), MAX_CONCURRENCY="1")
@@ -83,12 +94,8 @@ def test_a_load_balancing_worker_answers_ping_through_its_start_serves_and_drain
         assert sum(1 for _ in stream) > 100  # the stream ran to its end meanwhile
         message = claude.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "Hi"}])
         assert message.content[0].text
-        worker.send_signal(signal.SIGTERM)
-        output = worker.communicate(timeout=120)[0]
     finally:
-        if worker.poll() is None:
-            worker.kill()
-        seen = ping.stop()
+        output, seen = stop_worker(worker, ping)
     assert worker.returncode == 0, output[-3000:]
     assert "shutdown: done" in output
     # Up before the model: 204 while it loads, then 200; after SIGTERM not healthy (503, then gone).
@@ -103,12 +110,8 @@ def test_a_worker_that_cannot_load_answers_ping_500_with_the_reason_in_its_log(t
     try:
         ping.wait_for(500)
         assert requests.get(f"http://127.0.0.1:{port}/ping", timeout=10).json()["reason"]
-        worker.send_signal(signal.SIGTERM)
-        output = worker.communicate(timeout=120)[0]
     finally:
-        if worker.poll() is None:
-            worker.kill()
-        seen = ping.stop()
+        output, seen = stop_worker(worker, ping)
     assert "unhealthy:" in output and "no-such-model" in output
     assert 200 not in seen
 

@@ -109,7 +109,7 @@ def template_tokenizer(hf_tokenizer, family: str):
 
 
 def render(tokenizer):
-    return lambda messages, **kwargs: tokenizer.render_chat(messages, **kwargs)
+    return tokenizer.render_chat
 
 
 def tool_parser(name: str):
