@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import compileall
 import os
 import shutil
 import statistics
@@ -39,9 +40,10 @@ def _child() -> None:
     async def run() -> None:
         await handler.get_worker().engine.start()
         print(f"READY {time.time()}", flush=True)
-        async for part in handler.handler({"id": "cold-start", "input": JOB}):
-            print(f"FIRST {time.time()}", flush=True)
-            break
+        parts = handler.handler({"id": "cold-start", "input": JOB})
+        await parts.__anext__()
+        print(f"FIRST {time.time()}", flush=True)
+        await parts.aclose()
         handler.close()
 
     asyncio.run(run())
@@ -105,6 +107,10 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="also a local model folder (MODEL_NAME)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
+    # The image compiles the project's bytecode when it is built (Dockerfile); so does this, once, where the
+    # environment turns off writing it at import (PYTHONDONTWRITEBYTECODE).
+    for package in ("engine", "openai_compat", "worker"):
+        compileall.compile_dir(ROOT / package, quiet=1)
     _case("embedded model", {}, args.repeats)
     if args.model:
         _case(args.model, {"MODEL_NAME": args.model}, args.repeats)

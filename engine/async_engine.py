@@ -340,7 +340,9 @@ class AsyncEngine:
         ImageInputs of a prompt with images (VisionProcessor.prepare), for a vision-language model."""
         await self.start()
         sink = _QueueSink(asyncio.get_running_loop())
-        self._engine.submit(request_id, prompt_ids, params, sink, images)
+        # The loop that took the request is the one to abort it on: close() may have dropped it meanwhile.
+        engine = self._engine
+        engine.submit(request_id, prompt_ids, params, sink, images)
         done = False
         try:
             while True:
@@ -355,7 +357,7 @@ class AsyncEngine:
                     return
         finally:
             if not done:
-                self._engine.abort(request_id)
+                engine.abort(request_id)
 
     # ---- pooling ----
 

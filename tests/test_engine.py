@@ -318,3 +318,21 @@ def test_the_chunked_argmax_picks_what_torch_picks(vocab):
     x[6, vocab - 1] = 80.0  # alone in the tail
     x[7, min(1023, vocab - 1)] = x[7, min(1024, vocab - 1)] = 90.0
     assert torch.equal(argmax(x), x.argmax(dim=-1))
+
+
+def test_a_stream_left_open_across_close_ends_cleanly(tmp_path):
+    """A request whose stream is still open when the engine closes (a worker shutting down with a client
+    mid-stream) ends with the engine's error, and closing its iterator afterwards raises nothing: the abort goes
+    to the loop that took the request, not to the engine's current one, which close() dropped."""
+    from tiny_models import build_small_model
+
+    engine = AsyncEngine(EngineConfig(model=str(build_small_model(tmp_path / "model")), dtype="float32"))
+
+    async def run():
+        stream = engine.generate("open", [1, 5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0,
+                                                                       ignore_eos=True))
+        await stream.__anext__()
+        engine.close()
+        await stream.aclose()
+
+    asyncio.run(run())

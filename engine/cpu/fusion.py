@@ -103,8 +103,9 @@ def _fuse_mlp(module: torch.nn.Module) -> bool:
     if not (_plain(gate, up) and gate.bias is None and up.bias is None and gate.in_features == up.in_features):
         return False
     weight = gate.weight
+    # On the meta device: the new layer's random initialisation would be overwritten at once.
     fused = torch.nn.Linear(gate.in_features, gate.out_features + up.out_features, bias=False,
-                            device=weight.device, dtype=weight.dtype)
+                            device="meta", dtype=weight.dtype)
     fused.weight = torch.nn.Parameter(torch.cat([gate.weight, up.weight]).detach(), requires_grad=False)
     module.gate_up_proj = fused
     if not _matches(module, gated_mlp_forward, gate.in_features, weight.dtype, weight.device):
@@ -158,7 +159,7 @@ def _fuse_qkv(module: torch.nn.Module) -> bool:
         return False
     weight = q.weight
     fused = torch.nn.Linear(q.in_features, q.out_features + k.out_features + v.out_features,
-                            bias=q.bias is not None, device=weight.device, dtype=weight.dtype)
+                            bias=q.bias is not None, device="meta", dtype=weight.dtype)
     fused.weight = torch.nn.Parameter(torch.cat([q.weight, k.weight, v.weight]).detach(), requires_grad=False)
     if q.bias is not None:
         fused.bias = torch.nn.Parameter(torch.cat([q.bias, k.bias, v.bias]).detach(), requires_grad=False)

@@ -67,23 +67,41 @@ class IdleRelease:
             return
         self._trimmed = True
         started = time.perf_counter()
+        _collect_load_garbage()
         if self._on_idle is not None:
             self._on_idle()
         if release():
             log.debug("idle: returned free host memory to the system in %.1f ms", (time.perf_counter() - started) * 1e3)
 
 
+_collect_pending = False  # the load's garbage was frozen with the model; collected at the first idle moment
+
+
 def freeze_long_lived() -> None:
     """Move every object alive now (the loaded model, tokenizer and libraries: hundreds of thousands of them) out
     of the collector's full passes. A request body of 100k small lists triggers full collections, and each one
-    walked all of them, so parsing that body took many times longer, with the event loop held throughout."""
-    gc.collect()
+    walked all of them, so parsing that body took many times longer, with the event loop held throughout.
+    The full collection that frees the load's own garbage first walks those same objects (a quarter of a second
+    for the embedded model), so it waits for the engine's first idle moment instead of delaying the start."""
+    global _collect_pending
     gc.freeze()
+    _collect_pending = True
+
+
+def _collect_load_garbage() -> None:
+    global _collect_pending
+    if _collect_pending:
+        _collect_pending = False
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
 
 def thaw() -> None:
     """Hand the frozen objects back to the collector (an engine closed: its model, caches and threads' state).
     It never looks at frozen objects, so their reference cycles would hold every closed engine's memory for the
     life of the process (1 GB per start of the embedded model); the next start freezes what is alive then."""
+    global _collect_pending
+    _collect_pending = False
     gc.unfreeze()
     gc.collect()
