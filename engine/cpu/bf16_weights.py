@@ -140,6 +140,20 @@ def _verdict_name(modules: list[torch.nn.Linear]) -> str:
     return "bf16_linear:" + hashlib.sha256(shapes.encode()).hexdigest()[:16]
 
 
+def serves_every_size(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=None
+                      ) -> list[torch.nn.Linear]:
+    """The layers apply will give the kernel's product at every batch size, as an earlier start's verdict says;
+    [] where no start has decided yet (apply checks and times then)."""
+    if kernels is None or not hasattr(kernels, "bf16_linear_supported") or not kernels.bf16_linear_supported():
+        return []
+    modules = _candidates(model)
+    stored, value = verdicts.cached(_verdict_name(modules)) if verdicts is not None and modules else (False, None)
+    if not stored:
+        return []
+    serves, timed, _ = value
+    return modules if serves or (every_size and timed != "differs") else []
+
+
 def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=None) -> int:
     """Give every bfloat16 linear layer the kernel's product where it wins over the layout in use (`kernels`:
     native_kernels.active(), or None). With `every_size` (BATCH_INVARIANT) it serves even where it does not win:

@@ -306,14 +306,16 @@ def _packed_from(model: torch.nn.Module) -> tuple[int | None, dict[int, float], 
     return start, gains, {_key(w): p for w, p in zip(weights, packs)}
 
 
-def use_packed(model: torch.nn.Module, from_rows: int, packed: dict[tuple, torch.Tensor] | None = None) -> int:
-    """Give every linear layer (the output head included, fused projections' parts not) a packed copy of its
-    weight, used for inputs of `from_rows` rows or more (`packed`: copies already made, by `_key`). Returns how
-    many layers got one."""
+def use_packed(model: torch.nn.Module, from_rows: int, packed: dict[tuple, torch.Tensor] | None = None,
+               served_elsewhere: frozenset[int] = frozenset()) -> int:
+    """Give every linear layer (the output head included, fused projections' parts not, nor the layers by id in
+    `served_elsewhere`, whose every product another kernel makes) a packed copy of its weight, used for inputs of
+    `from_rows` rows or more (`packed`: copies already made, by `_key`). Returns how many layers got one."""
     packed = packed or {}
     count = 0
     for module in model.modules():
-        if type(module) is not torch.nn.Linear or getattr(module, "fused_into", False):
+        if (type(module) is not torch.nn.Linear or getattr(module, "fused_into", False)
+                or id(module) in served_elsewhere):
             continue
         weight = module.weight.detach()
         module.weight_packed = packed.get(_key(weight))
@@ -343,12 +345,14 @@ def _probe(model: torch.nn.Module) -> tuple[Layout, str, dict[tuple, torch.Tenso
     return Layout(column_major, packed_from), measured, packed
 
 
-def apply(model: torch.nn.Module, batch_invariant: bool = False, verdicts=None) -> Layout:
+def apply(model: torch.nn.Module, batch_invariant: bool = False, verdicts=None,
+          served_elsewhere: frozenset[int] = frozenset()) -> Layout:
     """Switch the model's linear layers to the layouts this CPU runs fastest, by probes on the model's own
     weights: column-major storage where it beats row-major at decode sizes, then oneDNN's packed product for
     the batch sizes where it beats that. A model with the same weight shapes as one probed before in this
     process (a reload), or in an earlier process on this machine (`verdicts`, engine/startup_cache.py), takes
-    the same answer without timing again."""
+    the same answer without timing again. Layers by id in `served_elsewhere` (a kernel of engine/cpu makes their
+    every product, as an earlier start found) get no packed copy: it would be made only to be released."""
     with torch.inference_mode():
         shapes = (torch.get_num_threads(), sum(p.numel() for p in model.parameters()),
                   tuple((tuple(w.shape), w.dtype) for w in _step_weights(model)))
@@ -368,12 +372,12 @@ def apply(model: torch.nn.Module, batch_invariant: bool = False, verdicts=None) 
             if verdicts is not None:
                 verdicts.get(name, lambda: [layout.column_major, layout.packed_from, measured])
         if layout.packed_from is not None:
-            use_packed(model, layout.packed_from, packed)
+            use_packed(model, layout.packed_from, packed, served_elsewhere)
         if batch_invariant:
             if layout.packed_from is None and _packable(model):
                 # Packed at every size even where it is not the fastest: MKL's float32 product is not invariant.
                 layout = layout._replace(packed_from=1)
-                use_packed(model, 1, packed)
+                use_packed(model, 1, packed, served_elsewhere)
             use_invariant(model)
         log.info("CPU linear layout: %s weights, %s (%s)", "column-major" if layout.column_major else "row-major",
                  f"packed product from {layout.packed_from} rows" if layout.packed_from else "no packed product",

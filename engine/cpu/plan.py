@@ -86,15 +86,21 @@ def apply(model: torch.nn.Module, dtype: torch.dtype, config: EngineConfig, *, f
     invariant = config.batch_invariant is True or (
         config.batch_invariant == "auto" and from_gguf and dtype == torch.float32
         and native_kernels.active() is not None)
-    layout.apply(model, batch_invariant=invariant, verdicts=verdicts)
+    kernels = native_kernels.active()
+    # DTYPE=auto lets GGUF blocks take 16-bit integer activations; an explicit float32 keeps float32 activations.
+    blocks = dict(integer_activations=config.dtype == "auto", every_size=invariant, verdicts=verdicts,
+                  byte_activations=config.quantized_activations == "int8")
+    # What a kernel below will serve at every batch size (known from an earlier start's verdicts) gets no packed
+    # float copy from the layout: each would be made and released again, a pass over the model's weights.
+    found = quantized_weights.blocks_at_every_size(model, kernels, **blocks)
+    served = frozenset(id(m) for m, _ in found or ()) | frozenset(
+        id(m) for m in bf16_weights.serves_every_size(model, kernels, every_size=invariant, verdicts=verdicts))
+    layout.apply(model, batch_invariant=invariant, verdicts=verdicts, served_elsewhere=served)
     # A quantized checkpoint's layers multiply from their packed integers (16-bit integer activations, or 8-bit
     # ones under QUANTIZED_ACTIVATIONS=int8).
-    packed_linear.apply(model, native_kernels.active(), packed_linear.ACTIVATIONS[config.quantized_activations])
-    bf16_weights.apply(model, native_kernels.active(), every_size=invariant, verdicts=verdicts)
-    # DTYPE=auto lets GGUF blocks take 16-bit integer activations; an explicit float32 keeps float32 activations.
-    quantized_weights.apply(model, native_kernels.active(), integer_activations=config.dtype == "auto",
-                            every_size=invariant, verdicts=verdicts,
-                            byte_activations=config.quantized_activations == "int8")
+    packed_linear.apply(model, kernels, packed_linear.ACTIVATIONS[config.quantized_activations])
+    bf16_weights.apply(model, kernels, every_size=invariant, verdicts=verdicts)
+    quantized_weights.apply(model, kernels, found=found, **blocks)
     return invariant
 
 

@@ -204,28 +204,52 @@ def _verdict_name(model: torch.nn.Module, words: bool, quads: bool) -> str:
     return f"gguf_blocks:{int(words) + int(quads)}:" + hashlib.sha256(shapes.encode()).hexdigest()[:16]
 
 
+def _stored(model: torch.nn.Module, kernels, integer_activations: bool, byte_activations: bool, verdicts):
+    """(words, quads, verdict name, stored, until, timed): the activations apply multiplies and what an earlier
+    start found for these layers (`until`: rows up to which the blocks serve, 0 for none)."""
+    words = integer_activations and kernels.word_blocks_supported()
+    quads = words and byte_activations  # QUANTIZED_ACTIVATIONS=int8: 8-bit activations
+    name = _verdict_name(model, words, quads) if verdicts is not None else ""
+    stored, value = verdicts.cached(name) if verdicts is not None else (False, None)
+    until, timed = value if stored else (0, "")
+    return words, quads, name, stored, until, timed
+
+
+def blocks_at_every_size(model: torch.nn.Module, kernels, integer_activations: bool = False,
+                         every_size: bool = False, verdicts=None, byte_activations: bool = False):
+    """The exact blocks apply would use (its `found`), where it is known before any other product is set up that
+    they will serve every batch size: BATCH_INVARIANT, or an earlier start's verdict. None where apply's own
+    check and timing decide (a first start)."""
+    if kernels is None or not kernels.blocks_supported():
+        return None
+    words, quads, _, stored, until, _ = _stored(model, kernels, integer_activations, byte_activations, verdicts)
+    if not (every_size or (stored and until == EVERY_SIZE)):
+        return None
+    with torch.inference_mode():
+        return _exact_blocks(model, kernels, words, check=not (stored and until), quads=quads)
+
+
 def apply(model: torch.nn.Module, kernels, integer_activations: bool = False, every_size: bool = False,
-          verdicts=None, byte_activations: bool = False) -> int:
+          verdicts=None, byte_activations: bool = False, found=None) -> int:
     """Give every linear layer whose weight is exact Q4_1 or Q8_0 blocks a block product for batches up to the
     size where it wins (`kernels`: native_kernels.active(), or None), with 16-bit integer activations where
     `integer_activations` allows and the CPU has the product. With `every_size` (BATCH_INVARIANT) the blocks serve
     every batch size: a row's block product does not depend on the other rows, but a row that went to the float32
     product when the step had more rows would round differently. Returns how many layers got one. `verdicts`
     (engine/startup_cache.py) keeps the agreement check's and the timing's outcome across starts: the blocks are
-    still recovered from the weights, but neither compared nor timed again."""
+    still recovered from the weights, but neither compared nor timed again. `found`: what blocks_at_every_size
+    returned, so the blocks are not recovered twice."""
     if kernels is None or not kernels.blocks_supported():
         return 0
-    words = integer_activations and kernels.word_blocks_supported()
-    quads = words and byte_activations  # QUANTIZED_ACTIVATIONS=int8: 8-bit activations
+    words, quads, name, stored, until, timed = _stored(model, kernels, integer_activations, byte_activations,
+                                                       verdicts)
     sizes = _WORD_PROBE_ROWS if words else _PROBE_ROWS
-    name = _verdict_name(model, words, quads) if verdicts is not None else ""
-    stored, value = verdicts.cached(name) if verdicts is not None else (False, None)
-    until, timed = value if stored else (0, "")
     if stored and not until and not every_size:
         return 0  # no exact blocks, a product that differs, or one that is not faster here
     with torch.inference_mode():
         # A stored "no" may have been a product that differs: blocks wanted at every size are checked again.
-        found = _exact_blocks(model, kernels, words, check=not (stored and until), quads=quads)
+        if found is None:
+            found = _exact_blocks(model, kernels, words, check=not (stored and until), quads=quads)
         if not found:
             if verdicts is not None:
                 verdicts.get(name, lambda: [0, ""])
