@@ -69,7 +69,7 @@ def sources() -> tuple[Path, ...]:
 
 PREBUILT = SOURCE.with_name("prebuilt")  # the image's builds (--prebuild), beside the sources they came from
 
-BUILD_WAIT_S = 300.0  # the longest a start waits for another process's build (one takes about a minute)
+BUILD_WAIT_S = 300.0  # the longest a start waits for another process's build (one takes minutes on 2 cores)
 WAIT_LOG_EVERY_S = 10.0
 
 _active = None
@@ -263,7 +263,7 @@ def _compile(variant: Variant, root: Path, wait_s: float):
         work.mkdir()
         try:
             _ninja_on_path()
-            log.info("CPU kernels: compiling the %s build %s into %s (about a minute, once)", variant.name,
+            log.info("CPU kernels: compiling the %s build %s into %s (minutes on a 2-core machine; once per CPU variant and source)", variant.name,
                      name, root)
             # -fopenmp links libgomp.so.1 by name: the loader reuses the copy torch already loaded, so the
             # kernels share torch's OpenMP threads instead of starting a second team (which halves decode
