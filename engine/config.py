@@ -45,7 +45,8 @@ class EngineConfig:
     layer_split_devices: int = 1  # GPUs whole layers are placed over (one computes at a time; not tensor parallel)
     gpu_memory_utilization: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
-    native_kernels: str = "auto"  # CPU decode kernels (native_kernels.py): auto (where they build and check) | off
+    # CPU kernels (native_kernels.py): auto (the best variant, where it builds and checks) | off | a variant's name
+    native_kernels: str = "auto"
     # A request's tokens do not depend on what else is batched with it (greedy: the same tokens; seeded: the same
     # samples): each row takes the same kernels and reduction order whatever the step's rows and chunks. "auto":
     # where that costs nothing measurable (a GGUF model served from its blocks on CPU); True or False: always, never.

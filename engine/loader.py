@@ -207,7 +207,8 @@ def load(config: EngineConfig) -> LoadedModel:
     source = store.resolve(config.model, revision=config.revision, cache_dir=config.cache_dir,
                            baked_dir=config.baked_model_dir)
     folder = local_folder(source, config.cache_dir, config.baked_model_dir)
-    verdicts = (startup_cache.open_verdicts(config.cache_dir, "model", folder, config.baked_model_dir)
+    verdicts = (startup_cache.open_verdicts(config.cache_dir, "model", folder, config.baked_model_dir,
+                                            {"native_kernels": config.native_kernels})
                 if config.startup_cache and platform.cpu_fast_paths and folder.is_dir() else startup_cache.in_memory())
     gguf = source.path / source.gguf_file if source.gguf_file else None
     dtype, gguf_blocks, gguf_types = _weights_dtype(config, platform, folder, gguf, verdicts)

@@ -165,10 +165,11 @@ class Verdicts:
 
 
 def open_verdicts(cache_dir: Path | None, label: str, folder: Path | None = None,
-                  baked: Path | None = None) -> Verdicts:
-    """The verdict store for this machine (and the model in `folder`, when given) under `cache_dir`, falling back
-    to one baked under `baked`."""
-    identity = machine_identity()
+                  baked: Path | None = None, settings: dict[str, Any] | None = None) -> Verdicts:
+    """The verdict store for this machine (and the model in `folder`, when given; and `settings` that change what
+    the probes compare, such as the kernels' variant) under `cache_dir`, falling back to one baked under
+    `baked`."""
+    identity = {**machine_identity(), **(settings or {})}
     if folder is not None:
         identity["model"] = model_identity(folder)
     return Verdicts(cache_dir, identity, label, baked)

@@ -128,6 +128,21 @@ def cpu_features() -> frozenset[str]:
     return frozenset(features)
 
 
+def named_variant(name: str, features: frozenset[str] | set[str] | None = None) -> Variant:
+    """The variant NATIVE_KERNELS names, where this architecture has it and this CPU (`features`, default this
+    one's) runs it: a lower variant runs on a higher CPU, so any machine can serve and measure, say, the avx2
+    path. Otherwise a ValueError that says why."""
+    found = next((v for v in variants() if v.name == name), None)
+    if found is None:
+        raise ValueError(f"NATIVE_KERNELS={name}: no such build on {platform.machine()}; its builds are "
+                         + ", ".join(v.name for v in variants()))
+    missing = found.needs - set(cpu_features() if features is None else features)
+    if missing:
+        raise ValueError(f"NATIVE_KERNELS={name}: this CPU cannot run that build (it lacks "
+                         f"{' '.join(sorted(missing))})")
+    return found
+
+
 def choose_variant(features: frozenset[str] | set[str]) -> Variant | None:
     """The best build whose instructions `features` (a CPU's) include all of; None: no build runs on it."""
     return next((v for v in variants() if v.needs <= set(features)), None)
@@ -480,12 +495,15 @@ def load(mode: str = "auto", dtype: torch.dtype = torch.float32, cache_dir: Path
         _reason = "NATIVE_KERNELS=off"
         return False
     started = time.perf_counter()
-    variant = choose_variant(cpu_features())
+    named = mode != "auto"
+    variant = named_variant(mode) if named else choose_variant(cpu_features())
     try:
         kernels = build(variant, cache_dir)
     except Exception as exc:  # no compiler, no headers, a failed build, no variant: the PyTorch operations serve
         errors = [line.strip() for line in str(exc).splitlines() if "error" in line.lower()]
         _reason = f"not built: {' '.join((errors[-1] if errors else str(exc)).split())[:300]}"
+        if named:
+            raise RuntimeError(f"NATIVE_KERNELS={mode}: the build failed ({_reason})") from None
         log.warning("CPU kernels: %s; using PyTorch operations", _reason)
         return False
     built = Path(getattr(kernels, "__file__", None) or "/nonexistent")
@@ -497,6 +515,8 @@ def load(mode: str = "auto", dtype: torch.dtype = torch.float32, cache_dir: Path
                                lambda: self_check(kernels, dtype))
     if differs:
         _reason = f"{differs} differs from PyTorch on this machine"
+        if named:
+            raise RuntimeError(f"NATIVE_KERNELS={mode}: the {variant.name} build's {_reason}")
         log.warning("CPU kernels: %s; using PyTorch operations", _reason)
         return False
     _active, _reason = kernels, ""

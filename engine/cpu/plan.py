@@ -36,8 +36,11 @@ def weights_dtype(verdicts, native_kernels_mode: str = "off") -> torch.dtype:
     else:
         gain = verdicts.get("bfloat16_gain:native", lambda: layout.bfloat16_gain(kernels=kernels))
     chosen = torch.bfloat16 if gain >= BFLOAT16_GAIN_NEEDED else torch.float32
-    log.info("DTYPE=auto on CPU: bfloat16 products %.2fx float32 here; using %s", gain,
-             str(chosen).removeprefix("torch."))
+    if gain == 0.0:  # bfloat16_gain's answer where nothing was timed
+        log.info("DTYPE=auto on CPU: this CPU has no native bfloat16 products (AVX512_BF16 or AMX); using float32")
+    else:
+        log.info("DTYPE=auto on CPU: bfloat16 products %.2fx float32 here; using %s", gain,
+                 str(chosen).removeprefix("torch."))
     return chosen
 
 
@@ -47,8 +50,8 @@ def _probe_kernels(mode: str):
     if mode == "off" or not layout.bfloat16_is_native():
         return None
     try:
-        kernels = native_kernels.build()
-    except Exception:  # no build for this CPU: load_kernels says why
+        kernels = native_kernels.build(None if mode == "auto" else native_kernels.named_variant(mode))
+    except Exception:  # no build for this CPU, or not the one named: load_kernels says why
         return None
     return kernels if kernels.bf16_linear_supported() else None
 
