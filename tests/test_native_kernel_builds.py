@@ -150,7 +150,8 @@ def test_the_avx2_build_has_no_avx512_instructions_and_passes_its_check():
     """What AVX2-only CPUs load: built with x86-64-v3's flags, its machine code has no AVX-512 register or mask
     (so it cannot fault on them), and it agrees with PyTorch (run here, on a CPU that has AVX2)."""
     kernels = native_kernels.build(AVX2)  # in the build folder, as a first start on such a CPU makes it
-    assert not kernels.prefill_attention_supported() and not kernels.blocks_supported()  # the AVX-512 paths
+    assert not kernels.prefill_attention_supported() and not kernels.word_blocks_supported()  # the AVX-512 paths
+    assert kernels.blocks_supported()  # Q4_1 / Q8_0 with float32 activations, in 8-lane halves
     disassembly = subprocess.run(["objdump", "-d", "--no-show-raw-insn", kernels.__file__], capture_output=True,
                                  text=True, check=True).stdout
     assert "vfmadd" in disassembly  # the compiler did vectorise with x86-64-v3

@@ -28,11 +28,15 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LLM_WORD_PRODUCT 1
+#endif
+// The product of formats 1 and 2 (float32 activations): 16-lane on AVX-512, two 8-lane halves a panel on AVX2.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define LLM_FLOAT_BLOCKS 1
 #endif
 
 namespace {
@@ -370,7 +374,7 @@ bool pack_panel(const float* w, int64_t k, uint8_t* out, bool words) {
 }  // namespace
 
 bool blocks_supported() {
-#if defined(__AVX512F__)
+#if defined(LLM_FLOAT_BLOCKS)
   return true;
 #else
   return false;
@@ -1124,6 +1128,135 @@ void word_products(const T* x, int64_t rows, int64_t k, const std::vector<Part>&
 }  // namespace
 #endif
 
+#if defined(LLM_FLOAT_BLOCKS) && !defined(__AVX512F__)
+namespace {
+
+// AVX2 (x86-64-v3): the product of formats 1 and 2 with each panel's 16 outputs in two 8-lane halves. The same
+// sums as the AVX-512 variant's, bit for bit: each output's terms in input order, one fused multiply-add per
+// weight, by the same weights (q * d is exact in float32 for 4- and 8-bit q and half-precision d, so
+// fl(fl(q * d) + m) is what any contraction gives too).
+
+// The 16 weights of input j in a panel's block: outputs 0..7 in `low`, 8..15 in `high`.
+template <Format F>
+inline void weights_at(const uint8_t* block, int64_t j, __m256& low, __m256& high) {
+  const float* header = reinterpret_cast<const float*>(block);
+  const uint8_t* qs = block + header_bytes(F) + j * input_bytes(F);
+  if constexpr (F == kQ4_1) {  // 8 bytes: output i in the low nibble of byte i, output i + 8 in the high one
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs));
+    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+    low = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_loadu_ps(header)),
+                        _mm256_loadu_ps(header + kPanel));
+    high = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_loadu_ps(header + 8)),
+                         _mm256_loadu_ps(header + kPanel + 8));
+  } else {  // 16 signed bytes, output i in byte i
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    low = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_loadu_ps(header));
+    high = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))),
+                         _mm256_loadu_ps(header + 8));
+  }
+}
+
+// A panel's weights expanded to float32, [k, stride] from column 0.
+template <Format F>
+void expand_panel(const uint8_t* panel, int64_t k, float* w, int64_t stride) {
+  for (int64_t b = 0; b < k / kBlock; ++b)
+    for (int64_t j = 0; j < kBlock; ++j) {
+      __m256 low, high;
+      weights_at<F>(panel + b * block_bytes(F), j, low, high);
+      _mm256_storeu_ps(w + (b * kBlock + j) * stride, low);
+      _mm256_storeu_ps(w + (b * kBlock + j) * stride + 8, high);
+    }
+}
+
+// R rows times one panel, expanding its weights in registers as they stream in (2R sums, the two halves of a
+// weight and a broadcast input fit AVX2's 16 registers for R <= 6).
+template <Format F, int R>
+void rows_by_panel(const float* x, int64_t k, const uint8_t* panel, float* out, int64_t n) {
+  __m256 sums[R][2];
+  for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* block = panel + b * block_bytes(F);
+    const float* xb = x + b * kBlock;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      __m256 low, high;
+      weights_at<F>(block, j, low, high);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_set1_ps(xb[r * k + j]);
+        sums[r][0] = _mm256_fmadd_ps(xv, low, sums[r][0]);
+        sums[r][1] = _mm256_fmadd_ps(xv, high, sums[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * n, sums[r][0]);
+    _mm256_storeu_ps(out + r * n + 8, sums[r][1]);
+  }
+}
+
+// R rows times one panel already expanded to float32 ([k, 16]): for more rows, where each expanded weight
+// serves every row.
+template <int R>
+void rows_by_expanded(const float* x, int64_t k, const float* w, float* out, int64_t n) {
+  __m256 sums[R][2];
+  for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; ++j) {
+    const __m256 low = _mm256_loadu_ps(w + j * kPanel), high = _mm256_loadu_ps(w + j * kPanel + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_set1_ps(x[r * k + j]);
+      sums[r][0] = _mm256_fmadd_ps(xv, low, sums[r][0]);
+      sums[r][1] = _mm256_fmadd_ps(xv, high, sums[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * n, sums[r][0]);
+    _mm256_storeu_ps(out + r * n + 8, sums[r][1]);
+  }
+}
+
+constexpr int kRowTile = 6;
+using StreamFn = void (*)(const float*, int64_t, const uint8_t*, float*, int64_t);
+using ExpandedFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
+
+template <Format F, int... I>
+constexpr std::array<StreamFn, sizeof...(I)> stream_table(std::integer_sequence<int, I...>) {
+  return {&rows_by_panel<F, I + 1>...};
+}
+template <int... I>
+constexpr std::array<ExpandedFn, sizeof...(I)> expanded_table(std::integer_sequence<int, I...>) {
+  return {&rows_by_expanded<I + 1>...};
+}
+const auto kStreamQ4 = stream_table<kQ4_1>(std::make_integer_sequence<int, kRowTile>{});
+const auto kStreamQ8 = stream_table<kQ8_0>(std::make_integer_sequence<int, kRowTile>{});
+const auto kExpanded = expanded_table(std::make_integer_sequence<int, kRowTile>{});
+
+template <Format F>
+void product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, float* out, int64_t n) {
+  const int64_t panels = n / kPanel, panel_bytes = (k / kBlock) * block_bytes(F);
+  if (rows <= kRowTile) {
+    const auto& stream = F == kQ4_1 ? kStreamQ4 : kStreamQ8;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) stream[rows - 1](x, k, packed + p * panel_bytes, out + p * kPanel, n);
+    });
+    return;
+  }
+  // Each panel expanded once into a buffer that stays in cache, then multiplied by every row, in even tiles.
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(k * kPanel);
+    const int64_t tiles = (rows + kRowTile - 1) / kRowTile, tile = (rows + tiles - 1) / tiles;
+    for (int64_t p = begin; p < end; ++p) {
+      expand_panel<F>(packed + p * panel_bytes, k, w.data(), kPanel);
+      for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+        const int64_t r = std::min<int64_t>(tile, rows - r0);
+        kExpanded[r - 1](x + r0 * k, k, w.data(), out + r0 * n + p * kPanel, n);
+      }
+    }
+  });
+}
+
+}  // namespace
+#endif
+
 namespace {
 
 template <Format F>
@@ -1133,7 +1266,7 @@ at::Tensor pack_as(const float* w, int64_t n, int64_t k, bool words) {
   uint8_t* out = packed.data_ptr<uint8_t>();
   std::atomic<bool> exact{true};
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-#if defined(__AVX512F__)
+#if defined(LLM_FLOAT_BLOCKS)
     std::vector<float> expanded(k * kPanel);
 #endif
     for (int64_t p = begin; p < end && exact.load(std::memory_order_relaxed); ++p) {
@@ -1162,7 +1295,7 @@ at::Tensor pack_as(const float* w, int64_t n, int64_t k, bool words) {
         continue;
       }
 #endif
-#if defined(__AVX512F__)
+#if defined(LLM_FLOAT_BLOCKS)
       expand_panel<F>(out + p * panel_bytes, k, expanded.data(), kPanel);
       for (int64_t i = 0; i < kPanel; ++i)
         for (int64_t j = 0; j < k; ++j)
@@ -1575,7 +1708,7 @@ std::tuple<int64_t, at::Tensor> pack_six_bit(const at::Tensor& q, const at::Tens
 at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& packed,
                                const std::vector<int64_t>& formats, const std::vector<int64_t>& outs,
                                const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(blocks_supported(), "blocks_linear: this build has no block product (it needs AVX-512)");
+  TORCH_CHECK(blocks_supported(), "blocks_linear: this build has no block product (it needs AVX2 and FMA)");
   TORCH_CHECK(!packed.empty() && packed.size() == formats.size() && packed.size() == outs.size(),
               "blocks_linear: one format and output count per packed weight");
   const bool words = formats[0] >= kQ4_1Words;
@@ -1610,7 +1743,7 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
   }
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
-#if defined(__AVX512F__)
+#if defined(LLM_FLOAT_BLOCKS)
   if (!words) {
     const float* xs = x.data_ptr<float>();
     float* o = out.data_ptr<float>();
@@ -1619,6 +1752,7 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
     if (b != nullptr) out.add_(*bias);
     return out;
   }
+#endif
 #if defined(LLM_WORD_PRODUCT)
   if (x.scalar_type() == at::kFloat) {
     word_products(x.data_ptr<float>(), rows, k, parts, n, out.data_ptr<float>(), nullptr, b);
@@ -1626,7 +1760,6 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
     std::vector<float> sums(rows * n);
     word_products(x.data_ptr<c10::BFloat16>(), rows, k, parts, n, sums.data(), out.data_ptr<c10::BFloat16>(), b);
   }
-#endif
 #endif
   return out;
 }
