@@ -349,6 +349,9 @@ def _prepare_for_platform(checkpoint: _Checkpoint, loading: _Loading, dtype: tor
             dtype, loading.model = torch.bfloat16, None  # the float32 copy goes before the bfloat16 one loads
             loading.model = loading.causal_lm(dtype)
             cpu_plan.load_kernels(config, dtype, verdicts)
+        refused = cpu_plan.unsupported_activations(config)
+        if refused:
+            raise ModelLoadError(refused)
         invariant = cpu_plan.apply(loading.model, dtype, config, from_gguf=checkpoint.gguf is not None,
                                    verdicts=verdicts)
     elif packed_linear.layers(loading.model):  # no native kernels on this path: the same weights, expanded

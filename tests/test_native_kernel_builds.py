@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT
 from engine import AsyncEngine, EngineConfig, SamplingParams
@@ -150,13 +151,102 @@ def test_the_avx2_build_has_no_avx512_instructions_and_passes_its_check():
     """What AVX2-only CPUs load: built with x86-64-v3's flags, its machine code has no AVX-512 register or mask
     (so it cannot fault on them), and it agrees with PyTorch (run here, on a CPU that has AVX2)."""
     kernels = native_kernels.build(AVX2)  # in the build folder, as a first start on such a CPU makes it
-    assert not kernels.prefill_attention_supported() and not kernels.word_blocks_supported()  # the AVX-512 paths
-    assert kernels.blocks_supported()  # Q4_1 / Q8_0 with float32 activations, in 8-lane halves
+    assert not kernels.prefill_attention_supported() and not kernels.quad_blocks_supported()  # the AVX-512 paths
+    assert kernels.blocks_supported() and kernels.word_blocks_supported()  # block products, in 8-lane halves
     disassembly = subprocess.run(["objdump", "-d", "--no-show-raw-insn", kernels.__file__], capture_output=True,
                                  text=True, check=True).stdout
     assert "vfmadd" in disassembly  # the compiler did vectorise with x86-64-v3
     assert not re.search(r"%zmm|%[xy]mm(1[6-9]|2\d|3[01])\b|\{%k[1-7]\}", disassembly)
     assert native_kernels.self_check(kernels) == ""
+
+
+def _packed_cases(kernels) -> list[tuple[str, int, torch.Tensor, int]]:
+    """(name, format, blocks, outputs): a random 48 x 512 weight packed by each of `kernels`' packers in every word
+    format (16-bit activations) it makes."""
+    torch.manual_seed(3)
+    n, k = 48, 512
+    blocks = k // 32
+
+    def q(lo, hi):
+        return torch.randint(lo, hi, (n, k), dtype=torch.int8)
+
+    def halves(*shape):
+        return (torch.rand(*shape) * 0.05 + 1e-3).half().float()
+
+    def scales(*shape):
+        return torch.rand(*shape) * 0.05 + 1e-3
+
+    d = halves(n, blocks)
+    packed = {
+        "q4_1 words": kernels.pack_scaled(q(0, 16), d, -7 * d, 4, True),
+        "q8_0 words": kernels.pack_scaled(q(-128, 128), d, torch.zeros_like(d), 8, True),
+        "q4 float32 headers": kernels.pack_scaled(q(0, 16), scales(n, blocks), -scales(n, blocks), 4),
+        "q8 float32 headers": kernels.pack_scaled(q(-128, 128), scales(n, blocks), scales(n, blocks), 8),
+        "q8 scale per 16": kernels.pack_scaled(q(-32, 32), scales(n, 2 * blocks), torch.zeros(n, 2 * blocks), 8),
+        "q5 words": kernels.pack_scaled(q(0, 32), d, -9 * d, 5, True),
+        "q5 float32 headers": kernels.pack_scaled(q(0, 32), scales(n, blocks), -scales(n, blocks), 5),
+        "q4_0": kernels.pack_scaled(q(0, 16), d, -8 * d, 4, True, False, True),
+        "q5_0": kernels.pack_scaled(q(0, 32), d, -16 * d, 5, True, False, True),
+        "nf4": kernels.pack_coded(q(0, 16), scales(n, blocks), "nf4"),
+        "fp4 by 64": kernels.pack_coded(q(0, 16), scales(n, k // 64), "fp4"),
+        "nf4 by 128": kernels.pack_coded(q(0, 16), scales(n, k // 128), "nf4"),
+        "zero points": kernels.pack_zero_points(q(0, 16), d, torch.randint(0, 16, (n, blocks), dtype=torch.uint8)),
+        "gptq by 128": kernels.pack_groups(q(0, 16), halves(n, k // 128), torch.empty(0, dtype=torch.uint8)),
+        "awq by 64": kernels.pack_groups(q(0, 16), halves(n, k // 64),
+                                         torch.randint(0, 16, (n, k // 64), dtype=torch.uint8)),
+        "q4_k": kernels.pack_super(q(0, 16), halves(n, k // 256), torch.randint(0, 64, (n, blocks), dtype=torch.uint8),
+                                   halves(n, k // 256), torch.randint(0, 64, (n, blocks), dtype=torch.uint8), 4),
+        "q5_k": kernels.pack_super(q(0, 32), halves(n, k // 256), torch.randint(0, 64, (n, blocks), dtype=torch.uint8),
+                                   halves(n, k // 256), torch.randint(0, 64, (n, blocks), dtype=torch.uint8), 5),
+        "q6_k": kernels.pack_six_bit(q(-32, 32), halves(n, k // 256),
+                                     torch.randint(-64, 64, (n, 2 * blocks), dtype=torch.int8)),
+        "q8 by 128": kernels.pack_eight_by_128(q(-128, 128), scales(n, k // 128)),
+    }
+    return [(name, fmt, blocks_, n) for name, (fmt, blocks_) in packed.items()]
+
+
+@pytest.mark.slow  # compiles both builds where the build folder lacks them
+@x86_only
+@pytest.mark.skipif(not X86_64_V4_VNNI <= _cpuinfo_flags(), reason="needs a CPU that runs both builds")
+def test_the_avx2_and_avx512_builds_give_the_same_outputs_bit_for_bit():
+    """The image's answer does not depend on which CPU the platform gave it: for every packed format with 16-bit
+    activations (and GGUF Q4_1 / Q8_0 blocks with float32 ones), at every tile shape of rows, from float32 and
+    bfloat16 rows, with and without bias, the AVX2 build's outputs equal the AVX-512 build's exactly."""
+    wide, narrow = native_kernels.build(AVX512_VNNI), native_kernels.build(AVX2)
+    cases = _packed_cases(wide)
+    assert len({fmt for _, fmt, _, _ in cases}) == len(cases)  # each a format of its own
+    for name, fmt, blocks, n in cases:
+        for rows in (1, 2, 3, 5, 7, 13, 16, 33):
+            x = torch.randn(rows, 512)
+            bias = torch.randn(n)
+            for xs, b in ((x, None), (x.bfloat16(), bias)):
+                assert torch.equal(wide.blocks_linear(xs, blocks, fmt, n, b), narrow.blocks_linear(xs, blocks, fmt, n, b)), \
+                    (name, rows, xs.dtype)
+    weight = torch.randint(0, 16, (48, 512)).float() * 0.03125 - 0.25  # exact Q4_1 blocks
+    for words in (False, True):
+        fmt, blocks = wide.pack_blocks(weight, words)
+        assert fmt == (3 if words else 1)
+        for rows in (1, 4, 9):
+            x = torch.randn(rows, 512)
+            assert torch.equal(wide.blocks_linear(x, blocks, fmt, 48), narrow.blocks_linear(x, blocks, fmt, 48))
+
+
+@pytest.mark.slow  # compiles the avx2 build where the build folder lacks it
+@x86_only
+def test_the_avx2_build_multiplies_every_word_format_a_row_at_a_time():
+    """On any x86 CPU, the AVX2 build's product from 16-bit activations gives each row the result it gets alone,
+    whatever rows share the call (a row's rounding is its own), and refuses 8-bit activations in one line."""
+    kernels = native_kernels.build(AVX2)
+    for name, fmt, blocks, n in _packed_cases(kernels):
+        x = torch.randn(13, 512)
+        together = kernels.blocks_linear(x, blocks, fmt, n)
+        alone = torch.cat([kernels.blocks_linear(x[i:i + 1], blocks, fmt, n) for i in range(13)])
+        assert torch.equal(together, alone), name
+        assert torch.isfinite(together).all() and together.abs().max() > 0, name
+    fmt, blocks = kernels.pack_scaled(torch.randint(0, 16, (16, 64), dtype=torch.int8), torch.ones(16, 2),
+                                      torch.zeros(16, 2), 4, True, True)
+    with pytest.raises(RuntimeError, match="no product from 8-bit activations"):
+        kernels.blocks_linear(torch.randn(1, 64), blocks, fmt, 16)
 
 
 @pytest.mark.slow

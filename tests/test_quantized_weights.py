@@ -21,14 +21,14 @@ def kernels():
     assert native_kernels.load("auto"), native_kernels.reason()
     kernels = native_kernels.active()
     if not kernels.blocks_supported():
-        pytest.skip("the block product needs AVX-512")
+        pytest.skip("the block product needs AVX2 and FMA")
     return kernels
 
 
 @pytest.fixture(params=[False, True], ids=["float32 activations", "16-bit activations"])
 def words(request, kernels):
     if request.param and not kernels.word_blocks_supported():
-        pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
+        pytest.skip("the product for 16-bit activations needs the native kernels")
     return request.param
 
 
@@ -65,7 +65,7 @@ def activation_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Te
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (96, 1536)])
 def test_16_bit_activations_stay_within_their_rounding(kernels, make, expected, out_features, in_features):
     if not kernels.word_blocks_supported():
-        pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
+        pytest.skip("the product for 16-bit activations needs the native kernels")
     weight = make(out_features, in_features)
     block_format, packed = kernels.pack_blocks(weight, True)
     assert block_format == expected
@@ -80,7 +80,7 @@ def test_16_bit_activations_stay_within_their_rounding(kernels, make, expected, 
 
 def test_16_bit_activations_at_the_edges_of_the_float32_range(kernels):
     if not kernels.word_blocks_supported():
-        pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
+        pytest.skip("the product for 16-bit activations needs the native kernels")
     weight = q4_1_weight(32, 64)
     block_format, packed = kernels.pack_blocks(weight, True)
     # NaN or infinity make their row NaN, as a float32 product would not be finite.
@@ -160,7 +160,9 @@ def test_a_scale_per_group_multiplies_as_the_same_scale_in_every_block(kernels, 
     equals, bit for bit, that of the scale (and zero point) repeated in each block of 32; 16-bit activations take
     one scale per group, not per block, so only the float32 product bounds them."""
     if not kernels.word_blocks_supported():
-        pytest.skip("the packed product needs AVX512_VNNI")
+        pytest.skip("the packed product needs the native kernels")
+    if quads and not kernels.quad_blocks_supported():
+        pytest.skip("the product for 8-bit activations needs AVX512_VNNI")
     torch.manual_seed(group + 2 * zero_points + 4 * quads)
     out_features, in_features = 48, 512  # 48: an odd number of panels
     q = torch.randint(0, 16, (out_features, in_features), dtype=torch.int8)
@@ -201,7 +203,7 @@ def test_a_code_tables_scale_per_group_multiplies_as_the_same_scale_in_every_blo
     """bitsandbytes' blocks of 64 or 128 inputs keep their float32 scale once: the product equals, bit for bit, the
     product with the scale repeated in each block of 32, at 4 bits a weight plus 32 a group."""
     if not kernels.word_blocks_supported():
-        pytest.skip("the packed product needs AVX512_VNNI")
+        pytest.skip("the packed product needs the native kernels")
     torch.manual_seed(group)
     out_features, in_features = 48, 512
     q = torch.randint(0, 16, (out_features, in_features), dtype=torch.int8)
@@ -223,7 +225,9 @@ def test_an_8_bit_scale_per_128_inputs_multiplies_as_the_same_scale_in_every_blo
     scales) kept once a group: bit for bit the product with the scale in every block of 32, at 8.25 bits a
     weight."""
     if not kernels.word_blocks_supported():
-        pytest.skip("the packed product needs AVX512_VNNI")
+        pytest.skip("the packed product needs the native kernels")
+    if quads and not kernels.quad_blocks_supported():
+        pytest.skip("the product for 8-bit activations needs AVX512_VNNI")
     torch.manual_seed(8)
     out_features, in_features = 48, 512
     q = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
@@ -288,7 +292,7 @@ def test_a_model_with_block_weights_serves_them_and_others_are_left_alone(kernel
 
 def test_with_16_bit_activations_a_model_serves_its_blocks_at_every_batch_size(kernels, monkeypatch):
     if not kernels.word_blocks_supported():
-        pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
+        pytest.skip("the product for 16-bit activations needs the native kernels")
     model = tiny_llama(exact_blocks=True)
     with torch.inference_mode():
         ids = torch.randint(0, 256, (1, 300))
@@ -314,8 +318,8 @@ def test_with_8_bit_activations_exact_blocks_take_them(kernels, monkeypatch):
     """QUANTIZED_ACTIVATIONS=int8 on a GGUF model served from its blocks: Q4_1 and Q8_0 layers pack as formats 10
     and 14 (the same bytes, by quads) and multiply 8-bit activations within half a step of each block's largest
     input times the block's |d q|."""
-    if not kernels.word_blocks_supported():
-        pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
+    if not kernels.quad_blocks_supported():
+        pytest.skip("the product for 8-bit activations needs AVX512_VNNI")
     weight = q4_1_weight(48, 96)
     words, quads = kernels.pack_blocks(weight, True), kernels.pack_blocks(weight, True, True)
     assert (words[0], quads[0]) == (3, 10) and words[1].shape == quads[1].shape
@@ -341,7 +345,7 @@ def test_with_8_bit_activations_exact_blocks_take_them(kernels, monkeypatch):
 
 def test_16_bit_activations_are_used_only_up_to_the_size_where_they_win(kernels, monkeypatch):
     if not kernels.word_blocks_supported():
-        pytest.skip("the product for 16-bit activations needs AVX512_VNNI")
+        pytest.skip("the product for 16-bit activations needs the native kernels")
     model = tiny_llama(exact_blocks=True)
     cpu_layout.use_packed(model, 4)
     monkeypatch.setattr(quantized_weights, "_gains", lambda *a: {1: 2.0, 16: 1.5, 64: 1.2, 256: 0.9})

@@ -73,12 +73,27 @@ BUILD_WAIT_S = 300.0  # the longest a start waits for another process's build (o
 WAIT_LOG_EVERY_S = 10.0
 
 _active = None
+_variant = ""  # the active build's variant
 _reason = "not loaded"
 
 
 def active():
     """The checked kernels module, or None where the PyTorch operations run instead."""
     return _active
+
+
+def serving_variant() -> str:
+    """The name of the variant whose build is active ('' when none is)."""
+    return _variant if _active is not None else ""
+
+
+def products(kernels) -> str:
+    """What a build multiplies packed weights from, in words for the start-up log."""
+    if kernels.quad_blocks_supported():
+        return "packed blocks from 16- or 8-bit integer activations"
+    if kernels.word_blocks_supported():
+        return "packed blocks from 16-bit integer activations (8-bit ones need AVX512_VNNI)"
+    return "GGUF Q4_1 / Q8_0 blocks from float32 activations only" if kernels.blocks_supported() else "no packed blocks"
 
 
 def reason() -> str:
@@ -489,7 +504,7 @@ def load(mode: str = "auto", dtype: torch.dtype = torch.float32, cache_dir: Path
     build_dir(cache_dir)) and agrees with PyTorch on `dtype` (the model's). Returns whether they are active;
     `reason()` says why not. `verdicts` (engine/startup_cache.py) keeps the self-check's verdict for this very
     build across processes."""
-    global _active, _reason
+    global _active, _reason, _variant
     _active = None
     if mode == "off":
         _reason = "NATIVE_KERNELS=off"
@@ -519,9 +534,9 @@ def load(mode: str = "auto", dtype: torch.dtype = torch.float32, cache_dir: Path
             raise RuntimeError(f"NATIVE_KERNELS={mode}: the {variant.name} build's {_reason}")
         log.warning("CPU kernels: %s; using PyTorch operations", _reason)
         return False
-    _active, _reason = kernels, ""
-    log.info("CPU kernels: the %s build (%s) loaded and checked in %.1f s", variant.name,
-             build_name(variant), time.perf_counter() - started)
+    _active, _reason, _variant = kernels, "", variant.name
+    log.info("CPU kernels: the %s build (%s) loaded and checked in %.1f s; it multiplies %s", variant.name,
+             build_name(variant), time.perf_counter() - started, products(kernels))
     return True
 
 

@@ -18,7 +18,7 @@ table (`codes`, formats 17, 18).
 The product takes 16-bit integer activations (each row's block of 32 inputs in steps of 2^-15 of its largest
 magnitude), as the GGUF blocks do under DTYPE=auto, or 8-bit ones (docs/cpu-kernels.md).
 
-Without the kernel (a CPU without AVX512_VNNI, NATIVE_KERNELS=off) the layers expand their weights once to
+Without the kernel (a CPU without AVX2, NATIVE_KERNELS=off) the layers expand their weights once to
 float32 and multiply those: the same weights, logged as the slower path it is.
 """
 from __future__ import annotations
@@ -333,6 +333,9 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
     if not found:
         return 0
     usable = kernels is not None and kernels.word_blocks_supported() and hasattr(kernels, "pack_scaled")
+    if usable and activation_bits == 8 and not kernels.quad_blocks_supported():
+        raise ValueError("8-bit activations: this build of the CPU kernels multiplies 16-bit ones only (8-bit ones "
+                         "need AVX512_VNNI)")
     packed_bytes = dense_bytes = 0
     for layer in found:
         weight = layer.weight_float()
@@ -359,8 +362,8 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
                  packed_bytes * 8 / weights,
                  "8-bit integer activations" if quads else "16-bit integer activations")
         return len(found)
-    log.warning("quantized checkpoint: no packed product on this CPU (it needs the native kernels with "
-                "AVX512_VNNI); %d linear layers expanded to float32 (%.0f MB)", len(found), dense_bytes / 2**20)
+    log.warning("quantized checkpoint: no packed product on this CPU (it needs the native kernels with AVX2, FMA "
+                "and F16C); %d linear layers expanded to float32 (%.0f MB)", len(found), dense_bytes / 2**20)
     return 0
 
 

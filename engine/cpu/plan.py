@@ -81,6 +81,16 @@ def gguf_blocks_win(model: torch.nn.Module, verdicts) -> bool:
                                                 lambda: quantized_weights.beats_bfloat16(model, kernels))
 
 
+def unsupported_activations(config: EngineConfig) -> str:
+    """Why the loaded kernels cannot honour QUANTIZED_ACTIVATIONS ("" where they can): the product from 8-bit
+    activations needs VPDPBUSD's unsaturated sums (the avx512_vnni build); the avx2 build multiplies 16-bit ones."""
+    kernels = native_kernels.active()
+    if config.quantized_activations != "int8" or kernels is None or kernels.quad_blocks_supported():
+        return ""
+    return (f"QUANTIZED_ACTIVATIONS=int8: the {native_kernels.serving_variant()} build of the CPU kernels has no "
+            "product from 8-bit activations (it needs AVX512_VNNI); unset it to multiply 16-bit ones")
+
+
 def apply(model: torch.nn.Module, dtype: torch.dtype, config: EngineConfig, *, from_gguf: bool, verdicts) -> bool:
     """Batch invariance, the weights' layouts and the block products for the loaded model; returns whether
     batch invariance is on."""

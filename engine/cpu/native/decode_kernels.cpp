@@ -650,6 +650,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_pool, c
 // engine/cpu/native/quantized_linear.cpp
 bool blocks_supported();
 bool word_blocks_supported();
+bool quad_blocks_supported();
 std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words, bool quads);
 at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features,
                          const c10::optional<at::Tensor>& bias);
@@ -704,6 +705,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("out"), py::arg("bf16_products") = true);
   m.def("blocks_supported", &blocks_supported, "whether this build has the block product");
   m.def("word_blocks_supported", &word_blocks_supported, "whether this build has the product for 16-bit activations");
+  m.def("quad_blocks_supported", &quad_blocks_supported, "whether this build has the product for 8-bit activations");
   m.def("pack_blocks", &pack_blocks, nogil,
         "(format, blocks): a float32 weight's exact Q4_1 or Q8_0 blocks, or (0, empty)",
         py::arg("weight"), py::arg("words") = false, py::arg("quads") = false);

@@ -31,8 +31,14 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+// The product from 16-bit integer activations: VPDPWSSD on AVX-512 (with 8-bit activations too, VPDPBUSD), VPMADDWD
+// on AVX2 with each panel in two 8-lane halves. A CPU with AVX-512 but no VNNI takes the AVX2 build.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LLM_WORD_PRODUCT 1
+#define LLM_WORDS_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define LLM_WORD_PRODUCT 1
+#define LLM_WORDS_AVX2 1
 #endif
 // The product of formats 1 and 2 (float32 activations): 16-lane on AVX-512, two 8-lane halves a panel on AVX2.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -389,6 +395,14 @@ bool word_blocks_supported() {
 #endif
 }
 
+bool quad_blocks_supported() {
+#if defined(LLM_WORDS_AVX512)
+  return true;
+#else
+  return false;
+#endif
+}
+
 #if defined(__AVX512F__)
 namespace {
 
@@ -502,7 +516,222 @@ void product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, flo
   });
 }
 
+#if defined(LLM_WORDS_AVX512)
+
+constexpr int kWordRows = 6, kQuadRows = 8, kGroupRows = 8;
+
+
+// 16 inputs as float32, from float32 or bfloat16 rows (a bfloat16 value is the top half of its float32).
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+
+// A block of 32 inputs' largest magnitude and sum (in _mm512_reduce_add_ps's order, which the AVX2 build keeps).
+template <typename T>
+inline void block_extent(const T* xb, float& most, float& sum) {
+  const __m512 a = load16(xb), c = load16(xb + 16);
+  most = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+  sum = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
+}
+
+// A block of 32 inputs times to_q, rounded to the nearest integer and saturated to Q.
+template <typename Q, typename T>
+inline void round_block(const T* xb, float to_q, Q* qb) {
+  const __m512 scale = _mm512_set1_ps(to_q);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xb), scale));
+  const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xb + 16), scale));
+  if constexpr (sizeof(Q) == 2) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(qb), _mm512_cvtsepi32_epi16(qa));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(qb + 16), _mm512_cvtsepi32_epi16(qc));
+  } else {
+    _mm_store_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(qa));
+    _mm_store_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qc));
+  }
+}
+#endif
+}  // namespace
+#endif
+
+
+#if defined(LLM_FLOAT_BLOCKS) && !defined(__AVX512F__)
+namespace {
+
+// AVX2 (x86-64-v3): the product of formats 1 and 2 with each panel's 16 outputs in two 8-lane halves. The same
+// sums as the AVX-512 variant's, bit for bit: each output's terms in input order, one fused multiply-add per
+// weight, by the same weights (q * d is exact in float32 for 4- and 8-bit q and half-precision d, so
+// fl(fl(q * d) + m) is what any contraction gives too).
+
+// The 16 weights of input j in a panel's block: outputs 0..7 in `low`, 8..15 in `high`.
+template <Format F>
+inline void weights_at(const uint8_t* block, int64_t j, __m256& low, __m256& high) {
+  const float* header = reinterpret_cast<const float*>(block);
+  const uint8_t* qs = block + header_bytes(F) + j * input_bytes(F);
+  if constexpr (F == kQ4_1) {  // 8 bytes: output i in the low nibble of byte i, output i + 8 in the high one
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs));
+    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+    low = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_loadu_ps(header)),
+                        _mm256_loadu_ps(header + kPanel));
+    high = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_loadu_ps(header + 8)),
+                         _mm256_loadu_ps(header + kPanel + 8));
+  } else {  // 16 signed bytes, output i in byte i
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    low = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_loadu_ps(header));
+    high = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))),
+                         _mm256_loadu_ps(header + 8));
+  }
+}
+
+// A panel's weights expanded to float32, [k, stride] from column 0.
+template <Format F>
+void expand_panel(const uint8_t* panel, int64_t k, float* w, int64_t stride) {
+  for (int64_t b = 0; b < k / kBlock; ++b)
+    for (int64_t j = 0; j < kBlock; ++j) {
+      __m256 low, high;
+      weights_at<F>(panel + b * block_bytes(F), j, low, high);
+      _mm256_storeu_ps(w + (b * kBlock + j) * stride, low);
+      _mm256_storeu_ps(w + (b * kBlock + j) * stride + 8, high);
+    }
+}
+
+// R rows times one panel, expanding its weights in registers as they stream in (2R sums, the two halves of a
+// weight and a broadcast input fit AVX2's 16 registers for R <= 6).
+template <Format F, int R>
+void rows_by_panel(const float* x, int64_t k, const uint8_t* panel, float* out, int64_t n) {
+  __m256 sums[R][2];
+  for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* block = panel + b * block_bytes(F);
+    const float* xb = x + b * kBlock;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      __m256 low, high;
+      weights_at<F>(block, j, low, high);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_set1_ps(xb[r * k + j]);
+        sums[r][0] = _mm256_fmadd_ps(xv, low, sums[r][0]);
+        sums[r][1] = _mm256_fmadd_ps(xv, high, sums[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * n, sums[r][0]);
+    _mm256_storeu_ps(out + r * n + 8, sums[r][1]);
+  }
+}
+
+// R rows times one panel already expanded to float32 ([k, 16]): for more rows, where each expanded weight
+// serves every row.
+template <int R>
+void rows_by_expanded(const float* x, int64_t k, const float* w, float* out, int64_t n) {
+  __m256 sums[R][2];
+  for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; ++j) {
+    const __m256 low = _mm256_loadu_ps(w + j * kPanel), high = _mm256_loadu_ps(w + j * kPanel + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_set1_ps(x[r * k + j]);
+      sums[r][0] = _mm256_fmadd_ps(xv, low, sums[r][0]);
+      sums[r][1] = _mm256_fmadd_ps(xv, high, sums[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * n, sums[r][0]);
+    _mm256_storeu_ps(out + r * n + 8, sums[r][1]);
+  }
+}
+
+constexpr int kRowTile = 6;
+using StreamFn = void (*)(const float*, int64_t, const uint8_t*, float*, int64_t);
+using ExpandedFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
+
+template <Format F, int... I>
+constexpr std::array<StreamFn, sizeof...(I)> stream_table(std::integer_sequence<int, I...>) {
+  return {&rows_by_panel<F, I + 1>...};
+}
+template <int... I>
+constexpr std::array<ExpandedFn, sizeof...(I)> expanded_table(std::integer_sequence<int, I...>) {
+  return {&rows_by_expanded<I + 1>...};
+}
+const auto kStreamQ4 = stream_table<kQ4_1>(std::make_integer_sequence<int, kRowTile>{});
+const auto kStreamQ8 = stream_table<kQ8_0>(std::make_integer_sequence<int, kRowTile>{});
+const auto kExpanded = expanded_table(std::make_integer_sequence<int, kRowTile>{});
+
+template <Format F>
+void product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, float* out, int64_t n) {
+  const int64_t panels = n / kPanel, panel_bytes = (k / kBlock) * block_bytes(F);
+  if (rows <= kRowTile) {
+    const auto& stream = F == kQ4_1 ? kStreamQ4 : kStreamQ8;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) stream[rows - 1](x, k, packed + p * panel_bytes, out + p * kPanel, n);
+    });
+    return;
+  }
+  // Each panel expanded once into a buffer that stays in cache, then multiplied by every row, in even tiles.
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(k * kPanel);
+    const int64_t tiles = (rows + kRowTile - 1) / kRowTile, tile = (rows + tiles - 1) / tiles;
+    for (int64_t p = begin; p < end; ++p) {
+      expand_panel<F>(packed + p * panel_bytes, k, w.data(), kPanel);
+      for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+        const int64_t r = std::min<int64_t>(tile, rows - r0);
+        kExpanded[r - 1](x + r0 * k, k, w.data(), out + r0 * n + p * kPanel, n);
+      }
+    }
+  });
+}
+
+#if defined(LLM_WORDS_AVX2)
+// The AVX2 product from 16-bit integer activations (below, after the shared row quantization): tiles of up to 6
+// rows, as the AVX-512 one's (a tile's 6 sums, 6 integer sums, a weight and a broadcast pair fit 16 registers).
+constexpr int kWordRows = 6, kQuadRows = 8, kGroupRows = 6;
+
+// 8 inputs as float32, from float32 or bfloat16 rows.
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const c10::BFloat16* x) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
+}
+
+// A block of 32 inputs' largest magnitude and sum, the sum in the order the AVX-512 build takes it
+// (_mm512_reduce_add_ps of the two 16-lane halves' sum), so both builds quantize a row alike.
+template <typename T>
+inline void block_extent(const T* xb, float& most, float& sum) {
+  const __m256 a0 = load8(xb), a1 = load8(xb + 8), c0 = load8(xb + 16), c1 = load8(xb + 24);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, c0)),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, a1), _mm256_andnot_ps(sign, c1)));
+  __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(top, 1), _mm256_castps256_ps128(top));
+  m4 = _mm_max_ps(m4, _mm_shuffle_ps(m4, m4, _MM_SHUFFLE(1, 0, 3, 2)));
+  most = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_shuffle_ps(m4, m4, 1)));
+  const __m256 lanes = _mm256_add_ps(_mm256_add_ps(a1, c1), _mm256_add_ps(a0, c0));  // lanes 8..15 + lanes 0..7
+  const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(lanes, 1), _mm256_castps256_ps128(lanes));
+  const __m128 s2 = _mm_add_ps(s4, _mm_shuffle_ps(s4, s4, _MM_SHUFFLE(1, 0, 3, 2)));
+  sum = _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
+}
+
+// A block of 32 inputs times to_q, rounded to the nearest integer and saturated to Q.
+template <typename Q, typename T>
+inline void round_block(const T* xb, float to_q, Q* qb) {
+  const __m256 scale = _mm256_set1_ps(to_q);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xb + 8 * i), scale));
+  if constexpr (sizeof(Q) == 2) {  // packs interleave 128-bit lanes: a permute puts them back in order
+    for (int i = 0; i < 2; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16 * i),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * i], q[2 * i + 1]), 0xD8));
+  } else {
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+}
+#endif
+}  // namespace
+#endif
+
 #if defined(LLM_WORD_PRODUCT)
+namespace {
 
 // The product for 16-bit integer activations (formats 3 and 4). Each row's block of 32 inputs becomes x ~ s * qx
 // with qx in -32767..32767 (s = its largest magnitude / 32767), so an output's block term is
@@ -517,8 +746,6 @@ void product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, flo
 // Formats 31-34 keep their sums in `out` between spans of blocks, not in registers, which leaves room for tiles of
 // up to kGroupRows from 9 rows up: 16 rows as 8 + 8, not 6 + 5 + 5, so each weight load serves more rows. 7 and 8
 // rows stay two tiles (one tile of 8 was slower on some layer shapes: docs/experiments.md).
-constexpr int kWordRows = 6, kQuadRows = 8, kGroupRows = 8;
-
 struct RowTiles {
   int64_t count = 0, base = 0, extra = 0;  // the first `extra` tiles hold base + 1 rows, the others base
   RowTiles() = default;
@@ -553,13 +780,6 @@ struct Rows {
 using QuantizedRows = Rows<int16_t>;
 using ByteRows = Rows<int8_t>;
 
-// 16 inputs as float32, from float32 or bfloat16 rows (a bfloat16 value is the top half of its float32).
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::BFloat16* x) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-}
-
 // Rows x [rows, k] as Q integers per block of 32 inputs: 16-bit (qx in -32767..32767, steps of the largest
 // magnitude of the block's `span` of blocks / 32767) or 8-bit (-127..127, / 127, as llama.cpp's Q8 activations),
 // interleaved by tiles; `halves`: the 8-bit rows' half-block sums as well.
@@ -581,9 +801,9 @@ Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k, bool halves = false, 
       const int64_t row0 = tiles.first_row(tile), tile_rows = tiles.size(tile), r = row - row0;
       float largest = 0.f, sum = 0.f;
       for (int64_t b = first; b < first + span; ++b) {
-        const __m512 a = load16(x + row * k + b * kBlock), c = load16(x + row * k + b * kBlock + 16);
-        const float most = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-        sum += _mm512_reduce_add_ps(_mm512_add_ps(a, c));
+        float most, block_sum;
+        block_extent(x + row * k + b * kBlock, most, block_sum);
+        sum += block_sum;
         largest = std::isfinite(most) ? std::max(largest, most) : std::numeric_limits<float>::quiet_NaN();
       }
       // NaN or infinity in x: the row's outputs become NaN, as a float32 product's would not be finite (every
@@ -601,16 +821,7 @@ Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k, bool halves = false, 
             qb[j] = static_cast<Q>(std::clamp(std::nearbyint(static_cast<float>(xb[j]) * to_q), -double{kLevels},
                                               double{kLevels}));
         } else {
-          const __m512 to_q = _mm512_set1_ps(finite && largest > 0.f ? kLevels / largest : 0.f);
-          const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xb), to_q));
-          const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xb + 16), to_q));
-          if constexpr (sizeof(Q) == 2) {
-            _mm256_store_si256(reinterpret_cast<__m256i*>(qb), _mm512_cvtsepi32_epi16(qa));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(qb + 16), _mm512_cvtsepi32_epi16(qc));
-          } else {
-            _mm_store_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(qa));
-            _mm_store_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qc));
-          }
+          round_block(xb, finite && largest > 0.f ? kLevels / largest : 0.f, qb);
         }
         out.sum[at] = sum;
         if (sizeof(Q) == 1 && halves)
@@ -623,6 +834,18 @@ Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k, bool halves = false, 
   });
   return out;
 }
+
+// A call's rows quantized for the parts that take them: 16-bit pairs (formats 3-9), 8-bit quads (10-16).
+struct Activations {
+  QuantizedRows words;
+  ByteRows bytes;
+};
+
+}  // namespace
+#endif
+
+#if defined(LLM_WORDS_AVX512)
+namespace {
 
 // Group g (inputs 2g and 2g + 1) of a panel's block as the 16-bit pairs a VPDPWSSD lane multiplies, from the
 // block's q (`qs`, past its header).
@@ -995,14 +1218,25 @@ inline __m256i round_to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
 }
 
+// A panel's 16 float32 sums at `out` finished: plus the bias (where given), then stored in place, or rounded to
+// bfloat16 at out16 (where given).
+inline void finish_panel(float* out, const float* bias, c10::BFloat16* out16) {
+  __m512 v = _mm512_loadu_ps(out);
+  if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+  if (out16 != nullptr)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16), round_to_bf16(v));
+  else
+    _mm512_storeu_ps(out, v);
+}
+
+// A panel's block's group g as the 32 16-bit values the product multiplies (the packer's check).
+template <Format F>
+inline void widen_group(const uint8_t* qs, int g, int16_t* out) {
+  _mm512_storeu_si512(out, block_group<F>(qs, g));
+}
+
 // Every row tile times the panel pair starting at panel `first` of a part (`width` panels: 2, or 1 at a part's
 // odd end), into out (the part's first column of row 0, rows `stride` apart).
-// A call's rows quantized for the parts that take them: 16-bit pairs (formats 3-9), 8-bit quads (10-16).
-struct Activations {
-  QuantizedRows words;
-  ByteRows bytes;
-};
-
 template <Format F>
 void pair_by_tiles(const Activations& xq, int64_t k, int16_t* w, const uint8_t* blocks, int64_t first, int64_t width,
                    float* out, int64_t stride) {
@@ -1026,6 +1260,251 @@ void pair_by_quads(const Activations& xq, int64_t k, int16_t*, const uint8_t* bl
                                                         out + r0 * stride + first * kPanel, stride);
   }
 }
+
+}  // namespace
+#endif
+
+#if defined(LLM_WORDS_AVX2)
+namespace {
+// The AVX2 (x86-64-v3) product from 16-bit integer activations: the AVX-512 one's arithmetic with each panel's 16
+// outputs in two 8-lane halves, VPMADDWD and an add where VPDPWSSD does both (the same exact integer sums: no
+// pair of products reaches 2^31), then the same float32 steps per output in the same order, so each output is
+// the AVX-512 build's bit for bit.
+
+// 16 lanes holding `add` where bit t of `bits` is set (lane t), else 0.
+inline __m256i lanes_of_bits(uint32_t bits, int16_t add) {
+  const __m256i select = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                           static_cast<int16_t>(0x8000));
+  const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits)), select),
+                                         select);
+  return _mm256_and_si256(set, _mm256_set1_epi16(add));
+}
+
+// A code table's 16-bit values as two byte tables (low and high bytes, each in both 128-bit lanes), for VPSHUFB:
+// AVX2 has no 16-bit permute.
+struct ByteTables {
+  int8_t low[32], high[32];
+};
+constexpr ByteTables byte_tables(const CodeTable& t) {
+  ByteTables out{};
+  for (int i = 0; i < 32; ++i) {
+    out.low[i] = static_cast<int8_t>(t.values[i % 16] & 0xFF);
+    out.high[i] = static_cast<int8_t>(t.values[i % 16] >> 8);
+  }
+  return out;
+}
+constexpr ByteTables kNf4Bytes = byte_tables(kNf4Codes), kFp4Bytes = byte_tables(kFp4Codes);
+
+// Half h of group g (inputs 2g and 2g + 1) of a panel's block: the 16-bit pairs of outputs 8h..8h + 7, which the
+// AVX-512 build's block_group holds in lanes 16h..16h + 15.
+template <Format F>
+inline __m256i block_group_half(const uint8_t* qs, int g, int h) {
+  if constexpr (five_bit(F)) {
+    uint32_t high;
+    std::memcpy(&high, qs + kBlock * kPanel / 2 + 4 * g, 4);
+    return _mm256_add_epi16(block_group_half<kQ4Scaled>(qs, g, h), lanes_of_bits(high >> (16 * h), 16));
+  } else if constexpr (six_bit(F)) {
+    uint32_t fifth, sixth;
+    std::memcpy(&fifth, qs + kBlock * kPanel / 2 + 8 * g, 4);
+    std::memcpy(&sixth, qs + kBlock * kPanel / 2 + 8 * g + 4, 4);
+    const __m256i v = _mm256_add_epi16(block_group_half<kQ4Scaled>(qs, g, h), lanes_of_bits(fifth >> (16 * h), 16));
+    return _mm256_sub_epi16(_mm256_add_epi16(v, lanes_of_bits(sixth >> (16 * h), 32)), _mm256_set1_epi16(32));
+  } else if constexpr (coded(F)) {  // each lane's nibble (its low byte; the high byte 0) picks both bytes
+    const ByteTables& t = &code_table(F) == &kNf4Codes ? kNf4Bytes : kFp4Bytes;
+    const __m256i index = block_group_half<kQ4Scaled>(qs, g, h);
+    const __m256i low = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.low)), index);
+    const __m256i high = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.high)), index);
+    return _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi16(0x00FF)), _mm256_slli_epi16(high, 8));
+  } else if constexpr (four_bit(F)) {
+    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * (g / 4) + 32 * h));
+    const __m256i shifted = g % 4 == 0 ? lanes : _mm256_srli_epi16(lanes, 4 * (g % 4));
+    return g % 4 == 3 ? shifted : _mm256_and_si256(shifted, _mm256_set1_epi16(0x0F));
+  } else {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * g + 16 * h)));
+  }
+}
+
+// 8 half-precision values, or 8 unsigned or signed bytes, or 8 float32, at `p` as float32.
+inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 bytes8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 signed_bytes8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 floats8(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
+
+// Block b's super-block (or group) scales after a panel's blocks (formats 23, 24, 27 and 31-34; elsewhere unused).
+template <Format F>
+inline const uint8_t* block_super(const uint8_t* panel, int64_t b, int64_t blocks) {
+  return panel + blocks * word_block_bytes(F) + (b / super_blocks(F)) * super_bytes(F);
+}
+
+// Outputs 8h..8h + 7's scales of inputs 0..15 (half 0) or 16..31 (half 1), in the formats with a scale per 16.
+template <Format F>
+inline __m256 half_scales(const uint8_t* header, const uint8_t* super, int half, int h) {
+  if constexpr (six_bit(F)) return _mm256_mul_ps(halves8(super + 16 * h), signed_bytes8(header + half * kPanel + 8 * h));
+  else return floats8(header + (half * kPanel + 8 * h) * 4);
+}
+
+// Outputs 8h..8h + 7's scales d and minimums m of a block, as the AVX-512 build's block_scales forms them.
+template <Format F>
+inline void block_scales(const uint8_t* header, const uint8_t* super, int h, __m256& d, __m256& m) {
+  m = _mm256_setzero_ps();
+  if constexpr (per_sixteen(F)) {
+    d = half_scales<F>(header, super, 1, h);
+  } else if constexpr (super_scaled(F)) {
+    d = _mm256_mul_ps(halves8(super + 16 * h), bytes8(header + 8 * h));
+    m = _mm256_sub_ps(m, _mm256_mul_ps(halves8(super + 2 * kPanel + 16 * h), bytes8(header + kPanel + 8 * h)));
+  } else if constexpr (coded(F) || eight_groups(F)) {
+    d = floats8((coded(F) && !coded_groups(F) ? header : super) + 32 * h);
+  } else if constexpr (float_header(F)) {
+    d = floats8(header + 32 * h);
+    m = floats8(header + kPanel * 4 + 32 * h);
+  } else if constexpr (zero_point(F)) {
+    d = halves8(header + 16 * h);
+    m = _mm256_sub_ps(m, _mm256_mul_ps(d, bytes8(header + 2 * kPanel + 8 * h)));
+  } else if constexpr (grouped_zero(F)) {
+    d = halves8(super + 16 * h);
+    m = _mm256_sub_ps(m, _mm256_mul_ps(d, bytes8(super + 2 * kPanel + 8 * h)));
+  } else if constexpr (grouped(F)) {
+    d = halves8(super + 16 * h);
+    m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+  } else if constexpr (centered(F)) {
+    d = halves8(header + 16 * h);
+    m = _mm256_mul_ps(d, _mm256_set1_ps(F == kQ4Centered ? -8.f : -16.f));
+  } else {
+    d = halves8(header + 16 * h);
+    if constexpr (has_minimum(F)) m = halves8(header + 2 * kPanel + 16 * h);
+  }
+}
+
+// R rows (a tile of xq starting at row0) times one panel, one half of its outputs after the other: the first half
+// reads the panel's blocks from memory, the second from L1.
+template <Format F, int R>
+void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, const uint8_t* panel, float* out, int64_t n) {
+  constexpr int A = R <= 2 || (grouped(F) && R <= 3) ? 2 : 1;  // short chains of dependent adds split in two
+  const int64_t blocks = k / kBlock, span = grouped(F) ? xq.span : 1, last = span - 1;
+  const int32_t* x_pairs = reinterpret_cast<const int32_t*>(xq.q.data() + row0 * k);
+  const float* x_scale = xq.scale.data() + row0 * blocks;
+  const float* x_sum = xq.sum.data() + row0 * blocks;
+  for (int h = 0; h < 2; ++h) {
+    __m256 sums[R];
+    __m256i acc[A][R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      if ((b & last) == 0)
+        for (int a = 0; a < A; ++a)
+          for (int r = 0; r < R; ++r) acc[a][r] = _mm256_setzero_si256();
+      const uint8_t* header = panel + b * word_block_bytes(F);
+      const uint8_t* qs = header + word_header_bytes(F);
+      const uint8_t* super = block_super<F>(panel, b, blocks);
+      auto total = [&](int r) { return A == 2 ? _mm256_add_epi32(acc[0][r], acc[A - 1][r]) : acc[0][r]; };
+      auto add_scaled = [&](__m256 d) {
+        for (int r = 0; r < R; ++r)
+          sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total(r)), _mm256_mul_ps(d, _mm256_set1_ps(x_scale[b * R + r])),
+                                    sums[r]);
+      };
+      const int32_t* xb = x_pairs + b * 16 * R;
+#pragma GCC unroll 16
+      for (int g = 0; g < 16; ++g) {
+        const __m256i w = block_group_half<F>(qs, g, h);
+        for (int r = 0; r < R; ++r)
+          acc[g % A][r] = _mm256_add_epi32(acc[g % A][r], _mm256_madd_epi16(_mm256_set1_epi32(xb[g * R + r]), w));
+        if constexpr (per_sixteen(F)) {
+          if (g == 7) {  // inputs 0..15 done: their sums take the first scales, and the sums start again
+            add_scaled(half_scales<F>(header, super, 0, h));
+            for (int a = 0; a < A; ++a)
+              for (int r = 0; r < R; ++r) acc[a][r] = _mm256_setzero_si256();
+          }
+        }
+      }
+      __m256 d, m;
+      if constexpr (grouped(F)) {
+        if ((b & last) == last) {  // a span lies within one group: its d and m serve every block of it
+          block_scales<F>(header, super, h, d, m);
+          for (int r = 0; r < R; ++r) {
+            const __m256 term = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total(r)),
+                                                _mm256_mul_ps(d, _mm256_set1_ps(x_scale[b * R + r])),
+                                                _mm256_mul_ps(m, _mm256_set1_ps(x_sum[b * R + r])));
+            sums[r] = b + 1 == span ? term : _mm256_add_ps(sums[r], term);
+          }
+        }
+      } else {
+        block_scales<F>(header, super, h, d, m);
+        add_scaled(d);
+        if constexpr (has_minimum(F))
+          for (int r = 0; r < R; ++r) sums[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x_sum[b * R + r]), sums[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * n + 8 * h, sums[r]);
+  }
+}
+
+using WordFn = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, float*, int64_t);
+template <Format F, int... I>
+constexpr std::array<WordFn, sizeof...(I)> word_table(std::integer_sequence<int, I...>) {
+  return {&rows_by_words<F, I + 1>...};
+}
+template <Format F>
+WordFn word_tile(int64_t rows) {
+  static const auto table = word_table<F>(std::make_integer_sequence<int, kWordRows>{});
+  return table[rows - 1];
+}
+
+// Every row tile times the `width` panels from panel `first` of a part, into out (the part's first column of row
+// 0, rows `stride` apart).
+template <Format F>
+void pair_by_tiles(const Activations& xq, int64_t k, int16_t*, const uint8_t* blocks, int64_t first, int64_t width,
+                   float* out, int64_t stride) {
+  const int64_t panel_bytes = word_panel_bytes(F, k);
+  const RowTiles& tiles = xq.words.tiles;
+  for (int64_t p = first; p < first + width; ++p)
+    for (int64_t t = 0; t < tiles.count; ++t) {
+      const int64_t r0 = tiles.first_row(t);
+      word_tile<F>(tiles.size(t))(xq.words, r0, k, blocks + p * panel_bytes, out + r0 * stride + p * kPanel, stride);
+    }
+}
+
+// 8-bit activations need VPDPBUSD's unsaturated sums (VPMADDUBSW saturates): blocks_linear refuses their formats
+// on this build before any product starts.
+template <Format F>
+void pair_by_quads(const Activations&, int64_t, int16_t*, const uint8_t*, int64_t, int64_t, float*, int64_t) {
+  TORCH_CHECK(false, "blocks_linear: this build has no product from 8-bit activations (it needs AVX512_VNNI)");
+}
+
+// A panel's 16 float32 sums at `out` finished: plus the bias (where given), then stored in place, or rounded to
+// bfloat16 at out16 (where given) as c10::BFloat16 rounds (to nearest, ties to even; NaN to 0x7FC0).
+inline void finish_panel(float* out, const float* bias, c10::BFloat16* out16) {
+  __m256i rounded[2];
+  for (int h = 0; h < 2; ++h) {
+    __m256 v = _mm256_loadu_ps(out + 8 * h);
+    if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * h));
+    if (out16 == nullptr) {
+      _mm256_storeu_ps(out + 8 * h, v);
+      continue;
+    }
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    rounded[h] = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  }
+  if (out16 != nullptr)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16),
+                        _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded[0], rounded[1]), 0xD8));
+}
+
+// A panel's block's group g as the 32 16-bit values the product multiplies (the packer's check).
+template <Format F>
+inline void widen_group(const uint8_t* qs, int g, int16_t* out) {
+  for (int h = 0; h < 2; ++h)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h), block_group_half<F>(qs, g, h));
+}
+}  // namespace
+#endif
+
+#if defined(LLM_WORD_PRODUCT)
+namespace {
 
 using PairFn = void (*)(const Activations&, int64_t, int16_t*, const uint8_t*, int64_t, int64_t, float*, int64_t);
 PairFn pair_fn(Format f) {
@@ -1113,147 +1592,12 @@ void word_products(const T* x, int64_t rows, int64_t k, const std::vector<Part>&
       if (bias == nullptr && out16 == nullptr) continue;
       const int64_t col = part.col + first * kPanel;
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = col; c < col + width * kPanel; c += kPanel) {
-          __m512 v = _mm512_loadu_ps(out + r * n + c);
-          if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c));
-          if (out16 != nullptr)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16 + r * n + c), round_to_bf16(v));
-          else
-            _mm512_storeu_ps(out + r * n + c, v);
-        }
+        for (int64_t c = col; c < col + width * kPanel; c += kPanel)
+          finish_panel(out + r * n + c, bias != nullptr ? bias + c : nullptr,
+                       out16 != nullptr ? out16 + r * n + c : nullptr);
     }
   });
 }
-#endif
-}  // namespace
-#endif
-
-#if defined(LLM_FLOAT_BLOCKS) && !defined(__AVX512F__)
-namespace {
-
-// AVX2 (x86-64-v3): the product of formats 1 and 2 with each panel's 16 outputs in two 8-lane halves. The same
-// sums as the AVX-512 variant's, bit for bit: each output's terms in input order, one fused multiply-add per
-// weight, by the same weights (q * d is exact in float32 for 4- and 8-bit q and half-precision d, so
-// fl(fl(q * d) + m) is what any contraction gives too).
-
-// The 16 weights of input j in a panel's block: outputs 0..7 in `low`, 8..15 in `high`.
-template <Format F>
-inline void weights_at(const uint8_t* block, int64_t j, __m256& low, __m256& high) {
-  const float* header = reinterpret_cast<const float*>(block);
-  const uint8_t* qs = block + header_bytes(F) + j * input_bytes(F);
-  if constexpr (F == kQ4_1) {  // 8 bytes: output i in the low nibble of byte i, output i + 8 in the high one
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs));
-    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-    low = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_loadu_ps(header)),
-                        _mm256_loadu_ps(header + kPanel));
-    high = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_loadu_ps(header + 8)),
-                         _mm256_loadu_ps(header + kPanel + 8));
-  } else {  // 16 signed bytes, output i in byte i
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    low = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_loadu_ps(header));
-    high = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))),
-                         _mm256_loadu_ps(header + 8));
-  }
-}
-
-// A panel's weights expanded to float32, [k, stride] from column 0.
-template <Format F>
-void expand_panel(const uint8_t* panel, int64_t k, float* w, int64_t stride) {
-  for (int64_t b = 0; b < k / kBlock; ++b)
-    for (int64_t j = 0; j < kBlock; ++j) {
-      __m256 low, high;
-      weights_at<F>(panel + b * block_bytes(F), j, low, high);
-      _mm256_storeu_ps(w + (b * kBlock + j) * stride, low);
-      _mm256_storeu_ps(w + (b * kBlock + j) * stride + 8, high);
-    }
-}
-
-// R rows times one panel, expanding its weights in registers as they stream in (2R sums, the two halves of a
-// weight and a broadcast input fit AVX2's 16 registers for R <= 6).
-template <Format F, int R>
-void rows_by_panel(const float* x, int64_t k, const uint8_t* panel, float* out, int64_t n) {
-  __m256 sums[R][2];
-  for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const uint8_t* block = panel + b * block_bytes(F);
-    const float* xb = x + b * kBlock;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      __m256 low, high;
-      weights_at<F>(block, j, low, high);
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_set1_ps(xb[r * k + j]);
-        sums[r][0] = _mm256_fmadd_ps(xv, low, sums[r][0]);
-        sums[r][1] = _mm256_fmadd_ps(xv, high, sums[r][1]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out + r * n, sums[r][0]);
-    _mm256_storeu_ps(out + r * n + 8, sums[r][1]);
-  }
-}
-
-// R rows times one panel already expanded to float32 ([k, 16]): for more rows, where each expanded weight
-// serves every row.
-template <int R>
-void rows_by_expanded(const float* x, int64_t k, const float* w, float* out, int64_t n) {
-  __m256 sums[R][2];
-  for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < k; ++j) {
-    const __m256 low = _mm256_loadu_ps(w + j * kPanel), high = _mm256_loadu_ps(w + j * kPanel + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_set1_ps(x[r * k + j]);
-      sums[r][0] = _mm256_fmadd_ps(xv, low, sums[r][0]);
-      sums[r][1] = _mm256_fmadd_ps(xv, high, sums[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out + r * n, sums[r][0]);
-    _mm256_storeu_ps(out + r * n + 8, sums[r][1]);
-  }
-}
-
-constexpr int kRowTile = 6;
-using StreamFn = void (*)(const float*, int64_t, const uint8_t*, float*, int64_t);
-using ExpandedFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
-
-template <Format F, int... I>
-constexpr std::array<StreamFn, sizeof...(I)> stream_table(std::integer_sequence<int, I...>) {
-  return {&rows_by_panel<F, I + 1>...};
-}
-template <int... I>
-constexpr std::array<ExpandedFn, sizeof...(I)> expanded_table(std::integer_sequence<int, I...>) {
-  return {&rows_by_expanded<I + 1>...};
-}
-const auto kStreamQ4 = stream_table<kQ4_1>(std::make_integer_sequence<int, kRowTile>{});
-const auto kStreamQ8 = stream_table<kQ8_0>(std::make_integer_sequence<int, kRowTile>{});
-const auto kExpanded = expanded_table(std::make_integer_sequence<int, kRowTile>{});
-
-template <Format F>
-void product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, float* out, int64_t n) {
-  const int64_t panels = n / kPanel, panel_bytes = (k / kBlock) * block_bytes(F);
-  if (rows <= kRowTile) {
-    const auto& stream = F == kQ4_1 ? kStreamQ4 : kStreamQ8;
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) stream[rows - 1](x, k, packed + p * panel_bytes, out + p * kPanel, n);
-    });
-    return;
-  }
-  // Each panel expanded once into a buffer that stays in cache, then multiplied by every row, in even tiles.
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(k * kPanel);
-    const int64_t tiles = (rows + kRowTile - 1) / kRowTile, tile = (rows + tiles - 1) / tiles;
-    for (int64_t p = begin; p < end; ++p) {
-      expand_panel<F>(packed + p * panel_bytes, k, w.data(), kPanel);
-      for (int64_t r0 = 0; r0 < rows; r0 += tile) {
-        const int64_t r = std::min<int64_t>(tile, rows - r0);
-        kExpanded[r - 1](x + r0 * k, k, w.data(), out + r0 * n + p * kPanel, n);
-      }
-    }
-  });
-}
-
 }  // namespace
 #endif
 
@@ -1282,8 +1626,7 @@ at::Tensor pack_as(const float* w, int64_t n, int64_t k, bool words) {
         for (int64_t b = 0; b < k / kBlock; ++b) {
           const uint8_t* block = out + p * panel_bytes + b * word_block_bytes(F);
           const uint16_t* header = reinterpret_cast<const uint16_t*>(block);
-          for (int g = 0; g < 16; ++g)
-            _mm512_store_si512(widened + g * 32, block_group<F>(block + word_header_bytes(F), g));
+          for (int g = 0; g < 16; ++g) widen_group<F>(block + word_header_bytes(F), g, widened + g * 32);
           for (int g = 0; g < 16; ++g)
             for (int t = 0; t < 32; ++t) {
               const int64_t i = t / 2, j = b * kBlock + 2 * g + t % 2;
@@ -1399,7 +1742,7 @@ std::tuple<int64_t, at::Tensor> pack_blocks(const at::Tensor& weight, bool words
 // fill panels of 16 and inputs runs of `inputs` (a block of 32, or a super-block of 256), its values in lo..hi.
 // q contiguous.
 at::Tensor checked_q(const char* fn, const at::Tensor& q, int64_t inputs, int lo, int hi) {
-  TORCH_CHECK(word_blocks_supported(), fn, ": this build has no product for 16-bit activations (it needs AVX512_VNNI)");
+  TORCH_CHECK(word_blocks_supported(), fn, ": this build has no product for 16-bit activations (it needs AVX2, FMA and F16C)");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar, fn, ": q must be an int8 CPU "
               "matrix");
   TORCH_CHECK(q.size(0) % kPanel == 0 && q.size(1) % inputs == 0 && q.numel() > 0, fn, ": the weight's shape must "
@@ -1721,8 +2064,10 @@ at::Tensor blocks_linear_parts(const at::Tensor& x, const std::vector<at::Tensor
   for (size_t i = 0; i < packed.size(); ++i) {
     const int64_t format = formats[i], out_features = outs[i];
     TORCH_CHECK(format >= kQ4_1 && format <= kLastFormat, "blocks_linear: unknown format");
-    TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product for formats 3 "
-                "to 16 (it needs AVX512_VNNI)");
+    TORCH_CHECK(format <= kQ8_0 || word_blocks_supported(), "blocks_linear: this build has no product from integer "
+                "activations (it needs AVX2, FMA and F16C)");
+    TORCH_CHECK(!quad_format(format) || quad_blocks_supported(), "blocks_linear: this build has no product from "
+                "8-bit activations (it needs AVX512_VNNI)");
     TORCH_CHECK((format >= kQ4_1Words) == words && (words || packed.size() == 1), "blocks_linear: formats 1 and 2 "
                 "take one weight at a time");
     const int64_t bytes = packed_block_bytes(format), base = word_base(format), span = kBlock * super_blocks(base);
