@@ -518,8 +518,7 @@ void product(const float* x, int64_t rows, int64_t k, const uint8_t* packed, flo
 
 #if defined(LLM_WORDS_AVX512)
 
-constexpr int kWordRows = 6, kQuadRows = 8, kGroupRows = 8;
-
+constexpr int kWordRows = 6, kQuadRows = 8, kGroupRows = 8;  // row tiles (see the product below)
 
 // 16 inputs as float32, from float32 or bfloat16 rows (a bfloat16 value is the top half of its float32).
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
@@ -835,6 +834,12 @@ Rows<Q> quantize_rows(const T* x, int64_t rows, int64_t k, bool halves = false, 
   return out;
 }
 
+// Block b's super-block (or group) scales after a panel's blocks (formats 23, 24, 27 and 31-34; elsewhere unused).
+template <Format F>
+inline const uint8_t* block_super(const uint8_t* panel, int64_t b, int64_t blocks) {
+  return panel + blocks * word_block_bytes(F) + (b / super_blocks(F)) * super_bytes(F);
+}
+
 // A call's rows quantized for the parts that take them: 16-bit pairs (formats 3-9), 8-bit quads (10-16).
 struct Activations {
   QuantizedRows words;
@@ -884,12 +889,6 @@ inline __m512 bytes_at(const uint8_t* p) {
 }
 inline __m512 signed_bytes_at(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-// Block b's super-block (or group) scales after a panel's blocks (formats 23, 24, 27 and 31-34; elsewhere unused).
-template <Format F>
-inline const uint8_t* block_super(const uint8_t* panel, int64_t b, int64_t blocks) {
-  return panel + blocks * word_block_bytes(F) + (b / super_blocks(F)) * super_bytes(F);
 }
 
 // The scales of inputs 0..15 (half 0) or 16..31 (half 1) of a block in a format with a scale per 16 inputs:
@@ -1333,12 +1332,6 @@ inline __m256 signed_bytes8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline __m256 floats8(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
-
-// Block b's super-block (or group) scales after a panel's blocks (formats 23, 24, 27 and 31-34; elsewhere unused).
-template <Format F>
-inline const uint8_t* block_super(const uint8_t* panel, int64_t b, int64_t blocks) {
-  return panel + blocks * word_block_bytes(F) + (b / super_blocks(F)) * super_bytes(F);
-}
 
 // Outputs 8h..8h + 7's scales of inputs 0..15 (half 0) or 16..31 (half 1), in the formats with a scale per 16.
 template <Format F>
