@@ -222,7 +222,9 @@ def test_the_avx2_and_avx512_builds_give_the_same_outputs_bit_for_bit():
             for xs, b in ((x, None), (x.bfloat16(), bias)):
                 assert torch.equal(wide.blocks_linear(xs, blocks, fmt, n, b), narrow.blocks_linear(xs, blocks, fmt, n, b)), \
                     (name, rows, xs.dtype)
-    weight = torch.randint(0, 16, (48, 512)).float() * 0.03125 - 0.25  # exact Q4_1 blocks
+    q = torch.randint(0, 16, (48, 512))
+    q[:, ::32], q[:, 1::32] = 0, 15  # each block of 32 spans 0..15: exact Q4_1 blocks that pack_blocks recovers
+    weight = q.float() * 0.03125 - 0.25
     for words in (False, True):
         fmt, blocks = wide.pack_blocks(weight, words)
         assert fmt == (3 if words else 1)
@@ -266,6 +268,35 @@ def test_an_emulated_cpu_without_avx512_loads_and_checks_the_avx2_build():
     assert ok == "True" and loaded.endswith(f"{native_kernels.build_name(AVX2)}.so"), result.stdout
 
 
+# A module whose import runs an AVX-512 instruction: what any build with -march=x86-64-v4 may do on import.
+_AVX512_ON_IMPORT = r"""
+#include <torch/extension.h>
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    asm volatile("vpxord %%zmm0, %%zmm0, %%zmm0" ::: "xmm0");
+    m.def("answer", [] { return 42; });
+}
+"""
+
+
+@pytest.mark.slow
+@x86_only
+@pytest.mark.skipif(not shutil.which("qemu-x86_64"), reason="needs qemu-user (Debian: apt-get install qemu-user)")
+def test_a_cpu_without_avx512_compiles_the_avx512_build_without_running_it(tmp_path):
+    """The image's prebuild compiles every variant on whatever CPU builds the image. On one without AVX-512
+    (qemu's Haswell), compiling the avx512_vnni build writes its file and runs none of it: the build used to be
+    imported as it was compiled, and died of SIGILL (Illegal instruction, exit 132)."""
+    source = tmp_path / "avx512_on_import.cpp"
+    source.write_text(_AVX512_ON_IMPORT)
+    script = ("import sys; from pathlib import Path; from engine.cpu import native_kernels as n; "
+              "n.sources = lambda: (Path(sys.argv[1]),); variant = n.X86_64_VARIANTS[0]; "
+              "n._compile(variant, Path(sys.argv[2]), 60); print(n.build_name(variant))")
+    result = subprocess.run(["qemu-x86_64", "-cpu", "Haswell", sys.executable, "-c", script, str(source),
+                             str(tmp_path / "builds")], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
+    name = result.stdout.split()[-1]
+    assert name.startswith("llm_worker_kernels_avx512_vnni_") and (tmp_path / "builds" / f"{name}.so").is_file()
+    assert sorted(p.name for p in (tmp_path / "builds").iterdir()) == [f"{name}.lock", f"{name}.so"]
+
 def _start(env: dict, **kwargs) -> subprocess.Popen:
     """A start that builds (or finds) this CPU's kernels and checks them, as scripts/install.sh runs it."""
     return subprocess.Popen([sys.executable, "-m", "engine.cpu.native_kernels"], cwd=ROOT, env=env, text=True,
@@ -306,8 +337,8 @@ def test_a_start_killed_during_the_build_never_blocks_the_next(tmp_path):
            "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}
     first = _start(env, start_new_session=True)
     deadline = time.monotonic() + 120
-    # Killed while a compiler of the build runs (torch's builder holds its `lock` file all the while).
-    while not (list(tmp_path.rglob("lock")) and "cc1plus" in _session_processes(first.pid).values()):
+    # Killed while a compiler of the build runs (the build holds its lock file all the while).
+    while not (list(tmp_path.rglob("*.lock")) and "cc1plus" in _session_processes(first.pid).values()):
         assert first.poll() is None, first.stdout.read()
         assert time.monotonic() < deadline, "the build did not start"
         time.sleep(0.1)

@@ -425,7 +425,9 @@ def test_qwen2_vl_requests_preempted_and_recomputed_equal_generate(folders, monk
         assert choice["token_ids"] == expected
         for token, got, logits in zip(expected, choice["logprobs"]["content"], generated.logits):
             logprob = torch.log_softmax(logits[0, :vocab].float(), -1)[token].item()
-            assert got["logprob"] == pytest.approx(logprob, abs=1e-4)
+            # 1e-3: float32 sums in another order (transformers' own teacher-forced pass differs from its generate
+            # by up to 1e-4 here); a rotary position off by one moves these logprobs by whole units.
+            assert got["logprob"] == pytest.approx(logprob, abs=1e-3)
 
 
 @pytest.mark.slow

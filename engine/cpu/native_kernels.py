@@ -274,8 +274,9 @@ def _find(name: str, roots) -> Path | None:
 
 
 def _compile(variant: Variant, root: Path, wait_s: float):
-    """Compile `variant` into root/<name>.so unless another process built it meanwhile: the module when this
-    process compiled it (torch's builder imported it), else None."""
+    """Compile `variant` into root/<name>.so unless another process built it meanwhile. Compiling never imports
+    the build: the image's prebuild compiles variants its CPU cannot run, and importing one of those dies of
+    SIGILL (torch's public `load` always imports what it built)."""
     from torch.utils import cpp_extension
 
     name = build_name(variant)
@@ -283,12 +284,11 @@ def _compile(variant: Variant, root: Path, wait_s: float):
     root.mkdir(parents=True, exist_ok=True)
     with _BuildLock(root / f"{name}.lock", wait_s) as lock:
         if target.is_file():  # built by the process this one waited for
-            return None
-        if lock.held:  # folders of builds killed midway (and torch's `lock` files in them) belong to no one now
+            return
+        if lock.held:  # folders of builds killed midway belong to no one now
             for stale in root.glob(f"{name}.build-*"):
                 shutil.rmtree(stale, ignore_errors=True)
-        # Its own folder per build: torch's builder guards a folder with a `lock` file that waits forever and
-        # survives a kill; a fresh folder never has one.
+        # Its own folder per build: a build killed midway leaves half-written objects that no later one reads.
         work = root / f"{name}.build-{socket.gethostname()}-{os.getpid()}"
         work.mkdir()
         try:
@@ -298,14 +298,16 @@ def _compile(variant: Variant, root: Path, wait_s: float):
             # -fopenmp links libgomp.so.1 by name: the loader reuses the copy torch already loaded, so the
             # kernels share torch's OpenMP threads instead of starting a second team (which halves decode
             # speed; README).
-            module = cpp_extension.load(name, [str(source) for source in sources()],
-                               extra_cflags=[*_COMMON_FLAGS, *variant.flags], extra_ldflags=["-fopenmp"],
-                               build_directory=str(work), verbose=False)
+            # The build step of torch's `load` without its import (keywords: the positional order has moved
+            # between torch releases).
+            cpp_extension._write_ninja_file_and_build_library(
+                name=name, sources=[str(source) for source in sources()],
+                extra_cflags=[*_COMMON_FLAGS, *variant.flags], extra_cuda_cflags=[], extra_sycl_cflags=[],
+                extra_ldflags=["-fopenmp"], extra_include_paths=[], build_directory=str(work), verbose=False,
+                with_cuda=False, with_sycl=False)
             os.replace(work / f"{name}.so", target)  # whole or absent: a reader never sees a partial file
-            module.__file__ = str(target)  # where it lives now (its folder goes below)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    return module
 
 
 _built: dict[str, object] = {}  # modules loaded in this process, by build name
@@ -323,8 +325,10 @@ def build(variant: Variant | None = None, cache_dir: Path | str | None = None, w
     if name not in _built:
         root = build_dir(cache_dir)
         path = _find(name, (PREBUILT, root))
-        module = None if path else _compile(variant, root, BUILD_WAIT_S if wait_s is None else wait_s)
-        _built[name] = module or _import(name, path or root / f"{name}.so")
+        if path is None:
+            _compile(variant, root, BUILD_WAIT_S if wait_s is None else wait_s)
+            path = root / f"{name}.so"
+        _built[name] = _import(name, path)
     return _built[name]
 
 
