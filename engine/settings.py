@@ -68,7 +68,7 @@ class EngineSettings(BaseSettings):
     layer_split_devices: int = Field(default=1, ge=1, le=64)
     torch_num_threads: int | None = Field(default=None, ge=1)
     # auto | off | a build variant by name (engine/cpu/native_kernels.py), which this CPU must run
-    native_kernels: Literal["auto", "off", "avx512_vnni", "avx2", "generic"] = "auto"
+    native_kernels: Literal["auto", "off", "avx512_vnni", "avx_vnni", "avx2", "generic"] = "auto"
     # Outputs independent of what is batched with a request (engine/config.py); "auto" where it costs nothing.
     batch_invariant: Literal["auto"] | bool = "auto"
     startup_cache: Literal["on", "off"] = "on"  # start-up verdicts kept in BASE_PATH (engine/startup_cache.py)

@@ -195,8 +195,8 @@ def test_the_image_holds_the_cpu_kernels_of_every_variant_and_its_start_compiles
 
     rehearsal, results = rehearsed
     staged = {path.name for path in rehearsal.root.rglob("engine/cpu/native/prebuilt/*.so")}
-    # Both x86-64 variants: AVX-512 with VNNI, and AVX2 (x86-64-v3).
-    for variant in ("avx512_vnni", "avx2"):
+    # The three x86-64 variants: AVX-512 with VNNI, AVX2 with AVX-VNNI, and AVX2 (x86-64-v3).
+    for variant in ("avx512_vnni", "avx_vnni", "avx2"):
         assert any(name.startswith(f"llm_worker_kernels_{variant}_") for name in staged), staged
     cmd = next(result for (keyword, _), result in results.items() if keyword == "CMD")
     log = cmd.stdout + cmd.stderr

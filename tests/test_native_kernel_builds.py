@@ -21,12 +21,13 @@ from conftest import ROOT
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.cpu import native_kernels
 
-AVX512_VNNI, AVX2 = native_kernels.X86_64_VARIANTS
-# The CPU flags (as /proc/cpuinfo names them) each build's instructions need: x86-64-v3 for the AVX2 build, and
-# x86-64-v4 with VNNI for the other.
+AVX512_VNNI, AVX_VNNI, AVX2 = native_kernels.X86_64_VARIANTS
+# The CPU flags (as /proc/cpuinfo names them) each build's instructions need: x86-64-v3 for the AVX2 build, that and
+# AVX-VNNI for the avx_vnni build, and x86-64-v4 with VNNI for the AVX-512 one.
 X86_64_V3 = frozenset({"abm", "avx", "avx2", "bmi1", "bmi2", "cx16", "f16c", "fma", "lahf_lm", "movbe", "popcnt",
                        "sse4_1", "sse4_2", "ssse3", "xsave"})
 X86_64_V4_VNNI = X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}
+X86_64_V3_AVX_VNNI = X86_64_V3 | {"avx_vnni"}
 # A CPU of x86-64-v2 and AVX (Sandy Bridge): neither build's instructions.
 OLD_CPU = frozenset({"sse2", "sse4_1", "sse4_2", "ssse3", "popcnt", "cx16", "lahf_lm", "avx", "xsave"})
 x86_only = pytest.mark.skipif(native_kernels.variants()[0] is not AVX512_VNNI, reason="x86-64 variants")
@@ -41,14 +42,16 @@ def _restore_kernels():
 
 @x86_only
 def test_the_best_variant_whose_instructions_the_cpu_has_is_chosen():
-    assert (AVX512_VNNI.name, AVX2.name) == ("avx512_vnni", "avx2")
+    assert (AVX512_VNNI.name, AVX_VNNI.name, AVX2.name) == ("avx512_vnni", "avx_vnni", "avx2")
     assert native_kernels.choose_variant(X86_64_V4_VNNI) is AVX512_VNNI  # Ice Lake, Zen 4
+    assert native_kernels.choose_variant(X86_64_V4_VNNI | {"avx_vnni"}) is AVX512_VNNI  # Sapphire Rapids, Zen 5
     assert native_kernels.choose_variant(X86_64_V4_VNNI - {"avx512_vnni"}) is AVX2  # Skylake-SP
-    assert native_kernels.choose_variant(X86_64_V3) is AVX2  # Zen 2 and 3, Haswell to Alder Lake
+    assert native_kernels.choose_variant(X86_64_V3_AVX_VNNI) is AVX_VNNI  # Alder Lake and later client cores
+    assert native_kernels.choose_variant(X86_64_V3) is AVX2  # Zen 2 and 3, Haswell to Comet Lake
     for flag in X86_64_V3:  # without any one of its flags, not even the AVX2 build
         assert native_kernels.choose_variant(X86_64_V3 - {flag}) is None, flag
     assert native_kernels.choose_variant(OLD_CPU) is None
-    assert native_kernels.build_name(AVX512_VNNI) != native_kernels.build_name(AVX2)
+    assert len({native_kernels.build_name(v) for v in (AVX512_VNNI, AVX_VNNI, AVX2)}) == 3
 
 
 @pytest.mark.slow
@@ -57,7 +60,7 @@ def test_a_cpu_without_the_builds_instructions_serves_through_pytorch(monkeypatc
     """A CPU lacking AVX-512 never loads the AVX-512 build, even where that build sits in the build folder (as on a
     volume shared with an AVX-512 machine), and a CPU without AVX2 either serves through PyTorch's operations."""
     assert native_kernels.load("auto"), native_kernels.reason()  # this machine's build, in the build folder
-    mine = AVX512_VNNI if X86_64_V4_VNNI <= _cpuinfo_flags() else AVX2
+    mine = _expected_variant(_cpuinfo_flags())
     assert native_kernels.active().__file__.endswith(native_kernels.build_name(mine) + ".so")
     monkeypatch.setattr(native_kernels, "cpu_features", lambda: X86_64_V3)
     assert native_kernels.choose_variant(native_kernels.cpu_features()) is AVX2
@@ -76,6 +79,19 @@ def test_a_cpu_without_the_builds_instructions_serves_through_pytorch(monkeypatc
 
 
 @x86_only
+def test_cpuid_reads_the_cpu_that_proc_cpuinfo_describes():
+    """Run natively, CPUID as the process sees it agrees with /proc/cpuinfo on the vendor and on AVX-VNNI (the one
+    flag the variants need that torch has no probe of)."""
+    from engine.cpu import cpuid
+
+    vendor = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("vendor_id"))
+    assert cpuid.vendor() == vendor
+    assert cpuid.has_avx_vnni() is ("avx_vnni" in _cpuinfo_flags())
+    assert cpuid.registers(0)[0] >= 1  # the highest standard leaf
+
+
+@x86_only
 def test_native_kernels_names_a_variant_the_cpu_runs(monkeypatch):
     """NATIVE_KERNELS=<variant>: a lower variant is taken on a higher CPU (so any x86 machine measures the AVX2
     path); one the CPU cannot run, or another architecture's, stops the start with a line that says why."""
@@ -84,10 +100,14 @@ def test_native_kernels_names_a_variant_the_cpu_runs(monkeypatch):
 
     assert native_kernels.named_variant("avx2", X86_64_V4_VNNI) is AVX2
     assert native_kernels.named_variant("avx512_vnni", X86_64_V4_VNNI) is AVX512_VNNI
+    assert native_kernels.named_variant("avx_vnni", X86_64_V3_AVX_VNNI) is AVX_VNNI
+    with pytest.raises(ValueError, match=r"NATIVE_KERNELS=avx_vnni: this CPU cannot run that build \(it lacks "
+                                         r"avx_vnni\)"):
+        native_kernels.named_variant("avx_vnni", X86_64_V4_VNNI)
     with pytest.raises(ValueError, match=r"NATIVE_KERNELS=avx512_vnni: this CPU cannot run that build \(it lacks "
                                          r"avx512_vnni\)"):
         native_kernels.named_variant("avx512_vnni", X86_64_V4_VNNI - {"avx512_vnni"})
-    with pytest.raises(ValueError, match="no such build on x86_64; its builds are avx512_vnni, avx2"):
+    with pytest.raises(ValueError, match="no such build on x86_64; its builds are avx512_vnni, avx_vnni, avx2"):
         native_kernels.named_variant("generic", X86_64_V4_VNNI)
     monkeypatch.setattr(native_kernels, "cpu_features", lambda: X86_64_V3)
     with pytest.raises(ValueError, match="lacks avx512_vnni avx512bw avx512cd avx512dq avx512f avx512vl"):
@@ -133,6 +153,12 @@ def _cpuinfo_flags() -> set[str]:
     return set(line.split(":", 1)[1].split())
 
 
+def _expected_variant(flags: set[str]):
+    if X86_64_V4_VNNI <= flags:
+        return AVX512_VNNI
+    return AVX_VNNI if X86_64_V3_AVX_VNNI <= flags else AVX2
+
+
 def _greedy(engine: AsyncEngine, ids: list[int]) -> list[int]:
     async def run():
         await engine.start()
@@ -144,19 +170,32 @@ def _greedy(engine: AsyncEngine, ids: list[int]) -> list[int]:
     return asyncio.run(run())
 
 
-@pytest.mark.slow  # compiles the avx2 build where the build folder lacks it
+@pytest.mark.slow  # compiles the AVX2 builds where the build folder lacks them
 @x86_only
 @pytest.mark.skipif(not shutil.which("objdump"), reason="needs objdump")
-def test_the_avx2_build_has_no_avx512_instructions_and_passes_its_check():
-    """What AVX2-only CPUs load: built with x86-64-v3's flags, its machine code has no AVX-512 register or mask
-    (so it cannot fault on them), and it agrees with PyTorch (run here, on a CPU that has AVX2)."""
-    kernels = native_kernels.build(AVX2)  # in the build folder, as a first start on such a CPU makes it
-    assert not kernels.prefill_attention_supported() and not kernels.quad_blocks_supported()  # the AVX-512 paths
-    assert kernels.blocks_supported() and kernels.word_blocks_supported()  # block products, in 8-lane halves
-    disassembly = subprocess.run(["objdump", "-d", "--no-show-raw-insn", kernels.__file__], capture_output=True,
+@pytest.mark.parametrize("variant", [AVX2, AVX_VNNI], ids=lambda v: v.name)
+def test_the_avx2_builds_have_no_avx512_instructions_and_pass_their_check(variant):
+    """What CPUs without AVX-512 load: built with x86-64-v3's flags (and AVX-VNNI's), the machine code has no
+    AVX-512 register or mask (so it cannot fault on them); the avx_vnni build's word products sum with the
+    VEX-encoded VPDPWSSD, the avx2 build's with VPMADDWD and none of VNNI; each agrees with PyTorch where this
+    CPU runs it."""
+    kernels = native_kernels._built.get(native_kernels.build_name(variant))
+    if kernels is None:  # compiled without importing: this CPU may not run it
+        native_kernels._compile(variant, native_kernels.build_dir(), native_kernels.BUILD_WAIT_S)
+        path = native_kernels.build_dir() / f"{native_kernels.build_name(variant)}.so"
+    else:
+        path = Path(kernels.__file__)
+    disassembly = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True,
                                  text=True, check=True).stdout
     assert "vfmadd" in disassembly  # the compiler did vectorise with x86-64-v3
     assert not re.search(r"%zmm|%[xy]mm(1[6-9]|2\d|3[01])\b|\{%k[1-7]\}", disassembly)
+    assert ("vpdpwssd" in disassembly) == (variant is AVX_VNNI) and "vpdpbusd" not in disassembly
+    assert variant is not AVX2 or "vpmaddwd" in disassembly
+    if not variant.needs <= native_kernels.cpu_features():
+        pytest.skip(f"built and read; this CPU cannot run the {variant.name} build to check it")
+    kernels = native_kernels.build(variant)
+    assert not kernels.prefill_attention_supported() and not kernels.quad_blocks_supported()  # the AVX-512 paths
+    assert kernels.blocks_supported() and kernels.word_blocks_supported()  # block products, in 8-lane halves
     assert native_kernels.self_check(kernels) == ""
 
 
@@ -205,14 +244,16 @@ def _packed_cases(kernels) -> list[tuple[str, int, torch.Tensor, int]]:
     return [(name, fmt, blocks_, n) for name, (fmt, blocks_) in packed.items()]
 
 
-@pytest.mark.slow  # compiles both builds where the build folder lacks them
+@pytest.mark.slow  # compiles the builds where the build folder lacks them
 @x86_only
-@pytest.mark.skipif(not X86_64_V4_VNNI <= _cpuinfo_flags(), reason="needs a CPU that runs both builds")
+@pytest.mark.skipif(not X86_64_V4_VNNI <= _cpuinfo_flags(), reason="needs a CPU that runs the AVX-512 build too")
 def test_the_avx2_and_avx512_builds_give_the_same_outputs_bit_for_bit():
     """The image's answer does not depend on which CPU the platform gave it: for every packed format with 16-bit
     activations (and GGUF Q4_1 / Q8_0 blocks with float32 ones), at every tile shape of rows, from float32 and
-    bfloat16 rows, with and without bias, the AVX2 build's outputs equal the AVX-512 build's exactly."""
-    wide, narrow = native_kernels.build(AVX512_VNNI), native_kernels.build(AVX2)
+    bfloat16 rows, with and without bias, the avx2 build's outputs (and the avx_vnni build's, where this CPU has
+    AVX-VNNI) equal the AVX-512 build's exactly."""
+    wide = native_kernels.build(AVX512_VNNI)
+    narrows = [native_kernels.build(v) for v in (AVX2, AVX_VNNI) if v.needs <= native_kernels.cpu_features()]
     cases = _packed_cases(wide)
     assert len({fmt for _, fmt, _, _ in cases}) == len(cases)  # each a format of its own
     for name, fmt, blocks, n in cases:
@@ -220,8 +261,10 @@ def test_the_avx2_and_avx512_builds_give_the_same_outputs_bit_for_bit():
             x = torch.randn(rows, 512)
             bias = torch.randn(n)
             for xs, b in ((x, None), (x.bfloat16(), bias)):
-                assert torch.equal(wide.blocks_linear(xs, blocks, fmt, n, b), narrow.blocks_linear(xs, blocks, fmt, n, b)), \
-                    (name, rows, xs.dtype)
+                expected = wide.blocks_linear(xs, blocks, fmt, n, b)
+                for narrow in narrows:
+                    assert torch.equal(expected, narrow.blocks_linear(xs, blocks, fmt, n, b)), \
+                        (name, rows, xs.dtype, narrow.__name__)
     q = torch.randint(0, 16, (48, 512))
     q[:, ::32], q[:, 1::32] = 0, 15  # each block of 32 spans 0..15: exact Q4_1 blocks that pack_blocks recovers
     weight = q.float() * 0.03125 - 0.25
@@ -230,15 +273,21 @@ def test_the_avx2_and_avx512_builds_give_the_same_outputs_bit_for_bit():
         assert fmt == (3 if words else 1)
         for rows in (1, 4, 9):
             x = torch.randn(rows, 512)
-            assert torch.equal(wide.blocks_linear(x, blocks, fmt, 48), narrow.blocks_linear(x, blocks, fmt, 48))
+            expected = wide.blocks_linear(x, blocks, fmt, 48)
+            for narrow in narrows:
+                assert torch.equal(expected, narrow.blocks_linear(x, blocks, fmt, 48)), (words, rows, narrow.__name__)
 
 
-@pytest.mark.slow  # compiles the avx2 build where the build folder lacks it
+@pytest.mark.slow  # compiles the build where the build folder lacks it
 @x86_only
-def test_the_avx2_build_multiplies_every_word_format_a_row_at_a_time():
-    """On any x86 CPU, the AVX2 build's product from 16-bit activations gives each row the result it gets alone,
-    whatever rows share the call (a row's rounding is its own), and refuses 8-bit activations in one line."""
-    kernels = native_kernels.build(AVX2)
+@pytest.mark.parametrize("variant", [AVX2, AVX_VNNI], ids=lambda v: v.name)
+def test_the_avx2_builds_multiply_every_word_format_a_row_at_a_time(variant):
+    """On any x86 CPU (with AVX-VNNI for that build), the AVX2 builds' product from 16-bit activations gives each
+    row the result it gets alone, whatever rows share the call (a row's rounding is its own), and refuses 8-bit
+    activations in one line."""
+    if not variant.needs <= native_kernels.cpu_features():
+        pytest.skip(f"this CPU cannot run the {variant.name} build")
+    kernels = native_kernels.build(variant)
     for name, fmt, blocks, n in _packed_cases(kernels):
         x = torch.randn(13, 512)
         together = kernels.blocks_linear(x, blocks, fmt, n)
@@ -255,8 +304,8 @@ def test_the_avx2_build_multiplies_every_word_format_a_row_at_a_time():
 @x86_only
 @pytest.mark.skipif(not shutil.which("qemu-x86_64"), reason="needs qemu-user (Debian: apt-get install qemu-user)")
 def test_an_emulated_cpu_without_avx512_loads_and_checks_the_avx2_build():
-    """A real run on a CPU without AVX-512: qemu's Haswell (AVX2, no AVX-512; /proc/cpuinfo still shows this
-    machine's flags, torch's CPUID probe sees the emulated CPU). The start loads the avx2 build and its check passes
+    """A real run on a CPU without AVX-512 or AVX-VNNI: qemu's Haswell (/proc/cpuinfo still shows this machine's
+    flags; torch's CPUID probes and engine/cpu/cpuid.py see the emulated CPU). The start loads the avx2 build and its check passes
     there (the -march=native build this machine made before died of SIGILL on it)."""
     native_kernels.build(AVX2)  # natively, as the image or a first start would have: compiling emulated is slow
     probe = ("from engine.cpu import native_kernels as n; ok = n.load('auto'); "

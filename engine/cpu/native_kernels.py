@@ -10,10 +10,12 @@ docs/performance.md).
 
 Builds and where they live. A build targets a CPU variant, not the building machine (`-march=native` would bake
 the builder's CPU into an image that runs on other machines): `avx512_vnni` (x86-64-v4 and VNNI: the sources'
-AVX-512 paths and their 16-bit-activation product) or `avx2` (x86-64-v3: the plain loops, vectorised by the
-compiler); other architectures build for their baseline. At load the best variant whose instructions this CPU
-has all of is chosen (/proc/cpuinfo's flags, cross-checked with torch's own CPUID probe); an x86 CPU without
-AVX2 keeps the PyTorch operations. A build is one file, `<name>.so`, named by a hash of the sources' bytes, the
+AVX-512 paths and their products from 16- and 8-bit activations), `avx_vnni` (x86-64-v3 and AVX-VNNI: the AVX2
+paths, their product from 16-bit activations summing with VPDPWSSD) or `avx2` (x86-64-v3: the AVX2 block
+products and the plain loops, vectorised by the compiler); other architectures build for their baseline. At load
+the best variant whose instructions this CPU has all of is chosen (/proc/cpuinfo's flags, cross-checked with
+CPUID as this process sees it: torch's probes, and cpuid.py for AVX-VNNI); an x86 CPU without AVX2 keeps the
+PyTorch operations. A build is one file, `<name>.so`, named by a hash of the sources' bytes, the
 flags, the variant, torch and the Python ABI, never by paths, so every path to the same sources and venv shares
 it. It is looked up in the package's `native/prebuilt/` folder (the image fills it for every variant:
 `python -m engine.cpu.native_kernels --prebuild`) and then in the build folder, `$NATIVE_KERNELS_DIR` or
@@ -50,6 +52,7 @@ from pathlib import Path
 import torch
 
 from engine import devices
+from engine.cpu import cpuid
 import torch.nn.functional as F
 
 log = logging.getLogger("engine.cpu.native_kernels")
@@ -112,10 +115,12 @@ _X86_64_V3 = frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"
                         "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
 # Best first. The sources' intrinsics need AVX-512 F and BW, and VNNI for the product from 16-bit activations
 # (quantized_linear.cpp); the rest of x86-64-v4 (CD, DQ, VL) is what the compiler may use in the plain loops.
-# A CPU with AVX-512 but no VNNI (Skylake-SP) takes the avx2 build.
+# A CPU with AVX-512 but no VNNI (Skylake-SP) takes the avx2 build; one with AVX-VNNI but no AVX-512 (Alder Lake
+# and later client cores) the avx_vnni build.
 X86_64_VARIANTS = (
     Variant("avx512_vnni", ("-march=x86-64-v4", "-mavx512vnni"),
             _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}),
+    Variant("avx_vnni", ("-march=x86-64-v3", "-mavxvnni"), _X86_64_V3 | {"avx_vnni"}),
     Variant("avx2", ("-march=x86-64-v3",), _X86_64_V3),
 )
 GENERIC = Variant("generic", (), frozenset())  # other architectures: their baseline, which every CPU of them runs
@@ -128,9 +133,12 @@ def variants() -> tuple[Variant, ...]:
 
 
 def cpu_features() -> frozenset[str]:
-    """This CPU's instruction-set flags as /proc/cpuinfo names them, less what torch's own CPUID probe says it
-    lacks (it reads the CPU the process really runs on, e.g. an emulated one, and whether the OS enables AVX-512)."""
+    """This CPU's instruction-set flags as /proc/cpuinfo names them, less what CPUID as this process sees it says
+    it lacks (torch's probes and cpuid.py read the CPU the process really runs on, e.g. an emulated one, and
+    whether the OS enables AVX-512)."""
     features = set(devices.cpuinfo().get("flags", "").split())
+    if "avx_vnni" in features and cpuid.has_avx_vnni() is False:
+        features.discard("avx_vnni")
     probes = getattr(torch, "cpu", None)
     for probe, names in (("_is_avx2_supported", ("avx2",)), ("_is_vnni_supported", ("avx512_vnni",)),
                          ("_is_avx512_supported", ("avx512f", "avx512bw", "avx512dq", "avx512vl"))):

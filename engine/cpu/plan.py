@@ -83,7 +83,8 @@ def gguf_blocks_win(model: torch.nn.Module, verdicts) -> bool:
 
 def unsupported_activations(config: EngineConfig) -> str:
     """Why the loaded kernels cannot honour QUANTIZED_ACTIVATIONS ("" where they can): the product from 8-bit
-    activations needs VPDPBUSD's unsaturated sums (the avx512_vnni build); the avx2 build multiplies 16-bit ones."""
+    activations needs VPDPBUSD's unsaturated sums (the avx512_vnni build); the avx_vnni and avx2 builds multiply
+    16-bit ones."""
     kernels = native_kernels.active()
     if config.quantized_activations != "int8" or kernels is None or kernels.quad_blocks_supported():
         return ""

@@ -1372,6 +1372,16 @@ inline void block_scales(const uint8_t* header, const uint8_t* super, int h, __m
   }
 }
 
+// acc plus each lane's two 16-bit products x * w: AVX-VNNI's one instruction (VPDPWSSD) where the build has it,
+// else VPMADDWD and an add. The same 32-bit sums either way (both wrap, neither saturates).
+inline __m256i pair_sums(__m256i acc, __m256i x, __m256i w) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, x, w);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w));
+#endif
+}
+
 // R rows (a tile of xq starting at row0) times one panel, one half of its outputs after the other: the first half
 // reads the panel's blocks from memory, the second from L1.
 template <Format F, int R>
@@ -1403,7 +1413,7 @@ void rows_by_words(const QuantizedRows& xq, int64_t row0, int64_t k, const uint8
       for (int g = 0; g < 16; ++g) {
         const __m256i w = block_group_half<F>(qs, g, h);
         for (int r = 0; r < R; ++r)
-          acc[g % A][r] = _mm256_add_epi32(acc[g % A][r], _mm256_madd_epi16(_mm256_set1_epi32(xb[g * R + r]), w));
+          acc[g % A][r] = pair_sums(acc[g % A][r], _mm256_set1_epi32(xb[g * R + r]), w);
         if constexpr (per_sixteen(F)) {
           if (g == 7) {  // inputs 0..15 done: their sums take the first scales, and the sums start again
             add_scaled(half_scales<F>(header, super, 0, h));
