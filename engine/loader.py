@@ -241,9 +241,10 @@ def _weights_dtype(config: EngineConfig, platform: devices.Platform, folder: Pat
                           config.native_kernels if _dense_checkpoint(config, folder, gguf) else "off")
     gguf_blocks = platform.cpu_fast_paths and cpu_plan.try_gguf_blocks(config, dtype, gguf, verdicts)
     # Q4_1 / Q8_0 layers take the block product that recovers them from float32 weights on that path (and in an
-    # explicitly float32 model); elsewhere they are read from the file's blocks as the other types are.
-    gguf_types = quantized_checkpoint.GGUF_BLOCK_TYPES + (
-        () if gguf_blocks or dtype == torch.float32 else quantized_checkpoint.GGUF_RECOVERED_TYPES)
+    # explicitly float32 model); elsewhere, and without the kernels (kept compact: packed_linear.py), they are read
+    # from the file's blocks as the other types are.
+    recovered = (gguf_blocks or dtype == torch.float32) and config.native_kernels != "off"
+    gguf_types = quantized_checkpoint.GGUF_BLOCK_TYPES + (() if recovered else quantized_checkpoint.GGUF_RECOVERED_TYPES)
     if gguf_blocks:
         dtype = torch.float32
     return dtype, gguf_blocks, gguf_types
@@ -310,9 +311,10 @@ def _causal_lm(checkpoint: _Checkpoint, model_config, quantization: str | None, 
     model.requires_grad_(False)
     if quantization in quantized_checkpoint.LOAD_TIME_METHODS:
         quantized_checkpoint.quantize_at_load(model, quantization)
-    if checkpoint.gguf is not None and device.type == "cpu" and config.native_kernels != "off":
-        # Q4_0, Q5_0 / Q5_1 and K-quant layers multiply from their file's blocks; Q4_1 / Q8_0 ones too
-        # unless they keep the product that recovers them from float32 weights (engine/cpu/plan.py).
+    if checkpoint.gguf is not None and device.type == "cpu":
+        # Q4_0, Q5_0 / Q5_1 and K-quant layers multiply from their file's blocks (or, without the kernels, stay
+        # that compact); Q4_1 / Q8_0 ones too unless they keep the product that recovers them from float32
+        # weights (engine/cpu/plan.py).
         quantized_checkpoint.gguf_layers(model, checkpoint.gguf, checkpoint.gguf_types)
     if not fallback_reason:  # faster decode steps; the rewrites target decoder layers
         windows.mark_windows(model)

@@ -286,6 +286,25 @@ def _serve_batched(engine, rows: list[list[int]]):
         engine.close()
 
 
+def _assert_reference_tokens(fmt, rows, got, expected, expected_model) -> None:
+    """The worker rounds activations to 16-bit integers per 32 inputs (2^-16 of the block's largest) and sums in
+    its own order, so where the reference's top two logits are within float32 noise of each other either may
+    come first: a row may part from the reference only at such a tie (on a 2-core Intel Xeon one row did, its
+    top two 4e-6 of the largest logit apart), and at most one row a format."""
+    ties = 0
+    for i, (choices, want) in enumerate(zip(got, expected)):
+        k = next((j for j, (a, b) in enumerate(zip(choices[0], want)) if a != b), None)
+        if k is None and len(choices[0]) == len(want):
+            continue
+        assert k is not None, f"{fmt}, row {i}: {choices[0]} != {want}"
+        with torch.inference_mode():
+            logits = expected_model(torch.tensor([rows[i] + want[:k]])).logits[0, -1]
+        gap = logits[want[k]] - logits[choices[0][k]]
+        assert gap <= 1e-4 * logits.abs().max(), f"{fmt}, row {i} ({len(rows[i])} prompt tokens): {choices[0]} != {want}"
+        ties += 1
+    assert ties <= 1, (fmt, ties)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_a_quantized_checkpoint_serves_the_dequantized_models_tokens(fmt, tmp_path, tokenizer_folder):
@@ -299,22 +318,7 @@ def test_a_quantized_checkpoint_serves_the_dequantized_models_tokens(fmt, tmp_pa
     rows = prompts(7)
     expected = [reference(expected_model, ids) for ids in rows]
     got, served, layers = _serve_batched(_engine(folder), rows)
-    # The worker rounds activations to 16-bit integers per 32 inputs (2^-16 of the block's largest) and sums in
-    # its own order, so where the reference's top two logits are within float32 noise of each other either may
-    # come first: a row may part from the reference only at such a tie (on a 2-core Intel Xeon one row did, its
-    # top two 4e-6 of the largest logit apart), and at most one row a format.
-    ties = 0
-    for i, (choices, want) in enumerate(zip(got, expected)):
-        k = next((j for j, (a, b) in enumerate(zip(choices[0], want)) if a != b), None)
-        if k is None and len(choices[0]) == len(want):
-            continue
-        assert k is not None, f"{fmt}, row {i}: {choices[0]} != {want}"
-        with torch.inference_mode():
-            logits = expected_model(torch.tensor([rows[i] + want[:k]])).logits[0, -1]
-        gap = logits[want[k]] - logits[choices[0][k]]
-        assert gap <= 1e-4 * logits.abs().max(), f"{fmt}, row {i} ({len(rows[i])} prompt tokens): {choices[0]} != {want}"
-        ties += 1
-    assert ties <= 1, (fmt, ties)
+    _assert_reference_tokens(fmt, rows, got, expected, expected_model)
     if fmt.startswith("fp8"):  # no integer form: dense weights of the model's type
         assert not layers
     elif "desc-act" in fmt and "g32" in fmt:  # each layer its own input order: q/k/v and gate/up stay apart
@@ -333,6 +337,43 @@ def test_a_quantized_checkpoint_serves_the_dequantized_models_tokens(fmt, tmp_pa
         weights = sum(layer.in_features * layer.out_features for layer in layers)
         assert sum(layer.packed.numel() for layer in layers) * 8 / weights == bits, fmt
     assert served.compact is not None, served.compact_reason
+
+
+# Bits a weight the layers keep without the kernels: q as the file packs it, each group's scale (half precision
+# where the file's is) and zero point byte once; a minimum that follows from the scale (symmetric) none.
+COMPACT_BITS = {"gptq-4bit-g32-sym": 4 + 16 / 32, "gptq-4bit-g64-zero-points": 4 + 24 / 64,
+                "gptq-4bit-g128-desc-act": 4 + 24 / 128, "gptq-4bit-g32-desc-act": 4 + 16 / 32,
+                "gptq-8bit-g32": 8 + 24 / 32, "awq-gemm-g64": 4 + 24 / 64,
+                "compressed-w4a16-g32-asym": 4 + 24 / 32, "compressed-w8a16-g64": 8 + 16 / 64,
+                "bitsandbytes-nf4-b64-double-quant": 4 + 32 / 64, "bitsandbytes-fp4-b128": 4 + 32 / 128}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", sorted(set(FORMATS) - {"fp8-block-128"}))
+def test_without_the_kernels_a_quantized_checkpoint_stays_at_its_size(fmt, tmp_path, tokenizer_folder):
+    """NATIVE_KERNELS=off, as on a CPU or an architecture without our packed product: no layer holds float32 or
+    any dense copy of its weights; each keeps about the file's bits and expands to float32 a layer at a time for
+    PyTorch's product, so the tokens are the dequantized model's."""
+    from transformers import AutoModelForCausalLM
+
+    quantization_config, layer = FORMATS[fmt]
+    folder, reference_folder = tmp_path / "quantized", tmp_path / "reference"
+    model = dense_llama(folder, tokenizer_folder)
+    write_quantized(folder, reference_folder, model, quantization_config, layer)
+    expected_model = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
+    rows = prompts(7)
+    expected = [reference(expected_model, ids) for ids in rows]
+    got, served, layers = _serve_batched(_engine(folder, native_kernels="off"), rows)
+    _assert_reference_tokens(fmt, rows, got, expected, expected_model)
+    assert layers and all(layer.packed is None and layer.compact is not None for layer in layers)
+    for layer in layers:  # nothing of the layer's is dense: q, scales and minimums went to the compact form
+        assert layer.q is None and layer.scale is None and layer.minimum is None
+    weights = sum(layer.in_features * layer.out_features for layer in layers)
+    bits = sum(layer.compact.nbytes for layer in layers) * 8 / weights
+    if fmt in COMPACT_BITS:
+        assert bits == COMPACT_BITS[fmt], (fmt, bits)
+    else:  # a scale a row: 4 bits and a half-precision scale, or 8 bits and a float32 one, per row of 128 or 256
+        assert (4 < bits < 4 + 16 / 128) if "4bit" in fmt else (8 < bits < 8 + 32 / 128), (fmt, bits)
 
 
 def round_activations_to_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -1106,7 +1147,9 @@ def _write_gguf(tmp_path, types: dict, second_layer: dict, embeddings: str = "Q6
 
 
 @pytest.mark.slow
-def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernels", ["auto", "off"])
+def test_a_gguf_file_of_k_quants_serves_transformers_tokens(kernels, tmp_path, monkeypatch):
+    """With the kernels, and without them (the layers kept at the file's bits, expanded a layer at a time)."""
     from transformers import AutoModelForCausalLM
 
     # The head is tied to the embeddings, which a Q4_K_M file holds as Q6_K.
@@ -1117,8 +1160,24 @@ def test_a_gguf_file_of_k_quants_serves_transformers_tokens(tmp_path, monkeypatc
     expected = [reference(expected_model, ids) for ids in rows]
     # The file's converted copy goes to this test's cache; the kernels' build stays where the others find it.
     monkeypatch.setenv("NATIVE_KERNELS_DIR", str(native_kernels.build_dir()))
-    got, served, layers_served = _serve_batched(_engine(folder, cache_dir=tmp_path / "cache"), rows)
+    got, served, layers_served = _serve_batched(_engine(folder, cache_dir=tmp_path / "cache",
+                                                        native_kernels=kernels), rows)
     assert [c[0] for c in got] == expected
+    if kernels == "off":
+        by_type = {}
+        for layer in layers_served:
+            assert layer.packed is None and layer.compact is not None, layer.source
+            kind = layer.source.split(" ", 1)[1]
+            by_type[kind] = by_type.get(kind, 0) + layer.compact.nbytes * 8 / (layer.in_features * layer.out_features)
+        counts = {kind: sum(1 for l in layers_served if l.source.endswith(kind)) for kind in by_type}
+        bits = {kind: by_type[kind] / counts[kind] for kind in by_type}
+        # q as the file packs it, K-quants' 6-bit s and t as bytes and D, M per 256 inputs in float32, Q4_0 / Q5_0
+        # / Q8_0 with a half-precision d a block, Q4_1 / Q5_1 with d and m (Q4_1 and Q8_0 too: nothing recovers
+        # them from float32 weights without the kernels)
+        assert bits == {"(GGUF Q4_K)": 4 + 16 / 32 + 64 / 256, "(GGUF Q5_K)": 5 + 16 / 32 + 64 / 256,
+                        "(GGUF Q6_K)": 8 + 8 / 16 + 32 / 256, "(GGUF Q4_0)": 4 + 16 / 32, "(GGUF Q5_0)": 5 + 16 / 32,
+                        "(GGUF Q5_1)": 5 + 32 / 32, "(GGUF Q4_1)": 4 + 32 / 32, "(GGUF Q8_0)": 8 + 16 / 32}, bits
+        return
     # Q4_K (query, gate), Q5_K (key), Q4_0 (output) a layer, the second layer's Q6_K (value, down), Q5_0 (output)
     # and Q5_1 (gate), and the tied Q6_K head from their blocks, the query and key rows in transformers' order;
     # Q8_0 and Q4_1 in a float32 model take the exact-block product of their float32 weights.

@@ -18,8 +18,9 @@ table (`codes`, formats 17, 18).
 The product takes 16-bit integer activations (each row's block of 32 inputs in steps of 2^-15 of its largest
 magnitude), as the GGUF blocks do under DTYPE=auto, or 8-bit ones (docs/cpu-kernels.md).
 
-Without the kernel (a CPU without AVX2, NATIVE_KERNELS=off) the layers expand their weights once to
-float32 and multiply those: the same weights, logged as the slower path it is.
+Without the kernel (a CPU without AVX2, NATIVE_KERNELS=off, an architecture whose build has none) the layers
+keep their weights at about the file's size and expand them to float32 a layer at a time for PyTorch's product
+(compact_weights.py): the same weights, logged as the slower path it is.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
+
+from engine.cpu.compact_weights import CompactWeights
 
 log = logging.getLogger("engine.cpu.packed_linear")
 
@@ -94,7 +97,7 @@ class PackedLinear(torch.nn.Module):
         self.packed = None  # the kernel's blocks, once `apply` packed them
         self.block_format = 0
         self.kernels = None
-        self.dense = None  # float32 weights, where no kernel serves
+        self.compact = None  # the weights kept compact and expanded at each product, where no kernel serves
         self.whole, self.start = None, 0  # a part of a fused layer (engine/cpu/fusion.py): its slice of `whole`
 
     def become_part_of(self, whole: "PackedLinear", start: int) -> None:
@@ -131,7 +134,7 @@ class PackedLinear(torch.nn.Module):
         if self.packed is not None:
             out = self.kernels.blocks_linear(rows, self.packed, self.block_format, self.out_features)
         else:
-            out = F.linear(rows, self.dense if self.dense is not None else self.weight_float())
+            out = F.linear(rows, self.compact.expand() if self.compact is not None else self.weight_float())
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype).view(*shape[:-1], self.out_features)
@@ -156,7 +159,7 @@ class PackedLinear(torch.nn.Module):
         beside them, as a GGUF file's Q6_K layer among Q4_K ones) stay separate products under one SideBySide."""
         first = parts[0]
         if any(p.in_features != first.in_features for p in parts) or any(
-                isinstance(p, cls) and (p.packed is not None or p.dense is not None or p.whole is not None)
+                isinstance(p, cls) and (p.packed is not None or p.compact is not None or p.whole is not None)
                 for p in parts):
             return None
         if not all(isinstance(p, cls) for p in parts) or any(
@@ -325,7 +328,8 @@ def _agrees(layer: PackedLinear, weight: torch.Tensor, minimum: torch.Tensor) ->
 @torch.inference_mode()
 def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
     """Pack every PackedLinear of `model` for the kernel (`kernels`: native_kernels.active(), or None), each
-    checked against its dequantized weights; without a kernel that packs them, expand them to float32 once.
+    checked against its dequantized weights; without a kernel that packs them, keep them compact for a product
+    that expands them a layer at a time.
     `activation_bits` 8 (QUANTIZED_ACTIVATIONS=int8) gives every layer the product from 8-bit integer
     activations. Returns how many layers the kernel serves; raises where its product disagrees (never served
     wrong)."""
@@ -336,7 +340,7 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
     if usable and activation_bits == 8 and not kernels.quad_blocks_supported():
         raise ValueError("8-bit activations: this build of the CPU kernels multiplies 16-bit ones only (8-bit ones "
                          "need AVX512_VNNI)")
-    packed_bytes = dense_bytes = 0
+    packed_bytes = compact_bytes = 0
     for layer in found:
         weight = layer.weight_float()
         if usable:
@@ -347,9 +351,12 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
                                    f"({layer.source}) on this machine")
             packed_bytes += layer.packed.numel()
         else:
-            layer.dense = weight
-            dense_bytes += weight.numel() * 4
-        layer.q = layer.scale = layer.minimum = layer.supers = None  # the packed blocks (or float32) replace them
+            layer.compact = CompactWeights(layer)
+            if not torch.equal(layer.compact.expand(), weight):
+                raise RuntimeError(f"the compact {layer.bits}-bit weights differ from the dequantized ones "
+                                   f"({layer.source})")
+            compact_bytes += layer.compact.nbytes
+        layer.q = layer.scale = layer.minimum = layer.supers = None  # the packed or compact weights replace them
     for module in model.modules():
         if isinstance(module, SideBySide):
             module.share_product()
@@ -363,7 +370,9 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
                  "8-bit integer activations" if quads else "16-bit integer activations")
         return len(found)
     log.warning("quantized checkpoint: no packed product on this CPU (it needs the native kernels with AVX2, FMA "
-                "and F16C); %d linear layers expanded to float32 (%.0f MB)", len(found), dense_bytes / 2**20)
+                "and F16C); %d linear layers kept at %.0f MB (%.2f bits a weight) and expanded to float32 a layer at "
+                "a time for each product, slower", len(found), compact_bytes / 2**20,
+                compact_bytes * 8 / sum(layer.in_features * layer.out_features for layer in found))
     return 0
 
 
