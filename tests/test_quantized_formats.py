@@ -339,43 +339,6 @@ def test_a_quantized_checkpoint_serves_the_dequantized_models_tokens(fmt, tmp_pa
     assert served.compact is not None, served.compact_reason
 
 
-# Bits a weight the layers keep without the kernels: q as the file packs it, each group's scale (half precision
-# where the file's is) and zero point byte once; a minimum that follows from the scale (symmetric) none.
-COMPACT_BITS = {"gptq-4bit-g32-sym": 4 + 16 / 32, "gptq-4bit-g64-zero-points": 4 + 24 / 64,
-                "gptq-4bit-g128-desc-act": 4 + 24 / 128, "gptq-4bit-g32-desc-act": 4 + 16 / 32,
-                "gptq-8bit-g32": 8 + 24 / 32, "awq-gemm-g64": 4 + 24 / 64,
-                "compressed-w4a16-g32-asym": 4 + 24 / 32, "compressed-w8a16-g64": 8 + 16 / 64,
-                "bitsandbytes-nf4-b64-double-quant": 4 + 32 / 64, "bitsandbytes-fp4-b128": 4 + 32 / 128}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fmt", sorted(set(FORMATS) - {"fp8-block-128"}))
-def test_without_the_kernels_a_quantized_checkpoint_stays_at_its_size(fmt, tmp_path, tokenizer_folder):
-    """NATIVE_KERNELS=off, as on a CPU or an architecture without our packed product: no layer holds float32 or
-    any dense copy of its weights; each keeps about the file's bits and expands to float32 a layer at a time for
-    PyTorch's product, so the tokens are the dequantized model's."""
-    from transformers import AutoModelForCausalLM
-
-    quantization_config, layer = FORMATS[fmt]
-    folder, reference_folder = tmp_path / "quantized", tmp_path / "reference"
-    model = dense_llama(folder, tokenizer_folder)
-    write_quantized(folder, reference_folder, model, quantization_config, layer)
-    expected_model = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
-    rows = prompts(7)
-    expected = [reference(expected_model, ids) for ids in rows]
-    got, served, layers = _serve_batched(_engine(folder, native_kernels="off"), rows)
-    _assert_reference_tokens(fmt, rows, got, expected, expected_model)
-    assert layers and all(layer.packed is None and layer.compact is not None for layer in layers)
-    for layer in layers:  # nothing of the layer's is dense: q, scales and minimums went to the compact form
-        assert layer.q is None and layer.scale is None and layer.minimum is None
-    weights = sum(layer.in_features * layer.out_features for layer in layers)
-    bits = sum(layer.compact.nbytes for layer in layers) * 8 / weights
-    if fmt in COMPACT_BITS:
-        assert bits == COMPACT_BITS[fmt], (fmt, bits)
-    else:  # a scale a row: 4 bits and a half-precision scale, or 8 bits and a float32 one, per row of 128 or 256
-        assert (4 < bits < 4 + 16 / 128) if "4bit" in fmt else (8 < bits < 8 + 32 / 128), (fmt, bits)
-
-
 def round_activations_to_bytes(x: torch.Tensor) -> torch.Tensor:
     """QUANTIZED_ACTIVATIONS=int8's rounding of each block of 32 inputs, as the kernel defines it: steps of
     s = largest |x| / 127, q = round(x * (127 / largest)) in float32."""
@@ -1249,3 +1212,40 @@ def test_a_quantized_base_serves_its_lora_adapter(fmt, tmp_path, tokenizer_folde
         engine.close()
     for (name, ids), tokens, want in zip(jobs, got, expected):
         assert tokens == want, f"adapter {name}, prompt of {len(ids)} tokens"
+
+
+# Bits a weight the layers keep without the kernels: q as the file packs it, each group's scale (half precision
+# where the file's is) and zero point byte once; a minimum that follows from the scale (symmetric) none.
+COMPACT_BITS = {"gptq-4bit-g32-sym": 4 + 16 / 32, "gptq-4bit-g64-zero-points": 4 + 24 / 64,
+                "gptq-4bit-g128-desc-act": 4 + 24 / 128, "gptq-4bit-g32-desc-act": 4 + 16 / 32,
+                "gptq-8bit-g32": 8 + 24 / 32, "awq-gemm-g64": 4 + 24 / 64,
+                "compressed-w4a16-g32-asym": 4 + 24 / 32, "compressed-w8a16-g64": 8 + 16 / 64,
+                "bitsandbytes-nf4-b64-double-quant": 4 + 32 / 64, "bitsandbytes-fp4-b128": 4 + 32 / 128}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", sorted(set(FORMATS) - {"fp8-block-128"}))
+def test_without_the_kernels_a_quantized_checkpoint_stays_at_its_size(fmt, tmp_path, tokenizer_folder):
+    """NATIVE_KERNELS=off, as on a CPU or an architecture without our packed product: no layer holds float32 or
+    any dense copy of its weights; each keeps about the file's bits and expands to float32 a layer at a time for
+    PyTorch's product, so the tokens are the dequantized model's."""
+    from transformers import AutoModelForCausalLM
+
+    quantization_config, layer = FORMATS[fmt]
+    folder, reference_folder = tmp_path / "quantized", tmp_path / "reference"
+    model = dense_llama(folder, tokenizer_folder)
+    write_quantized(folder, reference_folder, model, quantization_config, layer)
+    expected_model = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
+    rows = prompts(7)
+    expected = [reference(expected_model, ids) for ids in rows]
+    got, served, layers = _serve_batched(_engine(folder, native_kernels="off"), rows)
+    _assert_reference_tokens(fmt, rows, got, expected, expected_model)
+    assert layers and all(layer.packed is None and layer.compact is not None for layer in layers)
+    for layer in layers:  # nothing of the layer's is dense: q, scales and minimums went to the compact form
+        assert layer.q is None and layer.scale is None and layer.minimum is None
+    weights = sum(layer.in_features * layer.out_features for layer in layers)
+    bits = sum(layer.compact.nbytes for layer in layers) * 8 / weights
+    if fmt in COMPACT_BITS:
+        assert bits == COMPACT_BITS[fmt], (fmt, bits)
+    else:  # a scale a row: 4 bits and a half-precision scale, or 8 bits and a float32 one, per row of 128 or 256
+        assert (4 < bits < 4 + 16 / 128) if "4bit" in fmt else (8 < bits < 8 + 32 / 128), (fmt, bits)
