@@ -311,15 +311,22 @@ def _causal_lm(checkpoint: _Checkpoint, model_config, quantization: str | None, 
     model.requires_grad_(False)
     if quantization in quantized_checkpoint.LOAD_TIME_METHODS:
         quantized_checkpoint.quantize_at_load(model, quantization)
-    if checkpoint.gguf is not None and device.type == "cpu":
-        # Q4_0, Q5_0 / Q5_1 and K-quant layers multiply from their file's blocks (or, without the kernels, stay
-        # that compact); Q4_1 / Q8_0 ones too unless they keep the product that recovers them from float32
-        # weights (engine/cpu/plan.py).
+    if checkpoint.gguf is not None and device.type == "cpu" and (
+            config.native_kernels != "off" or _linear_bytes(model) > packed_linear.DENSE_LIMIT_BYTES):
+        # Q4_0, Q5_0 / Q5_1 and K-quant layers multiply from their file's blocks; Q4_1 / Q8_0 ones too
+        # unless they keep the product that recovers them from float32 weights (engine/cpu/plan.py). Without the
+        # kernels only a model past the float32 copy's limit is read so, its layers kept compact; a smaller one
+        # keeps the dense layers transformers made, whose layouts serve a few rows faster.
         quantized_checkpoint.gguf_layers(model, checkpoint.gguf, checkpoint.gguf_types)
     if not fallback_reason:  # faster decode steps; the rewrites target decoder layers
         windows.mark_windows(model)
     fusion.apply(model, checkpoint.verdicts)
     return model
+
+
+def _linear_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the model's linear layers' weights in float32."""
+    return sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def _encoder_model(checkpoint: _Checkpoint, task: Task, dtype: torch.dtype) -> torch.nn.Module:

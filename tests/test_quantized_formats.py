@@ -1112,8 +1112,11 @@ def _write_gguf(tmp_path, types: dict, second_layer: dict, embeddings: str = "Q6
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["auto", "off"])
 def test_a_gguf_file_of_k_quants_serves_transformers_tokens(kernels, tmp_path, monkeypatch):
-    """With the kernels, and without them (the layers kept at the file's bits, expanded a layer at a time)."""
+    """With the kernels, and without them (the layers kept at the file's bits, expanded a layer at a time, as for
+    a model past the float32 copy's limit)."""
     from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(packed_linear, "DENSE_LIMIT_BYTES", 0)
 
     # The head is tied to the embeddings, which a Q4_K_M file holds as Q6_K.
     folder = _write_gguf(tmp_path, GGUF_TYPES, GGUF_SECOND_LAYER)
@@ -1225,11 +1228,14 @@ COMPACT_BITS = {"gptq-4bit-g32-sym": 4 + 16 / 32, "gptq-4bit-g64-zero-points": 4
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", sorted(set(FORMATS) - {"fp8-block-128"}))
-def test_without_the_kernels_a_quantized_checkpoint_stays_at_its_size(fmt, tmp_path, tokenizer_folder):
-    """NATIVE_KERNELS=off, as on a CPU or an architecture without our packed product: no layer holds float32 or
-    any dense copy of its weights; each keeps about the file's bits and expands to float32 a layer at a time for
-    PyTorch's product, so the tokens are the dequantized model's."""
+def test_without_the_kernels_a_quantized_checkpoint_stays_at_its_size(fmt, tmp_path, tokenizer_folder, monkeypatch):
+    """NATIVE_KERNELS=off, as on a CPU or an architecture without our packed product, and a model whose float32
+    copy would pass the limit (here any): no layer holds float32 or any dense copy of its weights; each keeps about
+    the file's bits and expands to float32 a layer at a time for PyTorch's product, so the tokens are the
+    dequantized model's."""
     from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(packed_linear, "DENSE_LIMIT_BYTES", 0)
 
     quantization_config, layer = FORMATS[fmt]
     folder, reference_folder = tmp_path / "quantized", tmp_path / "reference"
@@ -1249,3 +1255,24 @@ def test_without_the_kernels_a_quantized_checkpoint_stays_at_its_size(fmt, tmp_p
         assert bits == COMPACT_BITS[fmt], (fmt, bits)
     else:  # a scale a row: 4 bits and a half-precision scale, or 8 bits and a float32 one, per row of 128 or 256
         assert (4 < bits < 4 + 16 / 128) if "4bit" in fmt else (8 < bits < 8 + 32 / 128), (fmt, bits)
+
+
+@pytest.mark.slow
+def test_without_the_kernels_a_small_quantized_model_is_expanded_once(tmp_path, tokenizer_folder, monkeypatch, caplog):
+    """Below the limit (1 GiB of float32 layers; the tiny model's are well below) the float32 copy is made once:
+    at a few rows its product runs several times faster than expanding at every step. The tokens are the
+    dequantized model's either way."""
+    from transformers import AutoModelForCausalLM
+
+    assert packed_linear.DENSE_LIMIT_BYTES == 2**30
+    quantization_config, layer = FORMATS["gptq-4bit-g64-zero-points"]
+    folder, reference_folder = tmp_path / "quantized", tmp_path / "reference"
+    write_quantized(folder, reference_folder, dense_llama(folder, tokenizer_folder), quantization_config, layer)
+    expected_model = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
+    rows = prompts(7)
+    expected = [reference(expected_model, ids) for ids in rows]
+    with caplog.at_level("WARNING"):
+        got, served, layers = _serve_batched(_engine(folder, native_kernels="off"), rows)
+    _assert_reference_tokens("gptq-4bit-g64-zero-points", rows, got, expected, expected_model)
+    assert layers and all(l.dense is not None and l.compact is None and l.packed is None for l in layers)
+    assert "expanded to float32 once" in caplog.text
