@@ -312,7 +312,7 @@ def _causal_lm(checkpoint: _Checkpoint, model_config, quantization: str | None, 
     if quantization in quantized_checkpoint.LOAD_TIME_METHODS:
         quantized_checkpoint.quantize_at_load(model, quantization)
     if checkpoint.gguf is not None and device.type == "cpu" and (
-            config.native_kernels != "off" or _linear_bytes(model) > packed_linear.DENSE_LIMIT_BYTES):
+            config.native_kernels != "off" or not packed_linear.dense_copy_fits(_linear_bytes(model))):
         # Q4_0, Q5_0 / Q5_1 and K-quant layers multiply from their file's blocks; Q4_1 / Q8_0 ones too
         # unless they keep the product that recovers them from float32 weights (engine/cpu/plan.py). Without the
         # kernels only a model past the float32 copy's limit is read so, its layers kept compact; a smaller one

@@ -286,6 +286,19 @@ def _serve_batched(engine, rows: list[list[int]]):
         engine.close()
 
 
+def _checkpoint_and_reference(fmt, tmp_path, tokenizer_folder):
+    """The tiny Llama written as a `fmt` checkpoint and as its dequantized float32 reference: (the checkpoint's
+    folder, the reference model, 3 prompts, the reference's greedy tokens for each)."""
+    from transformers import AutoModelForCausalLM
+
+    quantization_config, layer = FORMATS[fmt]
+    folder, reference_folder = tmp_path / "quantized", tmp_path / "reference"
+    write_quantized(folder, reference_folder, dense_llama(folder, tokenizer_folder), quantization_config, layer)
+    expected_model = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
+    rows = prompts(7)
+    return folder, expected_model, rows, [reference(expected_model, ids) for ids in rows]
+
+
 def _assert_reference_tokens(fmt, rows, got, expected, expected_model) -> None:
     """The worker rounds activations to 16-bit integers per 32 inputs (2^-16 of the block's largest) and sums in
     its own order, so where the reference's top two logits are within float32 noise of each other either may
@@ -308,15 +321,7 @@ def _assert_reference_tokens(fmt, rows, got, expected, expected_model) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_a_quantized_checkpoint_serves_the_dequantized_models_tokens(fmt, tmp_path, tokenizer_folder):
-    from transformers import AutoModelForCausalLM
-
-    quantization_config, layer = FORMATS[fmt]
-    folder, reference_folder = tmp_path / "quantized", tmp_path / "reference"
-    model = dense_llama(folder, tokenizer_folder)
-    write_quantized(folder, reference_folder, model, quantization_config, layer)
-    expected_model = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
-    rows = prompts(7)
-    expected = [reference(expected_model, ids) for ids in rows]
+    folder, expected_model, rows, expected = _checkpoint_and_reference(fmt, tmp_path, tokenizer_folder)
     got, served, layers = _serve_batched(_engine(folder), rows)
     _assert_reference_tokens(fmt, rows, got, expected, expected_model)
     if fmt.startswith("fp8"):  # no integer form: dense weights of the model's type
@@ -1233,17 +1238,9 @@ def test_without_the_kernels_a_quantized_checkpoint_stays_at_its_size(fmt, tmp_p
     copy would pass the limit (here any): no layer holds float32 or any dense copy of its weights; each keeps about
     the file's bits and expands to float32 a layer at a time for PyTorch's product, so the tokens are the
     dequantized model's."""
-    from transformers import AutoModelForCausalLM
-
     monkeypatch.setattr(packed_linear, "DENSE_LIMIT_BYTES", 0)
 
-    quantization_config, layer = FORMATS[fmt]
-    folder, reference_folder = tmp_path / "quantized", tmp_path / "reference"
-    model = dense_llama(folder, tokenizer_folder)
-    write_quantized(folder, reference_folder, model, quantization_config, layer)
-    expected_model = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
-    rows = prompts(7)
-    expected = [reference(expected_model, ids) for ids in rows]
+    folder, expected_model, rows, expected = _checkpoint_and_reference(fmt, tmp_path, tokenizer_folder)
     got, served, layers = _serve_batched(_engine(folder, native_kernels="off"), rows)
     _assert_reference_tokens(fmt, rows, got, expected, expected_model)
     assert layers and all(layer.packed is None and layer.compact is not None for layer in layers)
@@ -1262,15 +1259,9 @@ def test_without_the_kernels_a_small_quantized_model_is_expanded_once(tmp_path, 
     """Below the limit (1 GiB of float32 layers; the tiny model's are well below) the float32 copy is made once:
     at a few rows its product runs several times faster than expanding at every step. The tokens are the
     dequantized model's either way."""
-    from transformers import AutoModelForCausalLM
-
     assert packed_linear.DENSE_LIMIT_BYTES == 2**30
-    quantization_config, layer = FORMATS["gptq-4bit-g64-zero-points"]
-    folder, reference_folder = tmp_path / "quantized", tmp_path / "reference"
-    write_quantized(folder, reference_folder, dense_llama(folder, tokenizer_folder), quantization_config, layer)
-    expected_model = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
-    rows = prompts(7)
-    expected = [reference(expected_model, ids) for ids in rows]
+    folder, expected_model, rows, expected = _checkpoint_and_reference("gptq-4bit-g64-zero-points", tmp_path,
+                                                                       tokenizer_folder)
     with caplog.at_level("WARNING"):
         got, served, layers = _serve_batched(_engine(folder, native_kernels="off"), rows)
     _assert_reference_tokens("gptq-4bit-g64-zero-points", rows, got, expected, expected_model)

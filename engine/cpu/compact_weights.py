@@ -16,7 +16,6 @@ import threading
 
 import torch
 
-BLOCK = 32
 _local = threading.local()
 
 
@@ -28,15 +27,29 @@ def _scratch(numel: int) -> torch.Tensor:
     return buffer[:numel]
 
 
+def repeated(t: torch.Tensor, span: int) -> bool:
+    """Whether per-block factors [out, in / 32] repeat over each run of `span` blocks (the row's last run may be
+    shorter): one per 64 or 128 inputs, or one per row."""
+    return torch.equal(t, t[:, ::span].repeat_interleave(span, 1)[:, :t.shape[1]])
+
+
 def _span(t: torch.Tensor) -> int:
-    """The most blocks of each row that share every value of per-block factors `t` [out, blocks]: the whole row,
-    8, 4 or 2 (groups of 256, 128 or 64 inputs), else 1."""
+    """The most blocks of each row that share every value of per-block factors `t` [out, blocks] in runs that
+    divide the row: the whole row, 8, 4 or 2 (groups of 256, 128 or 64 inputs), else 1."""
     blocks = t.shape[1]
-    for span in (blocks, 8, 4, 2):
-        if span <= blocks and blocks % span == 0 and torch.equal(
-                t, t[:, ::span].repeat_interleave(span, 1)):
-            return span
-    return 1
+    return next((span for span in (blocks, 8, 4, 2) if span <= blocks and blocks % span == 0 and repeated(t, span)),
+                1)
+
+
+def _super_factors(supers: tuple, per: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scale, minimum) per block from GGUF K-quants' two-level factors, `per` blocks a super-block: D s and -M t,
+    or D s alone (Q6_K: minimum None)."""
+    d, s = supers[:2]
+    scale = d.float().repeat_interleave(per, 1) * s.float()
+    if len(supers) == 2:
+        return scale, None
+    m, t = supers[2:]
+    return scale, -(m.float().repeat_interleave(per, 1) * t.float())
 
 
 def _narrow(t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +64,7 @@ class CompactWeights:
 
     def __init__(self, layer):
         out, inputs = layer.out_features, layer.in_features
-        self.shape, self.bits, self.group = (out, inputs), layer.bits, layer.group
+        self.shape, self.bits = (out, inputs), layer.bits
         self.high = None
         if layer.bits == 8:
             self.q = layer.q.contiguous()
@@ -92,16 +105,10 @@ class CompactWeights:
         """Keep GGUF K-quants' factors as the file holds them, where they give the layer's scales and minimums
         exactly."""
         self.span = 1
-        if len(supers) == 4:
-            d, s, m, t = supers
-            per = scale.shape[1] // d.shape[1]
-            got_scale = d.float().repeat_interleave(per, 1) * s.float()
-            got_minimum = -(m.float().repeat_interleave(per, 1) * t.float())
-        else:
-            d, s = supers
-            per = scale.shape[1] // d.shape[1]
-            got_scale, got_minimum = d.float().repeat_interleave(per, 1) * s.float(), torch.zeros_like(minimum)
-        if not (torch.equal(got_scale, scale) and torch.equal(got_minimum, minimum)):
+        per = scale.shape[1] // supers[0].shape[1]
+        got_scale, got_minimum = _super_factors(supers, per)
+        if not (torch.equal(got_scale, scale) and torch.equal(
+                torch.zeros_like(minimum) if got_minimum is None else got_minimum, minimum)):
             return False
         self.supers = tuple(f.contiguous() for f in supers)
         self.per = per
@@ -115,14 +122,9 @@ class CompactWeights:
         return sum(t.numel() * t.element_size() for t in kept if t is not None)
 
     def _factors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(scale, minimum) in float32, one per group of self.span * self.group inputs (minimum None: zero)."""
+        """(scale, minimum) in float32, one per group of self.span blocks (minimum None: zero)."""
         if self.supers is not None:
-            if len(self.supers) == 4:
-                d, s, m, t = self.supers
-                return (d.float().repeat_interleave(self.per, 1) * s.float(),
-                        -(m.float().repeat_interleave(self.per, 1) * t.float()))
-            d, s = self.supers
-            return d.float().repeat_interleave(self.per, 1) * s.float(), None
+            return _super_factors(self.supers, self.per)
         scale = self.scale.float()
         if self.centered:
             return scale, scale * -(2 ** (self.bits - 1))

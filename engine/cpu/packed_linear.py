@@ -31,7 +31,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from engine.cpu.compact_weights import CompactWeights
+from engine.cpu.compact_weights import CompactWeights, repeated as _repeated
 
 log = logging.getLogger("engine.cpu.packed_linear")
 
@@ -44,6 +44,14 @@ QUAD_FORMATS = (*range(10, 17), 21, 22, 25, 26, 29, 30, *range(35, 39), 44)
 # Without a packed product, the float32 copy of every packed layer is made once up to this size (the embedded
 # model's is 0.5 GB); beyond it the layers stay compact, so a multi-GB quantized file never becomes 8x its size.
 DENSE_LIMIT_BYTES = 2**30
+
+
+def dense_copy_fits(float32_bytes: int) -> bool:
+    """Whether layers whose float32 weights take `float32_bytes` get that copy once where no packed product serves
+    them (else they stay compact)."""
+    return float32_bytes <= DENSE_LIMIT_BYTES
+
+
 SUPER = 256  # inputs of a GGUF K-quant super-block, whose D and M scale its blocks' 6-bit s and t
 ACTIVATIONS = {"int16": 16, "int8": 8}  # QUANTIZED_ACTIVATIONS
 # bitsandbytes' 4-bit tables (w = absmax * value[q]) and the integer levels that stand for 1 in the kernel's
@@ -269,12 +277,6 @@ def _zero_points(layer: PackedLinear) -> torch.Tensor | None:
     return z.to(torch.uint8)
 
 
-def _repeated(t: torch.Tensor, span: int) -> bool:
-    """Whether per-block factors [out, in / 32] repeat over each run of `span` blocks (the row's last run may be
-    shorter): one per 64 or 128 inputs, or one per row."""
-    return torch.equal(t, t[:, ::span].repeat_interleave(span, 1)[:, :t.shape[1]])
-
-
 def _shared(layer: PackedLinear) -> int:
     """The blocks of 32 inputs (4 or 2) that share each scale and minimum throughout a 4-bit layer, as GPTQ's,
     AWQ's, compressed-tensors' and bitsandbytes' groups of 128 or 64 inputs (or whole rows) do, else 1."""
@@ -350,8 +352,9 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
     if usable and activation_bits == 8 and not kernels.quad_blocks_supported():
         raise ValueError("8-bit activations: this build of the CPU kernels multiplies 16-bit ones only (8-bit ones "
                          "need AVX512_VNNI)")
-    packed_bytes = compact_bytes = 0
-    dense = not usable and sum(layer.in_features * layer.out_features for layer in found) * 4 <= DENSE_LIMIT_BYTES
+    packed_bytes = kept_bytes = 0
+    weights = sum(layer.in_features * layer.out_features for layer in found)
+    dense = not usable and dense_copy_fits(weights * 4)
     for layer in found:
         weight = layer.weight_float()
         if usable:
@@ -363,19 +366,18 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
             packed_bytes += layer.packed.numel()
         elif dense:
             layer.dense = weight
-            compact_bytes += weight.numel() * 4
+            kept_bytes += weight.numel() * 4
         else:
             layer.compact = CompactWeights(layer)
             if not torch.equal(layer.compact.expand(), weight):
                 raise RuntimeError(f"the compact {layer.bits}-bit weights differ from the dequantized ones "
                                    f"({layer.source})")
-            compact_bytes += layer.compact.nbytes
+            kept_bytes += layer.compact.nbytes
         layer.q = layer.scale = layer.minimum = layer.supers = None  # the packed or compact weights replace them
     for module in model.modules():
         if isinstance(module, SideBySide):
             module.share_product()
     if usable:
-        weights = sum(layer.in_features * layer.out_features for layer in found)
         quads = any(layer.block_format in QUAD_FORMATS for layer in found)
         log.info("quantized checkpoint: %d linear layers multiply from packed %s-bit blocks (%.0f MB, %.2f bits a "
                  "weight; engine/cpu/native/quantized_linear.cpp) with %s", len(found),
@@ -386,12 +388,11 @@ def apply(model: torch.nn.Module, kernels, activation_bits: int = 16) -> int:
     if dense:
         log.warning("quantized checkpoint: no packed product on this CPU (it needs the native kernels with AVX2, "
                     "FMA and F16C); %d linear layers expanded to float32 once (%.0f MB, within the %.0f MB a copy "
-                    "is made for), multiplied by PyTorch", len(found), compact_bytes / 2**20, DENSE_LIMIT_BYTES / 2**20)
+                    "is made for), multiplied by PyTorch", len(found), kept_bytes / 2**20, DENSE_LIMIT_BYTES / 2**20)
         return 0
     log.warning("quantized checkpoint: no packed product on this CPU (it needs the native kernels with AVX2, FMA "
                 "and F16C); %d linear layers kept at %.0f MB (%.2f bits a weight) and expanded to float32 a layer at "
-                "a time for each product, slower", len(found), compact_bytes / 2**20,
-                compact_bytes * 8 / sum(layer.in_features * layer.out_features for layer in found))
+                "a time for each product, slower", len(found), kept_bytes / 2**20, kept_bytes * 8 / weights)
     return 0
 
 
