@@ -189,19 +189,20 @@ def test_the_avx2_builds_have_no_avx512_instructions_and_pass_their_check(varian
                                  text=True, check=True).stdout
     assert "vfmadd" in disassembly  # the compiler did vectorise with x86-64-v3
     assert not re.search(r"%zmm|%[xy]mm(1[6-9]|2\d|3[01])\b|\{%k[1-7]\}", disassembly)
-    assert ("vpdpwssd" in disassembly) == (variant is AVX_VNNI) and "vpdpbusd" not in disassembly
-    assert variant is not AVX2 or "vpmaddwd" in disassembly
+    assert ("vpdpwssd" in disassembly) == ("vpdpbusd" in disassembly) == (variant is AVX_VNNI)
+    assert variant is not AVX2 or ("vpmaddwd" in disassembly and "vpmaddubsw" in disassembly)
     if not variant.needs <= native_kernels.cpu_features():
         pytest.skip(f"built and read; this CPU cannot run the {variant.name} build to check it")
     kernels = native_kernels.build(variant)
-    assert not kernels.prefill_attention_supported() and not kernels.quad_blocks_supported()  # the AVX-512 paths
-    assert kernels.blocks_supported() and kernels.word_blocks_supported()  # block products, in 8-lane halves
+    assert not kernels.prefill_attention_supported()  # the AVX-512 path
+    assert kernels.blocks_supported() and kernels.word_blocks_supported() and kernels.quad_blocks_supported()
     assert native_kernels.self_check(kernels) == ""
 
 
-def _packed_cases(kernels) -> list[tuple[str, int, torch.Tensor, int]]:
+def _packed_cases(kernels, quads: bool = False) -> list[tuple[str, int, torch.Tensor, int]]:
     """(name, format, blocks, outputs): a random 48 x 512 weight packed by each of `kernels`' packers in every word
-    format (16-bit activations) it makes."""
+    format (16-bit activations) it makes, or with `quads` in every format for 8-bit activations (bitsandbytes'
+    4-bit codes have none)."""
     torch.manual_seed(3)
     n, k = 48, 512
     blocks = k // 32
@@ -217,30 +218,35 @@ def _packed_cases(kernels) -> list[tuple[str, int, torch.Tensor, int]]:
 
     d = halves(n, blocks)
     packed = {
-        "q4_1 words": kernels.pack_scaled(q(0, 16), d, -7 * d, 4, True),
-        "q8_0 words": kernels.pack_scaled(q(-128, 128), d, torch.zeros_like(d), 8, True),
-        "q4 float32 headers": kernels.pack_scaled(q(0, 16), scales(n, blocks), -scales(n, blocks), 4),
-        "q8 float32 headers": kernels.pack_scaled(q(-128, 128), scales(n, blocks), scales(n, blocks), 8),
-        "q8 scale per 16": kernels.pack_scaled(q(-32, 32), scales(n, 2 * blocks), torch.zeros(n, 2 * blocks), 8),
-        "q5 words": kernels.pack_scaled(q(0, 32), d, -9 * d, 5, True),
-        "q5 float32 headers": kernels.pack_scaled(q(0, 32), scales(n, blocks), -scales(n, blocks), 5),
-        "q4_0": kernels.pack_scaled(q(0, 16), d, -8 * d, 4, True, False, True),
-        "q5_0": kernels.pack_scaled(q(0, 32), d, -16 * d, 5, True, False, True),
-        "nf4": kernels.pack_coded(q(0, 16), scales(n, blocks), "nf4"),
-        "fp4 by 64": kernels.pack_coded(q(0, 16), scales(n, k // 64), "fp4"),
-        "nf4 by 128": kernels.pack_coded(q(0, 16), scales(n, k // 128), "nf4"),
-        "zero points": kernels.pack_zero_points(q(0, 16), d, torch.randint(0, 16, (n, blocks), dtype=torch.uint8)),
-        "gptq by 128": kernels.pack_groups(q(0, 16), halves(n, k // 128), torch.empty(0, dtype=torch.uint8)),
+        "q4_1 words": kernels.pack_scaled(q(0, 16), d, -7 * d, 4, True, quads),
+        "q8_0 words": kernels.pack_scaled(q(-128, 128), d, torch.zeros_like(d), 8, True, quads),
+        "q4 float32 headers": kernels.pack_scaled(q(0, 16), scales(n, blocks), -scales(n, blocks), 4, False, quads),
+        "q8 float32 headers": kernels.pack_scaled(q(-128, 128), scales(n, blocks), scales(n, blocks), 8, False, quads),
+        "q8 scale per 16": kernels.pack_scaled(q(-32, 32), scales(n, 2 * blocks), torch.zeros(n, 2 * blocks), 8,
+                                               False, quads),
+        "q5 words": kernels.pack_scaled(q(0, 32), d, -9 * d, 5, True, quads),
+        "q5 float32 headers": kernels.pack_scaled(q(0, 32), scales(n, blocks), -scales(n, blocks), 5, False, quads),
+        "q4_0": kernels.pack_scaled(q(0, 16), d, -8 * d, 4, True, quads, True),
+        "q5_0": kernels.pack_scaled(q(0, 32), d, -16 * d, 5, True, quads, True),
+        "zero points": kernels.pack_zero_points(q(0, 16), d, torch.randint(0, 16, (n, blocks), dtype=torch.uint8),
+                                                quads),
+        "gptq by 128": kernels.pack_groups(q(0, 16), halves(n, k // 128), torch.empty(0, dtype=torch.uint8), quads),
         "awq by 64": kernels.pack_groups(q(0, 16), halves(n, k // 64),
-                                         torch.randint(0, 16, (n, k // 64), dtype=torch.uint8)),
+                                         torch.randint(0, 16, (n, k // 64), dtype=torch.uint8), quads),
         "q4_k": kernels.pack_super(q(0, 16), halves(n, k // 256), torch.randint(0, 64, (n, blocks), dtype=torch.uint8),
-                                   halves(n, k // 256), torch.randint(0, 64, (n, blocks), dtype=torch.uint8), 4),
+                                   halves(n, k // 256), torch.randint(0, 64, (n, blocks), dtype=torch.uint8), 4, quads),
         "q5_k": kernels.pack_super(q(0, 32), halves(n, k // 256), torch.randint(0, 64, (n, blocks), dtype=torch.uint8),
-                                   halves(n, k // 256), torch.randint(0, 64, (n, blocks), dtype=torch.uint8), 5),
+                                   halves(n, k // 256), torch.randint(0, 64, (n, blocks), dtype=torch.uint8), 5, quads),
         "q6_k": kernels.pack_six_bit(q(-32, 32), halves(n, k // 256),
-                                     torch.randint(-64, 64, (n, 2 * blocks), dtype=torch.int8)),
-        "q8 by 128": kernels.pack_eight_by_128(q(-128, 128), scales(n, k // 128)),
+                                     torch.randint(-64, 64, (n, 2 * blocks), dtype=torch.int8), quads),
+        "q8 by 128": kernels.pack_eight_by_128(q(-128, 128), scales(n, k // 128), quads),
     }
+    if not quads:
+        packed |= {
+            "nf4": kernels.pack_coded(q(0, 16), scales(n, blocks), "nf4"),
+            "fp4 by 64": kernels.pack_coded(q(0, 16), scales(n, k // 64), "fp4"),
+            "nf4 by 128": kernels.pack_coded(q(0, 16), scales(n, k // 128), "nf4"),
+        }
     return [(name, fmt, blocks_, n) for name, (fmt, blocks_) in packed.items()]
 
 
@@ -250,13 +256,13 @@ def _packed_cases(kernels) -> list[tuple[str, int, torch.Tensor, int]]:
 def test_the_avx2_and_avx512_builds_give_the_same_outputs_bit_for_bit():
     """The image's answer does not depend on which CPU the platform gave it: for every packed format with 16-bit
     activations (and GGUF Q4_1 / Q8_0 blocks with float32 ones), at every tile shape of rows, from float32 and
-    bfloat16 rows, with and without bias, the avx2 build's outputs (and the avx_vnni build's, where this CPU has
-    AVX-VNNI) equal the AVX-512 build's exactly."""
+    bfloat16 rows, with and without bias, from 16-bit and from 8-bit activations, the avx2 build's outputs (and the
+    avx_vnni build's, where this CPU has AVX-VNNI) equal the AVX-512 build's exactly."""
     wide = native_kernels.build(AVX512_VNNI)
     narrows = [native_kernels.build(v) for v in (AVX2, AVX_VNNI) if v.needs <= native_kernels.cpu_features()]
-    cases = _packed_cases(wide)
-    assert len({fmt for _, fmt, _, _ in cases}) == len(cases)  # each a format of its own
-    for name, fmt, blocks, n in cases:
+    words, quads = _packed_cases(wide), _packed_cases(wide, True)
+    assert len({fmt for _, fmt, _, _ in words + quads}) == len(words + quads)  # each a format of its own
+    for name, fmt, blocks, n in words + quads:
         for rows in (1, 2, 3, 5, 7, 13, 16, 33):
             x = torch.randn(rows, 512)
             bias = torch.randn(n)
@@ -283,21 +289,17 @@ def test_the_avx2_and_avx512_builds_give_the_same_outputs_bit_for_bit():
 @pytest.mark.parametrize("variant", [AVX2, AVX_VNNI], ids=lambda v: v.name)
 def test_the_avx2_builds_multiply_every_word_format_a_row_at_a_time(variant):
     """On any x86 CPU (with AVX-VNNI for that build), the AVX2 builds' product from 16-bit activations gives each
-    row the result it gets alone, whatever rows share the call (a row's rounding is its own), and refuses 8-bit
-    activations in one line."""
+    row the result it gets alone, whatever rows share the call (a row's rounding is its own), from 16-bit and from
+    8-bit activations."""
     if not variant.needs <= native_kernels.cpu_features():
         pytest.skip(f"this CPU cannot run the {variant.name} build")
     kernels = native_kernels.build(variant)
-    for name, fmt, blocks, n in _packed_cases(kernels):
+    for name, fmt, blocks, n in _packed_cases(kernels) + _packed_cases(kernels, True):
         x = torch.randn(13, 512)
         together = kernels.blocks_linear(x, blocks, fmt, n)
         alone = torch.cat([kernels.blocks_linear(x[i:i + 1], blocks, fmt, n) for i in range(13)])
         assert torch.equal(together, alone), name
         assert torch.isfinite(together).all() and together.abs().max() > 0, name
-    fmt, blocks = kernels.pack_scaled(torch.randint(0, 16, (16, 64), dtype=torch.int8), torch.ones(16, 2),
-                                      torch.zeros(16, 2), 4, True, True)
-    with pytest.raises(RuntimeError, match="no product from 8-bit activations"):
-        kernels.blocks_linear(torch.randn(1, 64), blocks, fmt, 16)
 
 
 @pytest.mark.slow

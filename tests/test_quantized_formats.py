@@ -383,11 +383,6 @@ def test_eight_bit_activations_serve_the_tokens_of_their_arithmetic(sym, tmp_pat
             return (round_activations_to_bytes(x) @ scaled.T + x.double() @ minimum.T).to(x.dtype)
         module.forward = forward
     native_kernels.load("auto")
-    if native_kernels.active() is not None and not native_kernels.active().quad_blocks_supported():
-        # The avx2 build has no product from 8-bit activations: the start says so, it never serves 16-bit ones.
-        _refused(folder, "QUANTIZED_ACTIVATIONS=int8: the avx2 build of the CPU kernels has no product from 8-bit "
-                 "activations", quantized_activations="int8")
-        return
     rows = prompts(7) + prompts(8) + prompts(9)
     expected = [reference(expected_model, ids) for ids in rows]
     got, served, layers = _serve_batched(_engine(folder, quantized_activations="int8"), rows)
@@ -419,9 +414,8 @@ def test_eight_bit_activations_where_nothing_takes_them_are_refused(tmp_path, to
     folder = tmp_path / "quantized"
     model = dense_llama(folder, tokenizer_folder)
     write_quantized(folder, tmp_path / "reference", model, *FORMATS["gptq-8bit-g32"])
-    # (The avx2 build refuses it first: it has no product from 8-bit activations at all.)
-    _refused(tmp_path / "reference", "QUANTIZED_ACTIVATIONS=int8: (this model has no layers multiplied from packed|"
-             "the avx2 build of the CPU kernels has no product)", quantized_activations="int8")
+    _refused(tmp_path / "reference", "QUANTIZED_ACTIVATIONS=int8: this model has no layers multiplied from packed",
+             quantized_activations="int8")
     _refused(folder, "QUANTIZED_ACTIVATIONS=int4: int16 or int8", quantized_activations="int4")
 
 
@@ -755,7 +749,7 @@ def test_q6_k_six_bit_form_multiplies_within_its_rounding_at_every_row_count():
         bound = 1e-4 * (x.double().abs() @ weight.abs().T) + 1e-6
         assert ((layer(x).double() - x.double() @ weight.T).abs() <= bound).all(), rows
     if not kernels.quad_blocks_supported():
-        return  # 8-bit activations: the AVX-512 build's product only
+        return  # a build without the product from 8-bit activations
     eight = packed_linear.PackedLinear(q, d, torch.zeros_like(d), 8, supers=(big_d, s))
     assert packed_linear.apply(torch.nn.Sequential(eight), kernels, activation_bits=8) == 1
     assert eight.block_format == 30 and eight.packed.numel() * 8 / (n * k) == 6.5625
@@ -880,7 +874,7 @@ def _word_kernels(activation_bits: int = 16):
     if kernels is None or not kernels.word_blocks_supported():
         pytest.skip("no packed product on this CPU")
     if activation_bits == 8 and not kernels.quad_blocks_supported():
-        pytest.skip("the product for 8-bit activations needs AVX512_VNNI")
+        pytest.skip("this build has no product from 8-bit activations")
     return kernels
 
 

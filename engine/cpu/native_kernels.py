@@ -11,8 +11,8 @@ docs/performance.md).
 Builds and where they live. A build targets a CPU variant, not the building machine (`-march=native` would bake
 the builder's CPU into an image that runs on other machines): `avx512_vnni` (x86-64-v4 and VNNI: the sources'
 AVX-512 paths and their products from 16- and 8-bit activations), `avx_vnni` (x86-64-v3 and AVX-VNNI: the AVX2
-paths, their product from 16-bit activations summing with VPDPWSSD) or `avx2` (x86-64-v3: the AVX2 block
-products and the plain loops, vectorised by the compiler); other architectures build for their baseline. At load
+paths, their products from 16- and 8-bit activations summing with VPDPWSSD and VPDPBUSD) or `avx2` (x86-64-v3:
+the AVX2 block products, VPMADDWD and VPMADDUBSW, and the plain loops, vectorised by the compiler); other architectures build for their baseline. At load
 the best variant whose instructions this CPU has all of is chosen (/proc/cpuinfo's flags, cross-checked with
 CPUID as this process sees it: torch's probes, and cpuid.py for AVX-VNNI); an x86 CPU without AVX2 keeps the
 PyTorch operations. A build is one file, `<name>.so`, named by a hash of the sources' bytes, the
@@ -95,7 +95,7 @@ def products(kernels) -> str:
     if kernels.quad_blocks_supported():
         return "packed blocks from 16- or 8-bit integer activations"
     if kernels.word_blocks_supported():
-        return "packed blocks from 16-bit integer activations (8-bit ones need AVX512_VNNI)"
+        return "packed blocks from 16-bit integer activations"
     return "GGUF Q4_1 / Q8_0 blocks from float32 activations only" if kernels.blocks_supported() else "no packed blocks"
 
 

@@ -83,13 +83,13 @@ def gguf_blocks_win(model: torch.nn.Module, verdicts) -> bool:
 
 def unsupported_activations(config: EngineConfig) -> str:
     """Why the loaded kernels cannot honour QUANTIZED_ACTIVATIONS ("" where they can): the product from 8-bit
-    activations needs VPDPBUSD's unsaturated sums (the avx512_vnni build); the avx_vnni and avx2 builds multiply
-    16-bit ones."""
+    activations is in every x86-64 build (VPDPBUSD on AVX-512 and AVX-VNNI, VPMADDUBSW runs on AVX2); a build
+    without it multiplies 16-bit ones."""
     kernels = native_kernels.active()
     if config.quantized_activations != "int8" or kernels is None or kernels.quad_blocks_supported():
         return ""
     return (f"QUANTIZED_ACTIVATIONS=int8: the {native_kernels.serving_variant()} build of the CPU kernels has no "
-            "product from 8-bit activations (it needs AVX512_VNNI); unset it to multiply 16-bit ones")
+            "product from 8-bit activations; unset it to multiply 16-bit ones")
 
 
 def apply(model: torch.nn.Module, dtype: torch.dtype, config: EngineConfig, *, from_gguf: bool, verdicts) -> bool:

@@ -31,8 +31,9 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-// The product from 16-bit integer activations: VPDPWSSD on AVX-512 (with 8-bit activations too, VPDPBUSD), VPMADDWD
-// on AVX2 with each panel in two 8-lane halves. A CPU with AVX-512 but no VNNI takes the AVX2 build.
+// The products from 16- and 8-bit integer activations: VPDPWSSD and VPDPBUSD on AVX-512; on AVX2 with each panel in
+// two 8-lane halves, VPMADDWD and VPMADDUBSW (or AVX-VNNI's 256-bit VPDPWSSD and VPDPBUSD). A CPU with AVX-512 but
+// no VNNI takes an AVX2 build.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LLM_WORD_PRODUCT 1
 #define LLM_WORDS_AVX512 1
@@ -396,7 +397,7 @@ bool word_blocks_supported() {
 }
 
 bool quad_blocks_supported() {
-#if defined(LLM_WORDS_AVX512)
+#if defined(LLM_WORD_PRODUCT)
   return true;
 #else
   return false;
@@ -1469,11 +1470,155 @@ void pair_by_tiles(const Activations& xq, int64_t k, int16_t*, const uint8_t* bl
     }
 }
 
-// 8-bit activations need VPDPBUSD's unsaturated sums (VPMADDUBSW saturates): blocks_linear refuses their formats
-// on this build before any product starts.
+// 32 bytes holding `add` where bit t of `bits` is set (byte t), else 0.
+inline __m256i bytes_of_bits(uint32_t bits, int8_t add) {
+  const __m256i spread = _mm256_shuffle_epi8(  // byte t takes byte t / 8 of bits (set1 puts all four in each lane)
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(0x8040201008040201LL);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(add));
+}
+
+// Half h (outputs 8h..8h + 7) of the two quads (2v, 2v + 1) of a panel's block as unsigned bytes, from its q
+// (`qs`): the AVX-512 build's block_quads, lanes 8h..8h + 7.
 template <Format F>
-void pair_by_quads(const Activations&, int64_t, int16_t*, const uint8_t*, int64_t, int64_t, float*, int64_t) {
-  TORCH_CHECK(false, "blocks_linear: this build has no product from 8-bit activations (it needs AVX512_VNNI)");
+inline void block_quads_half(const uint8_t* qs, int v, int h, __m256i& low, __m256i& high) {
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * v + 32 * h));
+  low = _mm256_and_si256(packed, _mm256_set1_epi8(0x0F));
+  high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));
+  if constexpr (five_bit(F) || six_bit(F)) {  // each quad's words of fifth (and sixth) bits add 16 (and 32)
+    constexpr int H = six_bit(F) ? 2 : 1;
+    uint64_t bits[2 * H];
+    std::memcpy(bits, qs + kBlock * kPanel / 2 + 16 * H * v, 16 * H);
+    for (int i = 0; i < H; ++i) {
+      const int8_t add = static_cast<int8_t>(16 << i);
+      low = _mm256_add_epi8(low, bytes_of_bits(static_cast<uint32_t>(bits[i] >> (32 * h)), add));
+      high = _mm256_add_epi8(high, bytes_of_bits(static_cast<uint32_t>(bits[H + i] >> (32 * h)), add));
+    }
+  }
+}
+
+// R rows times one panel from 8-bit activations, one half of its outputs after the other (F: the word format whose
+// headers the quads share). The integer sums are the AVX-512 build's, so each output is too, bit for bit.
+// - AVX-VNNI: VPDPBUSD on 8 lanes, as the AVX-512 build multiplies 16 (8-bit q: activations made unsigned by
+//   flipping their top bit, 128 times the q's sum off).
+// - AVX2: VPMADDUBSW (unsigned times signed bytes, pairs summed to 16 bits, saturating) and VPMADDWD by ones. The
+//   q of 4-, 5- and 6-bit formats are the unsigned operand: a pair is at most 2 * 63 * 128 in magnitude, and the
+//   16-bit sums of 8, 4 or 2 quads (the q below 16, 32, 64) stay below 2^15, so they add up before one VPMADDWD
+//   widens them. 8-bit q (-128..127) are made the unsigned operand by magnitude, the activations taking their signs
+//   (VPSIGNB): a pair is at most 2 * 128 * 127 < 2^15.
+template <Format F, int R>
+void rows_by_quads(const ByteRows& xq, int64_t row0, int64_t k, const uint8_t* panel, float* out, int64_t n) {
+  constexpr bool kSigned = !four_bit(F) && !five_bit(F) && !six_bit(F);
+#if !defined(__AVXVNNI__)
+  constexpr int kRun = six_bit(F) ? 1 : five_bit(F) ? 2 : 4;  // quad pairs whose 16-bit sums add before widening
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  const int64_t blocks = k / kBlock;
+  const int32_t* x_quads = reinterpret_cast<const int32_t*>(xq.q.data() + row0 * k);
+  const float* x_scale = xq.scale.data() + row0 * blocks;
+  const float* x_sum = xq.sum.data() + row0 * blocks;
+  const int32_t* x_halves = xq.halves.data() + 2 * row0 * blocks;
+  for (int h = 0; h < 2; ++h) {
+    __m256 sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* header = panel + b * word_block_bytes(F);
+      const uint8_t* qs = header + word_header_bytes(F);
+      const uint8_t* super = block_super<F>(panel, b, blocks);
+      __m256i acc[R];
+      [[maybe_unused]] __m256i qsum = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+      int half = 0;  // the half block whose sums add_scaled takes, in the formats with a scale per 16 inputs
+      auto add_scaled = [&](__m256 d) {
+        for (int r = 0; r < R; ++r) {
+          __m256i total = acc[r];
+#if defined(__AVXVNNI__)
+          if constexpr (kSigned) total = _mm256_sub_epi32(total, _mm256_slli_epi32(qsum, 7));
+#endif
+          if constexpr (six_bit(F))
+            total = _mm256_sub_epi32(total, _mm256_set1_epi32(32 * x_halves[2 * (b * R + r) + half]));
+          sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(x_scale[b * R + r])),
+                                    sums[r]);
+        }
+      };
+      auto end_first_half = [&]() {  // inputs 0..15 done: their sums take the first scales, and start again
+        add_scaled(half_scales<F>(header, super, 0, h));
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+        qsum = _mm256_setzero_si256();
+        half = 1;
+      };
+      const int32_t* xb = x_quads + b * 8 * R;
+      if constexpr (kSigned) {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32 * h));
+#if defined(__AVXVNNI__)
+          qsum = _mm256_dpbusd_avx_epi32(qsum, _mm256_set1_epi8(1), w);
+          for (int r = 0; r < R; ++r)
+            acc[r] = _mm256_dpbusd_avx_epi32(acc[r], _mm256_set1_epi32(xb[j * R + r] ^ static_cast<int32_t>(0x80808080u)), w);
+#else
+          const __m256i magnitude = _mm256_abs_epi8(w);
+          for (int r = 0; r < R; ++r) {
+            const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(xb[j * R + r]), w);
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
+          }
+#endif
+          if constexpr (per_sixteen(F))
+            if (j == 3) end_first_half();
+        }
+      } else {
+        [[maybe_unused]] __m256i run[R];
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+          __m256i low, high;
+          block_quads_half<F>(qs, v, h, low, high);
+          for (int r = 0; r < R; ++r) {
+            const __m256i x_low = _mm256_set1_epi32(xb[(2 * v) * R + r]);
+            const __m256i x_high = _mm256_set1_epi32(xb[(2 * v + 1) * R + r]);
+#if defined(__AVXVNNI__)
+            acc[r] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc[r], low, x_low), high, x_high);
+#else
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, x_low), _mm256_maddubs_epi16(high, x_high));
+            run[r] = v % kRun == 0 ? pairs : _mm256_add_epi16(run[r], pairs);
+            if (v % kRun == kRun - 1) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(run[r], ones));
+#endif
+          }
+          if constexpr (per_sixteen(F))
+            if (v == 1) end_first_half();
+        }
+      }
+      __m256 d, m;
+      block_scales<F>(header, super, h, d, m);
+      add_scaled(d);
+      if constexpr (has_minimum(F))
+        for (int r = 0; r < R; ++r) sums[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x_sum[b * R + r]), sums[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * n + 8 * h, sums[r]);
+  }
+}
+
+using QuadFn = void (*)(const ByteRows&, int64_t, int64_t, const uint8_t*, float*, int64_t);
+template <Format F, int... I>
+constexpr std::array<QuadFn, sizeof...(I)> quad_table(std::integer_sequence<int, I...>) {
+  return {&rows_by_quads<F, I + 1>...};
+}
+template <Format F>
+QuadFn quad_tile(int64_t rows) {
+  static const auto table = quad_table<F>(std::make_integer_sequence<int, kQuadRows>{});
+  return table[rows - 1];
+}
+
+template <Format F>
+void pair_by_quads(const Activations& xq, int64_t k, int16_t*, const uint8_t* blocks, int64_t first, int64_t width,
+                   float* out, int64_t stride) {
+  const int64_t panel_bytes = word_panel_bytes(F, k);
+  const RowTiles& tiles = xq.bytes.tiles;
+  for (int64_t p = first; p < first + width; ++p)
+    for (int64_t t = 0; t < tiles.count; ++t) {
+      const int64_t r0 = tiles.first_row(t);
+      quad_tile<F>(tiles.size(t))(xq.bytes, r0, k, blocks + p * panel_bytes, out + r0 * stride + p * kPanel, stride);
+    }
 }
 
 // A panel's 16 float32 sums at `out` finished: plus the bias (where given), then stored in place, or rounded to
