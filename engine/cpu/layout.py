@@ -60,26 +60,64 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
+_INVARIANT_ROWS_MAX = 64  # the most rows one invariant product call takes (each size up to it is checked)
+
+
 def _invariant_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """BATCH_INVARIANT: the packed product at every batch size, a single row multiplied as two. oneDNN sums a row
-    in the same order at any number of rows from 2 (measured here, float32 and bfloat16), but a single row takes
-    another kernel that rounds differently, so a request decoding alone would not match itself in a batch."""
-    if x.numel() != x.shape[-1]:
+    """BATCH_INVARIANT: every row multiplied in a call of 2 to `invariant_rows` rows, a single row as two. oneDNN
+    sums a row alike at any number of rows in that range, but a single row takes another kernel that rounds
+    differently, and past a size it may take yet another (AMX's bfloat16 tiles from 33 rows on one Xeon)."""
+    width = x.shape[-1]
+    rows = x.numel() // width
+    if 2 <= rows <= self.invariant_rows:
         return self.dense_product(x)
-    return self.dense_product(x.reshape(1, -1).expand(2, -1).contiguous())[:1].view(*x.shape[:-1], -1)
+    flat = x.reshape(rows, width)
+    parts = []
+    for start in range(0, rows, self.invariant_rows):
+        part = flat[start:start + self.invariant_rows]
+        if part.shape[0] == 1:
+            parts.append(self.dense_product(part.expand(2, -1).contiguous())[:1])
+        else:
+            parts.append(self.dense_product(part))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.view(*x.shape[:-1], -1)
+
+
+def invariant_rows(product, in_features: int, dtype: torch.dtype) -> int:
+    """The most rows (up to _INVARIANT_ROWS_MAX) at which `product` gives each row of a random input the same
+    values as it gives that row in a 2-row call, every size from 2 up checked."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(_INVARIANT_ROWS_MAX, in_features, generator=gen).to(dtype)
+    pairs = torch.cat([product(x[i:i + 2]) for i in range(0, _INVARIANT_ROWS_MAX, 2)])
+    for rows in range(3, _INVARIANT_ROWS_MAX + 1):
+        if not torch.equal(product(x[:rows]), pairs[:rows]):
+            return rows - 1
+    return _INVARIANT_ROWS_MAX
 
 
 def use_invariant(model: torch.nn.Module) -> int:
     """Make every linear layer's product independent of the batch (BATCH_INVARIANT): oneDNN's packed product
-    at every size where the model has packed copies, a single row padded to two. Float32 weights without packed
-    copies keep MKL's product, whose row sums change with the batch size (bfloat16's do not from 2 rows).
+    at every size where the model has packed copies, each row in a call of a size checked here to sum it alike
+    (`invariant_rows`, once per weight type and width on a slice of a layer's own weight), a single row padded
+    to two. Float32 weights without packed copies keep MKL's product, whose row sums change with the batch size.
     Returns how many layers changed."""
     count = 0
+    checked: dict[tuple, int] = {}
     for module in model.modules():
         if type(module) is not torch.nn.Linear or getattr(module, "fused_into", False):
             continue
-        if getattr(module, "weight_packed", None) is not None:
+        packed = getattr(module, "weight_packed", None)
+        if packed is not None:
             module.packed_from = 1
+        key = (module.weight.dtype, module.in_features, packed is not None)
+        if key not in checked:
+            if packed is not None:
+                sample = _pack(module.weight.detach()[:256].contiguous())
+                checked[key] = invariant_rows(lambda x: _packed_linear(x, sample, None), module.in_features,
+                                              module.weight.dtype)
+            else:
+                checked[key] = _INVARIANT_ROWS_MAX
+        module.invariant_rows = max(2, checked[key])
         module.dense_product = module.forward
         module.forward = types.MethodType(_invariant_forward, module)
         count += 1
