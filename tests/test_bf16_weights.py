@@ -1,7 +1,8 @@
-"""The AVX512_BF16 product of bfloat16 weights (engine/cpu/native/bf16_linear.cpp, engine/cpu/bf16_weights.py): it
-multiplies by exactly the weights' values with float32 sums for any number of rows and any shape (bias, odd
-sizes, partial panels), a row's result does not depend on its batch, bad arguments are errors, and a bfloat16
-model serves the same greedy tokens through it as through the layout's products."""
+"""The products by bfloat16 weights (engine/cpu/native/bf16_linear.cpp, engine/cpu/bf16_weights.py): bfloat16 rows
+with AVX512_BF16, and float32 rows on every x86-64 build. Each multiplies by exactly the weights' values with
+float32 sums for any number of rows and any shape (bias, odd sizes, partial panels), a row's result does not
+depend on its batch, float32 rows give the same bits on every build, bad arguments are errors, and a model serves
+the same greedy tokens through it as through the layout's products."""
 from __future__ import annotations
 
 import pytest
@@ -63,8 +64,8 @@ def test_unit_rows_give_back_the_weights_and_rows_do_not_depend_on_their_batch(k
 def test_bad_arguments_are_errors_not_crashes(kernels):
     weight = _bf16(32, 64, seed=5)
     packed = kernels.bf16_pack(weight)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        kernels.bf16_linear(torch.randn(2, 64), packed, 32)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        kernels.bf16_linear(torch.randn(2, 64).half(), packed, 32)
     with pytest.raises(RuntimeError, match="does not match"):
         kernels.bf16_linear(_bf16(2, 66, seed=6), packed, 32)
     with pytest.raises(RuntimeError, match="does not match"):
@@ -108,6 +109,100 @@ def test_a_bfloat16_model_serves_the_same_tokens_through_the_product(kernels, tm
                 assert calls, "the kernel never ran"
             else:
                 assert not calls
+        finally:
+            engine.close()
+    assert results["kernel"] == results["layout"]
+
+
+def _runnable_builds():
+    """Every x86-64 build this CPU runs, lowest first."""
+    found = [v for v in reversed(native_kernels.variants()) if v.needs <= native_kernels.cpu_features()]
+    return [pytest.param(v, id=v.name) for v in found if v is not native_kernels.GENERIC]
+
+
+@pytest.fixture(scope="module")
+def float_products():
+    """The float32-rows product of each build this CPU runs, by name."""
+    builds = {v.id: native_kernels.build(v.values[0]) for v in _runnable_builds()}
+    if not builds:
+        pytest.skip("the float32-rows product is in the x86-64 builds")
+    for name, kernels in builds.items():
+        assert kernels.bf16_weights_supported(), name
+    return builds
+
+
+@pytest.mark.parametrize("out_features, in_features", [(16, 64), (17, 7), (70, 129), (100, 1), (200, 960)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_rows_by_bfloat16_weights_are_float32_sums_the_same_on_every_build(float_products, out_features,
+                                                                                  in_features, with_bias):
+    """Float32 rows by bfloat16 weights (a bfloat16 checkpoint loaded as float32, on a CPU without bfloat16
+    products): the float32 product of the same values, within float32 summation error, from every build to the
+    bit (each sums in input order with FMAs), tiles widening in registers and panels widened once alike."""
+    weight = _bf16(out_features, in_features, seed=1)
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(2)) if with_bias else None
+    for rows in (*range(1, 20), 33, 47, 48, 100, 301):  # from 48 (AVX2) or 96 rows (AVX-512) panels widen once
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+        exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+        reach = x.double().abs() @ weight.double().abs().t() + (0 if bias is None else bias.double().abs())
+        outputs = {}
+        for name, kernels in float_products.items():
+            got = kernels.bf16_linear(x, kernels.bf16_pack(weight), out_features, bias)
+            assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+            assert bool(((got.double() - exact).abs() <= reach * 2.0**-22 * in_features ** 0.5 + 1e-30).all()), \
+                (name, rows)
+            outputs[name] = got
+        first = next(iter(outputs.values()))
+        assert all(torch.equal(first, got) for got in outputs.values()), (rows, list(outputs))
+
+
+def test_float32_rows_do_not_depend_on_their_batch(float_products):
+    weight = _bf16(75, 33, seed=3)
+    for name, kernels in float_products.items():
+        packed = kernels.bf16_pack(weight)
+        assert torch.equal(kernels.bf16_linear(torch.eye(33), packed, 75, None), weight.t().float()), name
+        x = torch.randn(300, 33, generator=torch.Generator().manual_seed(4))
+        batched = kernels.bf16_linear(x, packed, 75, None)
+        for rows in (slice(0, 1), slice(3, 5), slice(7, 20), slice(39, 40), slice(0, 47), slice(100, 290)):
+            assert torch.equal(kernels.bf16_linear(x[rows].contiguous(), packed, 75, None), batched[rows]), name
+
+
+def test_only_float32_weights_of_bfloat16_values_take_the_product():
+    exact = torch.randn(64, 32).bfloat16().float()
+    assert bf16_weights.bfloat16_values(exact)
+    assert bf16_weights.bfloat16_values(exact.t())  # column-major weights too
+    off = exact.clone()
+    off[5, 7] = torch.nextafter(off[5, 7], torch.tensor(float("inf")))  # one float32 step from a bfloat16 value
+    assert not bf16_weights.bfloat16_values(off)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["bfloat16", "float32"])
+def test_a_bfloat16_checkpoint_served_as_float32_reads_its_weights_as_bfloat16(tmp_path, tokenizer_folder,
+                                                                              monkeypatch, caplog, weights):
+    """DTYPE=float32 (what DTYPE=auto takes on a CPU without native bfloat16 products) with the avx2 build: a
+    bfloat16 checkpoint's layers multiply float32 rows by their bfloat16 values through the kernel, with the same
+    greedy tokens as the layout's float32 products; a float32 checkpoint (values that are not bfloat16 ones)
+    keeps the layout's products. The probe's timing is not what is tested: the kernel is made to win it."""
+    model = build_model("llama", dict(hidden_size=128, intermediate_size=200, head_dim=32,
+                                      tie_word_embeddings=False), tmp_path, tokenizer_folder)
+    if weights == "bfloat16":
+        model.to(torch.bfloat16).save_pretrained(tmp_path)
+    prompts = [[(7 * i + 3 * j) % 900 + 100 for j in range(n)] for i, n in enumerate((3, 17, 40))]
+    monkeypatch.setattr(bf16_weights, "_GAIN_NEEDED", 0.0)
+    monkeypatch.setattr(bf16_weights, "_LOSS_ALLOWED", 0.0)
+    results = {}
+    for mode in ("kernel", "layout"):
+        if mode == "layout":
+            monkeypatch.setattr(bf16_weights, "apply", lambda *a, **k: 0)
+        engine = AsyncEngine(EngineConfig(model=str(tmp_path), dtype="float32", native_kernels="avx2",
+                                          max_num_batched_tokens=32, kv_cache_memory=16 * 2**20, max_model_len=256,
+                                          max_num_seqs=4))
+        try:
+            caplog.clear()
+            with caplog.at_level("INFO"):
+                results[mode] = greedy_tokens(engine, prompts)
+            served = "multiply through the product of float32 rows by bfloat16 weights at every batch size"
+            assert (served in caplog.text) == (mode == "kernel" and weights == "bfloat16"), caplog.text[-3000:]
         finally:
             engine.close()
     assert results["kernel"] == results["layout"]

@@ -1,17 +1,22 @@
-"""Linear layers with bfloat16 weights multiply through the AVX512_BF16 kernel (engine/cpu/native/bf16_linear.cpp).
+"""Linear layers with bfloat16 weights multiply through the kernel of engine/cpu/native/bf16_linear.cpp:
+- bfloat16 rows, on CPUs with AVX512_BF16 (VDPBF16PS or float32 FMAs over the widened weights);
+- float32 rows by weights whose values are all bfloat16 ones, on every x86-64 build (AVX2 and FMA at least): a
+  bfloat16 checkpoint loaded as float32, as DTYPE=auto does on a CPU without native bfloat16 products. The
+  weights widen to float32 in registers, so each product is the float32 model's own, summed in input order, and
+  a step reads half the bytes of the float32 weights.
 
 A decode step at a few rows reads every weight once from memory, so the product's speed is the speed it streams
 weights at. oneDNN's packed bfloat16 product (engine/cpu/layout.py) read a step's weights of a 362M Llama at about
 half the machine's copy bandwidth on a 2-core AMD EPYC; the kernel reads each thread's share of a weight as one
-sequential stream laid out once at load, in the order VDPBF16PS multiplies it (docs/cpu-kernels.md). The kernel's
+sequential stream laid out once at load, in the order it multiplies it (docs/cpu-kernels.md). The kernel's
 copy replaces oneDNN's packed one, so the model keeps one extra copy of its linear weights, as before.
 
 A probe at load times it against the layout in use over a step's weights in order, at decode batch sizes and at
 a prompt chunk's size on one layer's weights; where it wins at decode sizes and loses at none it serves every
 batch size and oneDNN's packed copies are released, else the layout keeps serving (a CPU with AMX, whose oneDNN
-prompt chunks would be far faster, say). Each distinct
-weight shape is first checked against a float32 product of the same bfloat16 values. CPUs without AVX512_BF16,
-builds without AVX-512, float16 and float32 weights keep the layout's products.
+prompt chunks would be far faster, say). Each distinct weight shape is first checked against a float32 product
+of the same values. Float16 weights, and float32 weights that are not all bfloat16 values, keep the layout's
+products.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ _LOSS_ALLOWED = 0.9
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
-    if x.dtype is not torch.bfloat16:
+    if x.dtype is not self.bf16_rows:
         return self.dense_forward(x)
     out = self.bf16_kernels.bf16_linear(x.reshape(-1, x.shape[-1]).contiguous(), self.weight_bf16,
                                         self.out_features, self.bias_float, self.bf16_widen)
@@ -46,15 +51,18 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 def _direct(self, dtype: torch.dtype):
     """_forward's kernel call for contiguous bfloat16 rows [tokens, in], bound (see PackedLinear.direct), or None
     where an adapter wraps the forward or the rows are of another type."""
-    if getattr(self.forward, "__func__", None) is not _forward or dtype is not torch.bfloat16:
+    if getattr(self.forward, "__func__", None) is not _forward or dtype is not self.bf16_rows:
         return None
     return self.bf16_kernels.bf16_product(self.weight_bf16, self.out_features, self.bias_float, self.bf16_widen)
 
 
 def widens(modules: list[torch.nn.Linear], packs: list[torch.Tensor], kernels, layer_count: int) -> bool:
-    """Whether the kernel's float32 FMAs beat its VDPBF16PS here (bf16_linear.cpp), timed at a prompt chunk's size
-    over the first `layer_count` weights, where the product is bound by its multiplies (at a few rows both read the
-    weights at the same pace). The two agree within float32 rounding of the same sums."""
+    """Whether the kernel's float32 FMAs beat its VDPBF16PS here (bf16_linear.cpp) for bfloat16 rows, timed at a
+    prompt chunk's size over the first `layer_count` weights, where the product is bound by its multiplies (at a
+    few rows both read the weights at the same pace). The two agree within float32 rounding of the same sums.
+    Float32 rows always take the FMAs."""
+    if modules[0].weight.dtype is torch.float32:
+        return True
     timed = list(zip(modules, packs))[:layer_count]
     x_for = _inputs(timed, _PREFILL_ROWS)
     return cpu_layout.speedup(_kernel_pass(kernels, timed, x_for, False), _kernel_pass(kernels, timed, x_for, True),
@@ -62,8 +70,8 @@ def widens(modules: list[torch.nn.Linear], packs: list[torch.Tensor], kernels, l
 
 
 def _inputs(timed: list[tuple[torch.nn.Linear, torch.Tensor]], rows: int) -> dict[int, torch.Tensor]:
-    """Random bfloat16 rows [rows, in] for each input width of the timed layers."""
-    return {m.in_features: torch.randn(rows, m.in_features, dtype=torch.bfloat16) for m, _ in timed}
+    """Random rows [rows, in] of the layers' type for each input width of the timed layers."""
+    return {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m, _ in timed}
 
 
 def _kernel_pass(kernels, timed: list[tuple[torch.nn.Linear, torch.Tensor]], x_for: dict[int, torch.Tensor],
@@ -73,12 +81,33 @@ def _kernel_pass(kernels, timed: list[tuple[torch.nn.Linear, torch.Tensor]], x_f
     return lambda: [kernels.bf16_linear(x_for[m.in_features], p, m.out_features, bias[m], widen) for m, p in timed]
 
 
-def _candidates(model: torch.nn.Module) -> list[torch.nn.Linear]:
+def _rows_dtype(kernels) -> torch.dtype | None:
+    """The type of rows this build and CPU multiply by bfloat16 weights: bfloat16 with AVX512_BF16, else float32
+    where the build has the product, else None."""
+    if kernels is None or not hasattr(kernels, "bf16_linear_supported"):
+        return None
+    if kernels.bf16_linear_supported():
+        return torch.bfloat16
+    return torch.float32 if getattr(kernels, "bf16_weights_supported", lambda: False)() else None
+
+
+def bfloat16_values(weight: torch.Tensor) -> bool:
+    """Whether every value of a float32 tensor is a bfloat16 value (the low 16 bits of each are zero)."""
+    return not bool(torch.bitwise_and(weight.detach().view(torch.int32), 0xFFFF).any())
+
+
+def _candidates(model: torch.nn.Module, rows: torch.dtype | None = torch.bfloat16) -> list[torch.nn.Linear]:
     """Linear layers in step order (fused projections' parts, which run only when the fused product cannot, left
-    out) with 2-D bfloat16 CPU weights."""
-    return [m for m in model.modules()
-            if type(m) is torch.nn.Linear and not getattr(m, "fused_into", False)
-            and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu" and m.weight.dim() == 2]
+    out) with 2-D CPU weights of the rows' type: bfloat16, or float32 whose values are all bfloat16 ones (every
+    layer of the model, or none: a float32 model from a float32 checkpoint keeps its products)."""
+    if rows is None:
+        return []
+    modules = [m for m in model.modules()
+               if type(m) is torch.nn.Linear and not getattr(m, "fused_into", False)
+               and m.weight.dtype == rows and m.weight.device.type == "cpu" and m.weight.dim() == 2]
+    if rows is torch.float32 and not all(bfloat16_values(m.weight) for m in modules):
+        return []
+    return modules
 
 
 def _bias(module: torch.nn.Linear) -> torch.Tensor | None:
@@ -86,17 +115,19 @@ def _bias(module: torch.nn.Linear) -> torch.Tensor | None:
 
 
 def agrees(module: torch.nn.Linear, kernels, packed: torch.Tensor) -> bool:
-    """The kernel's product in both arithmetics against float32 sums of the same bfloat16 values (+ bias) at 1, 7
-    and 17 rows: each output within its rounding to bfloat16 (half a unit in the last place) plus float32 summation
-    error."""
+    """The kernel's product (bfloat16 rows: in both arithmetics) against float32 sums of the same values (+ bias)
+    at 1, 7 and 17 rows: each output within float32 summation error, plus for bfloat16 rows its rounding to
+    bfloat16 (half a unit in the last place)."""
     weight = module.weight.detach().float()
     bias = _bias(module)
+    rows_dtype = module.weight.dtype
     gen = torch.Generator().manual_seed(0)
     for rows in (1, 7, 17):
-        x = torch.randn(rows, module.in_features, generator=gen).bfloat16()
+        x = torch.randn(rows, module.in_features, generator=gen).to(rows_dtype)
         expected = F.linear(x.float(), weight, bias)
-        bound = expected.abs() * 2.0**-8 + 1e-5 * F.linear(x.float().abs(), weight.abs()) + 1e-30
-        for widen in (False, True):
+        rounding = 2.0**-8 if rows_dtype is torch.bfloat16 else 0.0
+        bound = expected.abs() * rounding + 1e-5 * F.linear(x.float().abs(), weight.abs()) + 1e-30
+        for widen in ((False, True) if rows_dtype is torch.bfloat16 else (True,)):
             got = kernels.bf16_linear(x, packed, module.out_features, bias, widen).float()
             if got.shape != expected.shape or not bool(((got - expected).abs() <= bound).all()):
                 return False
@@ -136,7 +167,8 @@ def _layer_count(model: torch.nn.Module, modules: list[torch.nn.Linear]) -> int:
 
 
 def _verdict_name(modules: list[torch.nn.Linear]) -> str:
-    shapes = repr([(tuple(m.weight.shape), m.bias is not None) for m in modules] + [torch.get_num_threads()])
+    shapes = repr([(tuple(m.weight.shape), m.bias is not None) for m in modules]
+                  + [str(modules[0].weight.dtype), torch.get_num_threads()])
     return "bf16_linear:" + hashlib.sha256(shapes.encode()).hexdigest()[:16]
 
 
@@ -144,9 +176,7 @@ def serves_every_size(model: torch.nn.Module, kernels, every_size: bool = False,
                       ) -> list[torch.nn.Linear]:
     """The layers apply will give the kernel's product at every batch size, as an earlier start's verdict says;
     [] where no start has decided yet (apply checks and times then)."""
-    if kernels is None or not hasattr(kernels, "bf16_linear_supported") or not kernels.bf16_linear_supported():
-        return []
-    modules = _candidates(model)
+    modules = _candidates(model, _rows_dtype(kernels))
     stored, value = verdicts.cached(_verdict_name(modules)) if verdicts is not None and modules else (False, None)
     if not stored:
         return []
@@ -155,22 +185,24 @@ def serves_every_size(model: torch.nn.Module, kernels, every_size: bool = False,
 
 
 def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=None) -> int:
-    """Give every bfloat16 linear layer the kernel's product where it wins over the layout in use (`kernels`:
+    """Give every linear layer with bfloat16 weights (bfloat16 ones, or float32 ones of bfloat16 values where this
+    CPU has no bfloat16 product) the kernel's product where it wins over the layout in use (`kernels`:
     native_kernels.active(), or None). With `every_size` (BATCH_INVARIANT) it serves even where it does not win:
-    a row's sums do not depend on the other rows, so the product is batch invariant by itself. Returns how many layers got it. `verdicts`
-    (engine/startup_cache.py) keeps the check's and the timing's outcome across starts."""
-    if kernels is None or not hasattr(kernels, "bf16_linear_supported") or not kernels.bf16_linear_supported():
-        return 0
-    modules = _candidates(model)
+    a row's sums do not depend on the other rows, so the product is batch invariant by itself. Returns how many
+    layers got it. `verdicts` (engine/startup_cache.py) keeps the check's and the timing's outcome across starts."""
+    rows = _rows_dtype(kernels)
+    modules = _candidates(model, rows)
     if not modules:
         return 0
+    product = ("the AVX512_BF16 product" if rows is torch.bfloat16
+               else "the product of float32 rows by bfloat16 weights")
     name = _verdict_name(modules)
     stored, value = verdicts.cached(name) if verdicts is not None else (False, None)
     serves, timed, widen = value if stored else (False, "", False)
     if stored and not serves and not (every_size and timed != "differs"):
         return 0
     with torch.inference_mode():
-        packs = [kernels.bf16_pack(m.weight.detach()) for m in modules]
+        packs = [kernels.bf16_pack(m.weight.detach().bfloat16()) for m in modules]  # exact: bfloat16 values
         if not stored:
             checked = {}
             for module, packed in zip(modules, packs):
@@ -178,8 +210,8 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
                 if key not in checked:
                     checked[key] = agrees(module, kernels, packed)
             if not all(checked.values()):
-                log.warning("the bfloat16 product (engine/cpu/native/bf16_linear.cpp) differs from float32 sums on "
-                            "this machine; not used")
+                log.warning("%s (engine/cpu/native/bf16_linear.cpp) differs from float32 sums on this machine; "
+                            "not used", product)
                 serves, timed = False, "differs"
             else:
                 layer_count = _layer_count(model, modules)
@@ -192,7 +224,7 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
             if verdicts is not None:
                 verdicts.get(name, lambda: [serves, timed, widen])
     if not (serves or (every_size and timed != "differs")):
-        log.info("linear weights: the AVX512_BF16 product is not faster here (%s); the layout's products kept", timed)
+        log.info("linear weights: %s is not faster here (%s); the layout's products kept", product, timed)
         return 0
     released = 0
     for module, packed in zip(modules, packs):
@@ -200,12 +232,13 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
         module.bias_float = _bias(module)
         module.bf16_kernels = kernels
         module.bf16_widen = widen
+        module.bf16_rows = rows
         module.dense_forward = module.forward  # for inputs of another type
         module.forward = types.MethodType(_forward, module)
         module.direct = types.MethodType(_direct, module)
         released += cpu_layout.release_packed(module)  # no other product serves these layers now
-    log.info("linear weights: %d bfloat16 layers multiply through the AVX512_BF16 product at every batch size "
-             "(engine/cpu/native/bf16_linear.cpp, a %.0f MB copy): %s", len(modules),
+    log.info("linear weights: %d bfloat16 layers multiply through %s at every batch size "
+             "(engine/cpu/native/bf16_linear.cpp, a %.0f MB copy): %s", len(modules), product,
              sum(p.numel() * 2 for p in packs) / 2**20, timed or "BATCH_INVARIANT")
     if released:
         log.info("linear weights: %.0f MB of oneDNN's packed copies released (engine/cpu/layout.py)", released / 2**20)

@@ -676,6 +676,7 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_pool, 
                              bool bf16_products);
 // engine/cpu/native/bf16_linear.cpp
 bool bf16_linear_supported();
+bool bf16_weights_supported();
 double bf16_peak_gflops(double seconds);
 at::Tensor bf16_pack(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
@@ -738,11 +739,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(43, blocks): 8-bit q with a float32 scale per 128 inputs (w = d q); (44, blocks) with `quads`",
         py::arg("q"), py::arg("d"), py::arg("quads") = false);
   m.def("bf16_linear_supported", &bf16_linear_supported, "whether this build and CPU have the AVX512_BF16 product");
+  m.def("bf16_weights_supported", &bf16_weights_supported,
+        "whether this build multiplies float32 rows by bfloat16 weights (bf16_linear)");
   m.def("bf16_peak_gflops", &bf16_peak_gflops, nogil, "VDPBF16PS's rate on every thread for about `seconds` (0: none)",
         py::arg("seconds") = 0.2);
   m.def("bf16_pack", &bf16_pack, nogil, "a bfloat16 weight laid out for bf16_linear");
-  m.def("bf16_linear", &bf16_linear, nogil, "bfloat16 rows times a weight packed by bf16_pack (+ bias); `widen`: by "
-        "float32 FMAs instead of VDPBF16PS", py::arg("x"), py::arg("packed"), py::arg("out_features"),
+  m.def("bf16_linear", &bf16_linear, nogil, "bfloat16 or float32 rows times a weight packed by bf16_pack (+ bias), in "
+        "the rows' type; `widen`: bfloat16 rows by float32 FMAs instead of VDPBF16PS", py::arg("x"), py::arg("packed"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::arg("widen") = false);
   m.def("lora_add_", &lora_add_, nogil, "y += each row's LoRA term from its adapter slot (slot 0: none)");
   register_decode_stack(m);
