@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # The exactness tests compare with transformers in float32; DTYPE=auto may pick bfloat16 on CPUs that run it
 # natively (tests/test_dtype.py covers that choice), so the shared worker and gateways pin float32.
 os.environ.setdefault("DTYPE", "float32")
+# The suite runs on two pytest-xdist workers (README): each holds an engine and starts processes, so OpenMP's
+# threads sleep between parallel regions instead of spinning on cores that the other worker's threads need.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PARIS_REQUEST = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20,
                  "temperature": 0}
@@ -70,6 +73,19 @@ def stop_gateway(process: subprocess.Popen) -> None:
         process.wait(timeout=20)
     except subprocess.TimeoutExpired:
         process.kill()
+
+
+# Modules that take minutes of one worker's time (a full kernel build, emulated CPUs, many processes), handed out
+# first so that they end beside the other worker's short modules, not after them (--dist loadfile hands out
+# whole modules in collection order).
+LONG_MODULES = ("test_native_kernel_builds.py", "test_hardening.py", "test_quantized_formats.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
+    items.sort(key=rank)  # stable: each module's own order is kept
 
 
 @pytest.fixture(scope="session")

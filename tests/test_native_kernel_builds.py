@@ -427,7 +427,8 @@ def test_a_start_waits_for_a_live_build_at_most_the_bound_and_says_for_whom(tmp_
         started = time.monotonic()
         with caplog.at_level("INFO", logger="engine.cpu.native_kernels"):
             assert not native_kernels.load("auto")
-        assert 3.0 <= time.monotonic() - started < 10
+        waited = time.monotonic() - started
+        assert waited >= 3.0 and waited < 120, waited  # the bound, then it gives up (120 s: a guard against a hang)
     finally:
         holder.kill()
         holder.wait()
@@ -442,20 +443,23 @@ def test_every_path_to_the_same_sources_and_venv_shares_one_build(tmp_path):
     linked install is): each start loads the same build file without compiling, in either order, so no two paths
     take turns rebuilding."""
     assert native_kernels.load("auto"), native_kernels.reason()  # the build exists (as installed)
+    built = Path(native_kernels.active().__file__)
+    written = built.stat().st_mtime_ns  # a compile would write the file again
     checkout, venv = tmp_path / "checkout", tmp_path / "venv"
     checkout.symlink_to(ROOT, target_is_directory=True)
     venv.symlink_to(Path(sys.prefix), target_is_directory=True)
-    probe = ("import time, engine, torch; from engine.cpu import native_kernels as n; t = time.perf_counter(); "
-             "ok = n.load('auto'); print(ok, time.perf_counter() - t, engine.__file__, torch.__file__, "
-             "n.active().__file__ if ok else n.reason())")
+    probe = ("import logging, engine, torch; from engine.cpu import native_kernels as n; "
+             "logging.basicConfig(level=logging.INFO); "
+             "ok = n.load('auto'); print(ok, engine.__file__, torch.__file__, n.active().__file__ if ok else n.reason())")
     files = set()
     for python, path in ((sys.executable, ROOT), (venv / "bin" / "python", checkout), (sys.executable, ROOT)):
         env = {**os.environ, "PYTHONPATH": str(path)}
         result = subprocess.run([str(python), "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
                                 timeout=600)
-        ok, seconds, engine_file, torch_file, build_file = result.stdout.split()
+        ok, engine_file, torch_file, build_file = result.stdout.split()
         assert engine_file.startswith(str(path)) and torch_file.startswith(str(Path(python).parent.parent))
         assert ok == "True", result.stdout + result.stderr[-2000:]
-        assert float(seconds) < 15, f"{python} with {path} compiled again ({float(seconds):.0f} s)"
-        files.add(build_file)
-    assert len(files) == 1, files
+        assert "loaded and checked" in result.stderr and "compiling" not in result.stderr, result.stderr[-2000:]
+        files.add(Path(build_file).resolve())
+    assert files == {built.resolve()}, files
+    assert built.stat().st_mtime_ns == written, "the build file was written again"
