@@ -427,8 +427,7 @@ def test_a_start_waits_for_a_live_build_at_most_the_bound_and_says_for_whom(tmp_
         started = time.monotonic()
         with caplog.at_level("INFO", logger="engine.cpu.native_kernels"):
             assert not native_kernels.load("auto")
-        waited = time.monotonic() - started
-        assert waited >= 3.0 and waited < 120, waited  # the bound, then it gives up (120 s: a guard against a hang)
+        assert 3.0 <= time.monotonic() - started < 10
     finally:
         holder.kill()
         holder.wait()
