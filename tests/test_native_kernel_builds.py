@@ -302,23 +302,6 @@ def test_the_avx2_builds_multiply_every_word_format_a_row_at_a_time(variant):
         assert torch.isfinite(together).all() and together.abs().max() > 0, name
 
 
-@pytest.mark.slow
-@x86_only
-@pytest.mark.skipif(not shutil.which("qemu-x86_64"), reason="needs qemu-user (Debian: apt-get install qemu-user)")
-def test_an_emulated_cpu_without_avx512_loads_and_checks_the_avx2_build():
-    """A real run on a CPU without AVX-512 or AVX-VNNI: qemu's Haswell (/proc/cpuinfo still shows this machine's
-    flags; torch's CPUID probes and engine/cpu/cpuid.py see the emulated CPU). The start loads the avx2 build and its check passes
-    there (the -march=native build this machine made before died of SIGILL on it)."""
-    native_kernels.build(AVX2)  # natively, as the image or a first start would have: compiling emulated is slow
-    probe = ("from engine.cpu import native_kernels as n; ok = n.load('auto'); "
-             "print(ok, n.active().__file__ if ok else n.reason())")
-    result = subprocess.run(["qemu-x86_64", "-cpu", "Haswell", sys.executable, "-c", probe], cwd=ROOT,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ok, loaded = result.stdout.split()
-    assert ok == "True" and loaded.endswith(f"{native_kernels.build_name(AVX2)}.so"), result.stdout
-
-
 # A module whose import runs an AVX-512 instruction: what any build with -march=x86-64-v4 may do on import.
 _AVX512_ON_IMPORT = r"""
 #include <torch/extension.h>
@@ -327,26 +310,63 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("answer", [] { return 42; });
 }
 """
+# One emulated process for both tests below (starting Python and torch under qemu is most of their time): it loads
+# this CPU's build ("auto"), then compiles the avx512_vnni build of the module above. Each part prints its own line.
+_ON_HASWELL = """
+import sys
+from pathlib import Path
+from engine.cpu import native_kernels as n
+ok = n.load("auto")
+print("loaded", ok, n.active().__file__ if ok else n.reason().replace(" ", "_"), flush=True)
+n.sources = lambda: (Path(sys.argv[1]),)
+variant = n.X86_64_VARIANTS[0]
+n._compile(variant, Path(sys.argv[2]), 60)
+print("compiled", n.build_name(variant), flush=True)
+"""
+qemu = pytest.mark.skipif(not shutil.which("qemu-x86_64"), reason="needs qemu-user (Debian: apt-get install qemu-user)")
+
+
+@pytest.fixture(scope="module")
+def on_haswell(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """A run on a CPU without AVX-512 or AVX-VNNI: qemu's Haswell (/proc/cpuinfo still shows this machine's flags;
+    torch's CPUID probes and engine/cpu/cpuid.py see the emulated CPU)."""
+    native_kernels.build(AVX2)  # natively, as the image or a first start would have: compiling emulated is slow
+    folder = tmp_path_factory.mktemp("haswell")
+    source = folder / "avx512_on_import.cpp"
+    source.write_text(_AVX512_ON_IMPORT)
+    result = subprocess.run(["qemu-x86_64", "-cpu", "Haswell", sys.executable, "-c", _ON_HASWELL, str(source),
+                             str(folder / "builds")], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return result, folder / "builds"
+
+
+def _line(result: subprocess.CompletedProcess, word: str) -> list[str]:
+    found = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith(word + " ")]
+    assert found, (result.returncode, result.stdout, result.stderr[-3000:])
+    return found[0]
 
 
 @pytest.mark.slow
 @x86_only
-@pytest.mark.skipif(not shutil.which("qemu-x86_64"), reason="needs qemu-user (Debian: apt-get install qemu-user)")
-def test_a_cpu_without_avx512_compiles_the_avx512_build_without_running_it(tmp_path):
-    """The image's prebuild compiles every variant on whatever CPU builds the image. On one without AVX-512
-    (qemu's Haswell), compiling the avx512_vnni build writes its file and runs none of it: the build used to be
-    imported as it was compiled, and died of SIGILL (Illegal instruction, exit 132)."""
-    source = tmp_path / "avx512_on_import.cpp"
-    source.write_text(_AVX512_ON_IMPORT)
-    script = ("import sys; from pathlib import Path; from engine.cpu import native_kernels as n; "
-              "n.sources = lambda: (Path(sys.argv[1]),); variant = n.X86_64_VARIANTS[0]; "
-              "n._compile(variant, Path(sys.argv[2]), 60); print(n.build_name(variant))")
-    result = subprocess.run(["qemu-x86_64", "-cpu", "Haswell", sys.executable, "-c", script, str(source),
-                             str(tmp_path / "builds")], cwd=ROOT, capture_output=True, text=True, timeout=900)
+@qemu
+def test_an_emulated_cpu_without_avx512_loads_and_checks_the_avx2_build(on_haswell):
+    """The start loads the avx2 build and its check passes there (the -march=native build this machine made
+    before died of SIGILL on it)."""
+    ok, loaded = _line(on_haswell[0], "loaded")
+    assert ok == "True" and loaded.endswith(f"{native_kernels.build_name(AVX2)}.so"), loaded
+
+
+@pytest.mark.slow
+@x86_only
+@qemu
+def test_a_cpu_without_avx512_compiles_the_avx512_build_without_running_it(on_haswell):
+    """The image's prebuild compiles every variant on whatever CPU builds the image. On one without AVX-512,
+    compiling the avx512_vnni build writes its file and runs none of it: the build used to be imported as it was
+    compiled, and died of SIGILL (Illegal instruction, exit 132)."""
+    result, builds = on_haswell
     assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
-    name = result.stdout.split()[-1]
-    assert name.startswith("llm_worker_kernels_avx512_vnni_") and (tmp_path / "builds" / f"{name}.so").is_file()
-    assert sorted(p.name for p in (tmp_path / "builds").iterdir()) == [f"{name}.lock", f"{name}.so"]
+    name, = _line(result, "compiled")
+    assert name.startswith("llm_worker_kernels_avx512_vnni_") and (builds / f"{name}.so").is_file()
+    assert sorted(p.name for p in builds.iterdir()) == [f"{name}.lock", f"{name}.so"]
 
 
 # A start whose build is one small source (a module of one function) through the same build(): the lock, the
