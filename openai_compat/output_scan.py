@@ -126,6 +126,35 @@ def scan_call_object(text: str, i: int, final: bool, name_keys=("name",),
     return PartialCall(name, arguments), None
 
 
+def scan_keyed_call(text: str, i: int, final: bool) -> tuple[PartialCall | None, int | None]:
+    """Read a call written as `{"NAME": {...arguments}}` (Apertus) starting at text[i] == '{', as
+    scan_call_object does."""
+    j = skip_ws(text, i + 1)
+    if j >= len(text):
+        return None, None
+    if text[j] != '"':
+        return None, None
+    key_end = _string_end(text, j)
+    if key_end is None:
+        return None, None
+    name = json.loads(text[j:key_end])
+    j = skip_ws(text, key_end)
+    if j >= len(text):
+        return None, None
+    if text[j] != ":":
+        return None, None
+    j = skip_ws(text, j + 1)
+    end = value_end(text, j)
+    if end is None:
+        return PartialCall(name, text[j:].rstrip(_WHITESPACE) if final else text[j:]), None
+    k = skip_ws(text, end)
+    if k < len(text) and text[k] == "}":
+        return PartialCall(name, text[j:end], True), k + 1
+    if k >= len(text):
+        return PartialCall(name, text[j:end]), None
+    return None, None  # a second key: not this shape
+
+
 def valid_call(call: PartialCall) -> bool:
     if not call.complete or not isinstance(call.name, str) or not call.name:
         return False
@@ -149,7 +178,8 @@ def held_back(text: str, markers: tuple[str, ...]) -> int:
 def scan_json_calls(text: str, i: int, final: bool, separators: str = ",;", name_keys=("name",),
                     argument_keys=("arguments", "parameters")) -> tuple[list[PartialCall], bool]:
     """Call objects one after another from text[i] (optionally in a JSON list), separated by `,` or `;`.
-    Returns the calls and whether everything from i on was read as calls."""
+    `name_keys` None: each call is an object whose one key is the function's name. Returns the calls and whether
+    everything from i on was read as calls."""
     calls: list[PartialCall] = []
     j = skip_ws(text, i)
     in_list = j < len(text) and text[j] == "["
@@ -160,7 +190,8 @@ def scan_json_calls(text: str, i: int, final: bool, separators: str = ",;", name
             return calls, skip_ws(text, j + 1) == len(text)
         if text[j] != "{":
             return calls, False
-        call, end = scan_call_object(text, j, final, name_keys, argument_keys)
+        call, end = scan_keyed_call(text, j, final) if name_keys is None else \
+            scan_call_object(text, j, final, name_keys, argument_keys)
         if call is None:
             return calls, False
         calls.append(call)

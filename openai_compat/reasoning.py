@@ -16,7 +16,9 @@ from .output_scan import held_back
 THINK_MARKERS = {"seed_oss": ("<seed:think>", "</seed:think>"),
                  "command_r": ("<|START_THINKING|>", "<|END_THINKING|>"),
                  "hy3": ("<think:opensource>", "</think:opensource>"),
-                 "gemma4": ("<|channel>thought", "<channel|>")}
+                 "gemma4": ("<|channel>thought", "<channel|>"),
+                 "minimax_m3": ("<mm:think>", "</mm:think>"),
+                 "kimi_k3": ("<|open|>think<|sep|>", "<|close|>think<|sep|>")}
 THINK_PARSERS = frozenset({"deepseek_r1", "qwen3", "deepseek_v3", "glm45", "ernie45", "minimax_m2",
                            "hunyuan_a13b", "think", *THINK_MARKERS})
 HARMONY_PARSERS = frozenset({"openai_gptoss", "gpt_oss", "harmony"})
@@ -96,8 +98,10 @@ class ThinkParser(ReasoningParser):
             stripped = text.lstrip()
             if stripped.startswith(self.OPEN):
                 inside, body = True, stripped[len(self.OPEN):]
-            elif not final and self.OPEN.startswith(stripped):
-                return Split(None, "")  # may still become an opening tag
+            elif stripped.startswith(self.CLOSE):  # an empty thought, as MiniMax-M3 writes one
+                return Split("", stripped[len(self.CLOSE):])
+            elif not final and (self.OPEN.startswith(stripped) or self.CLOSE.startswith(stripped)):
+                return Split(None, "")  # may still become a tag
         if not inside:
             return Split(None, text)
         end = body.find(self.CLOSE)
@@ -108,6 +112,34 @@ class ThinkParser(ReasoningParser):
 
     def answer_gate(self) -> tuple[str | None, str, bool]:
         return self.OPEN, self.CLOSE, self.starts_inside
+
+
+class KimiK3Parser(ThinkParser):
+    """Kimi-K3: the thought in `<|open|>think<|sep|>...<|close|>think<|sep|>`, then the answer in
+    `<|open|>response<|sep|>...<|close|>response<|sep|>`, then any tool calls. The content is the answer without
+    its tags, followed by whatever comes after them (the calls, for the tool parser)."""
+    needs_special_tokens = True
+    RESPONSE = ("<|open|>response<|sep|>", "<|close|>response<|sep|>")
+
+    def __init__(self, prompt_text: str):
+        super().__init__(prompt_text, THINK_MARKERS["kimi_k3"])
+        self.markers = (*self.markers, *self.RESPONSE)
+
+    def split(self, text: str, final: bool) -> Split:
+        split = super().split(text, final)
+        opener, closer = self.RESPONSE
+        content = split.content
+        stripped = content.lstrip()
+        if not stripped.startswith(opener):
+            if not final and stripped and opener.startswith(stripped):
+                return Split(split.reasoning, "")  # may still become the answer's tag
+            return split
+        body = stripped[len(opener):]
+        end = body.find(closer)
+        if end == -1:
+            keep = len(body) if final else len(body) - held_back(body, (closer,))
+            return Split(split.reasoning, body[:keep])
+        return Split(split.reasoning, body[:end] + body[end + len(closer):])
 
 
 class HarmonyParser(ReasoningParser):
@@ -156,4 +188,6 @@ class HarmonyParser(ReasoningParser):
 def make_parser(name: str, prompt_text: str) -> ReasoningParser:
     if name in HARMONY_PARSERS:
         return HarmonyParser()
+    if name == "kimi_k3":
+        return KimiK3Parser(prompt_text)
     return ThinkParser(prompt_text, THINK_MARKERS.get(name))

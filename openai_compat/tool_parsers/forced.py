@@ -17,15 +17,15 @@ Specials = dict[str, int]  # the tokenizer's special tokens: text -> id
 
 
 def literal(text: str, specials: Specials) -> str:
-    """Lark for `text`: special tokens by id, the rest as string literals, where each line break may be left out
+    """Lark for `text`: special tokens by id, the rest as string literals, where line breaks may be left out
     (templates of one family lay their calls out differently: GLM-4.6 puts each tag on its own line, GLM-4.7
     does not)."""
     out = []
-    for i, line in enumerate(re.split(r"\n+", text)):
-        if i:
-            out.append(SPACE)
-        if line:
-            out.append(_exact(line, specials))
+    for piece in re.split(r"(\n+)", text):
+        if piece.startswith("\n"):  # as many line breaks as written, or fewer
+            out.append(SPACE if len(piece) == 1 else f"/\\n{{0,{len(piece)}}}/")
+        elif piece:
+            out.append(_exact(piece, specials))
     return seq(*out)
 
 

@@ -3,12 +3,13 @@ one the start-up log reports), with the families that write it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from re import escape as regex_escape
 
 from ..output_scan import Scan
 from .base import ToolParser
 from .json_formats import (HarmonyToolParser, HermesParser, LFM2Parser, Llama3JsonParser, MistralParser,
                            PythonicParser, tagged_json)
-from .markup import Markup, MarkupParser, Params, gemma_arguments, markup_parser
+from .markup import MINIMAX_NS, Markup, MarkupParser, Params, gemma_arguments, markup_parser, minimax_m3_value
 
 _NAME = r"(?P<name>[\w.\-]+)"
 
@@ -56,6 +57,24 @@ MiniMaxM2Parser = markup_parser(Markup(
     write='\n<invoke name="{name}">\n{args}</invoke>', write_param='<parameter name="{key}">{value}</parameter>\n'),
     'MiniMax-M2: `<minimax:tool_call><invoke name="NAME"><parameter name="KEY">value</parameter></invoke>'
     '</minimax:tool_call>`.')
+MiniMaxM3Parser = markup_parser(Markup(
+    section=(MINIMAX_NS + "<tool_call>", MINIMAX_NS + "</tool_call>"),
+    head=r"\s*" + regex_escape(MINIMAX_NS) + r'<invoke name="(?P<name>[^"]+)">', marker=MINIMAX_NS + "<invoke",
+    params=Params(regex_escape(MINIMAX_NS) + r"<(?P<key>[^<>/\s]+)>", MINIMAX_NS + "</{key}>",
+                  nested=minimax_m3_value),
+    close=MINIMAX_NS + "</invoke>", write="\n" + MINIMAX_NS + '<invoke name="{name}">{args}' + MINIMAX_NS + "</invoke>",
+    write_param=MINIMAX_NS + "<{key}>{value}" + MINIMAX_NS + "</{key}>"),
+    "MiniMax-M3: `<tool_call><invoke name=\"NAME\"><KEY>value</KEY></invoke></tool_call>`, each tag after "
+    "`]<]minimax[>[`, objects and arrays as nested tags (`<item>` per element).", special=True)
+KimiK3Parser = markup_parser(Markup(
+    section=("<|open|>tools<|sep|>", "<|close|>tools<|sep|>"),
+    head=r'\s*<\|open\|>call tool="(?P<name>[^"]+)" index="\d+"<\|sep\|>', marker="<|open|>call",
+    params=Params(r'<\|open\|>argument key="(?P<key>[^"]+)" type="(?P<type>[a-z]+)"<\|sep\|>',
+                  "<|close|>argument<|sep|>"),
+    close="<|close|>call<|sep|>", write='<|open|>call tool="{name}" index="{index}"<|sep|>{args}<|close|>call<|sep|>',
+    write_param='<|open|>argument key="{key}" type="{type}"<|sep|>{value}<|close|>argument<|sep|>'),
+    'Kimi-K3: `<|open|>call tool="NAME" index="1"<|sep|><|open|>argument key="KEY" type="TYPE"<|sep|>value'
+    '<|close|>argument<|sep|><|close|>call<|sep|>` in `<|open|>tools<|sep|>`.', special=True)
 DeepSeekV32Parser = markup_parser(Markup(section=("<｜DSML｜function_calls>", "</｜DSML｜function_calls>"),
                                          **_DSML_PARAMS),
                                   'DeepSeek-V3.2: `<｜DSML｜invoke name="NAME"><｜DSML｜parameter name="KEY" '
@@ -128,7 +147,10 @@ CommandRParser = tagged_json("<|START_ACTION|>", "<|END_ACTION|>",
                              '<|END_ACTION|>`.', name_keys=("tool_name", "name"),
                              argument_keys=("parameters", "arguments"), special=True, id_key="tool_call_id",
                              layout="list")
-GigaChatParser = tagged_json("<|function_call|>", None, "GigaChat 3.1: `<|function_call|>{json}`.")
+GigaChatParser = tagged_json("<|function_call|>", None,
+                             "GigaChat 3.1: `<|function_call|>{json}`; GigaChat 3: the call as its own message, "
+                             "`<|message_sep|>\n\nfunction call<|role_sep|>\n{json}`.",
+                             also_open=("<|message_sep|>\n\nfunction call<|role_sep|>",), special=True)
 LongCatParser = tagged_json("<longcat_tool_call>", "</longcat_tool_call>",
                             "LongCat: `<longcat_tool_call>{json}</longcat_tool_call>`.")
 InternLMParser = tagged_json("<|action_start|><|plugin|>", "<|action_end|>",
@@ -137,6 +159,9 @@ InternLMParser = tagged_json("<|action_start|><|plugin|>", "<|action_end|>",
                              special=True)
 Granite20bParser = tagged_json("<function_call>", None,
                                "Granite 20B function calling: `<function_call> {json}` for each call.")
+ApertusParser = tagged_json("<|tools_prefix|>", "<|tools_suffix|>",
+                            'Apertus: `<|tools_prefix|>[{"NAME": {json}}, ...]<|tools_suffix|>`.', name_keys=None,
+                            special=True, layout="list")
 Phi4MiniParser = tagged_json("functools", None, "Phi-4-mini: `functools[{json}, ...]`.", layout="list")
 
 
@@ -155,9 +180,11 @@ FORMATS: tuple[Format, ...] = (
     Format(("glm45", "glm47", "glm4_moe"), GlmParser, "GLM-4.5, 4.6, 4.7, Ling 3, Laguna"),
     Format(("seed_oss",), SeedOssParser, "Seed-OSS"),
     Format(("minimax_m2",), MiniMaxM2Parser, "MiniMax-M2"),
+    Format(("minimax_m3",), MiniMaxM3Parser, "MiniMax-M3"),
     Format(("minimax", "apriel", "jamba", "hunyuan_a13b"), MiniMaxParser,
            "MiniMax-M1, Apriel 1.5/1.6, Jamba 1.5+, Hunyuan-A13B"),
     Format(("kimi_k2",), KimiK2Parser, "Kimi-K2"),
+    Format(("kimi_k3",), KimiK3Parser, "Kimi-K3"),
     Format(("deepseek_v3", "deepseek_r1"), DeepSeekV3Parser, "DeepSeek-V3, R1 and its Qwen distills"),
     Format(("deepseek_v31",), DeepSeekV31Parser, "DeepSeek-V3.1"),
     Format(("deepseek_v32",), DeepSeekV32Parser, "DeepSeek-V3.2"),
@@ -175,10 +202,11 @@ FORMATS: tuple[Format, ...] = (
     Format(("solar_open",), SolarOpenParser, "Solar Open"),
     Format(("minicpm",), MiniCPMParser, "MiniCPM 5"),
     Format(("hunyuan",), HunyuanParser, "Hunyuan 3"),
-    Format(("gigachat3",), GigaChatParser, "GigaChat 3.1"),
+    Format(("gigachat3",), GigaChatParser, "GigaChat 3, 3.1"),
     Format(("longcat",), LongCatParser, "LongCat-Flash"),
     Format(("internlm",), InternLMParser, "InternLM 2.5"),
     Format(("phi4_mini_json",), Phi4MiniParser, "Phi-4-mini"),
+    Format(("apertus",), ApertusParser, "Apertus"),
     Format(("lfm2",), LFM2Parser, "LFM2, LFM2.5"),
     Format(("pythonic", "llama4_pythonic", "olmo3"), PythonicParser, "Llama 3.2 (pythonic), Llama 4, OLMo 3"),
 )

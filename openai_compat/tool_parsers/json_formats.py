@@ -58,8 +58,9 @@ class TaggedJsonParser(ToolParser):
     """JSON call objects (one, several, or a JSON list) between a family's opening and closing tags, any number
     of times, with text around them. A closing tag of None: the calls run to the next opening tag or the end."""
     OPEN: str = ""
+    ALSO_OPEN: tuple[str, ...] = ()  # other openings the family's versions write
     CLOSE: str | None = None
-    NAME_KEYS: tuple[str, ...] = ("name",)
+    NAME_KEYS: tuple[str, ...] | None = ("name",)  # None: `{"NAME": {...}}`, the name as the one key
     ARGUMENT_KEYS: tuple[str, ...] = ("arguments", "parameters")
     ID_KEY: str | None = None  # the key of a call id some families write first in each call (Command R7B)
     # How the family writes several calls (for forced calls): "lines" (one tag per call, or one object per line),
@@ -74,17 +75,19 @@ class TaggedJsonParser(ToolParser):
         content: list[str] = []
         calls: list[PartialCall] = []
         at = 0
+        openers = (self.OPEN, *self.ALSO_OPEN)
         while True:
-            start = text.find(self.OPEN, at)
+            start, opener = min(((i, o) for o in openers if (i := text.find(o, at)) != -1), default=(-1, ""))
             segment = text[at:] if start == -1 else text[at:start]
             if start == -1 and not final:
-                segment = segment[:len(segment) - held_back(segment, (self.OPEN,))]
+                segment = segment[:len(segment) - held_back(segment, openers)]
             if at == 0 or segment.strip():  # whitespace between and after calls is not content
                 content.append(segment)
             if start == -1:
                 break
-            body_start = start + len(self.OPEN)
-            close = text.find(self.CLOSE or self.OPEN, body_start)
+            body_start = start + len(opener)
+            close = text.find(self.CLOSE, body_start) if self.CLOSE else min(
+                (i for o in openers if (i := text.find(o, body_start)) != -1), default=-1)
             closer = len(self.CLOSE) if self.CLOSE else 0  # a next opening tag stays for the next round
             body = text[body_start:] if close == -1 else text[body_start:close]
             finished = close != -1 or final
@@ -105,6 +108,8 @@ class TaggedJsonParser(ToolParser):
         string = forced.json_value({"type": "string"})
 
         def one_call(_, call):
+            if self.NAME_KEYS is None:  # the name is the object's one key
+                return f'{json.dumps("{" + json.dumps(call.name) + ": ")} {forced.json_value(call.parameters)} "}}"'
             lead = f'({json.dumps(json.dumps(self.ID_KEY) + ": ")} {string} ", ")? ' if self.ID_KEY else ""
             head = json.dumps(self.NAME_KEYS[0]) + ": " + json.dumps(call.name) + ", " + \
                 json.dumps(self.ARGUMENT_KEYS[0]) + ": "
@@ -119,6 +124,8 @@ class TaggedJsonParser(ToolParser):
         body = {"list": listed, "lines": call if self.CLOSE else inline, "either": f"({listed} | {inline})"}[
             self.LAYOUT]
         opener = forced.literal(self.OPEN, specials)
+        if self.ALSO_OPEN:  # the model writes the opening its version was trained on
+            opener = "(" + " | ".join(forced.literal(o, specials) for o in (self.OPEN, *self.ALSO_OPEN)) + ")"
         closer = forced.literal(self.CLOSE, specials) if self.CLOSE else ""
         group = forced.seq(opener, space, body, space if self.CLOSE else "", closer)
         if single or self.CLOSE is None or self.LAYOUT != "lines":
@@ -140,10 +147,10 @@ class HermesParser(TaggedJsonParser):
 
 
 def tagged_json(open_: str, close: str | None, doc: str, name_keys=("name",), argument_keys=("arguments",
-                "parameters"), special: bool = False, id_key: str | None = None, layout: str = "lines"
-                ) -> type[TaggedJsonParser]:
+                "parameters"), special: bool = False, id_key: str | None = None, layout: str = "lines",
+                also_open: tuple[str, ...] = ()) -> type[TaggedJsonParser]:
     return type("TaggedJsonParser", (TaggedJsonParser,), {
-        "OPEN": open_, "CLOSE": close, "NAME_KEYS": name_keys, "ARGUMENT_KEYS": argument_keys, "ID_KEY": id_key,
+        "OPEN": open_, "ALSO_OPEN": also_open, "CLOSE": close, "NAME_KEYS": name_keys, "ARGUMENT_KEYS": argument_keys, "ID_KEY": id_key,
         "LAYOUT": layout, "__doc__": doc, "needs_special_tokens": special})
 
 

@@ -17,13 +17,21 @@ import regex
 
 from ..output_scan import PartialCall, Scan, held_back, skip_ws, value_end
 from . import forced
-from .base import CallSchema, ToolParser, json_text, typed_value
+from .base import CallSchema, ToolParser, _types, json_text, typed_value
+
+# The type names Kimi-K3 writes on a parameter, by the schema's type.
+_TYPE_WORDS = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean",
+               "object": "object", "array": "array", "null": "null"}
 
 
 @dataclass(frozen=True)
 class Params:
-    head: str  # regex at a parameter's start, with group `key` (and `string`: "true" when the value is text)
-    close: str  # the text that ends its value
+    # Regex at a parameter's start, with group `key`, and where the family says whether the value is text:
+    # `string` ("true" or "false", DeepSeek's DSML) or `type` (the JSON type's name, Kimi-K3).
+    head: str
+    close: str  # the text that ends its value (`{key}` in it: the parameter's name)
+    # Values whose objects and arrays are nested markup (MiniMax-M3): (text, the value's schema) -> the value.
+    nested: Callable[[str, dict | None], object] | None = None
 
 
 @dataclass(frozen=True)
@@ -193,25 +201,44 @@ class MarkupParser(ToolParser):
                 break
             key = param.group("key").strip()
             value_start = param.end()
-            value_stop = text.find(spec.params.close, value_start, end)
+            closer = spec.params.close.replace("{key}", key)
+            value_stop = self._value_stop(text, key, closer, value_start, end)
             if value_stop == -1:
                 if closed:  # cut off inside a value: as far as it was written
                     parts.append(f"{json_text(key)}: {json_text(text[value_start:end])[:-1]}")
                 pos = end
                 break
             value = text[value_start:value_stop].removeprefix("\n").removesuffix("\n")
-            if param.groupdict().get("string") == "true":
+            kind = param.groupdict().get("string") or param.groupdict().get("type")
+            if kind in ("true", "string"):
                 typed = value
-            elif param.groupdict().get("string") == "false":
+            elif spec.params.nested is not None:
+                typed = spec.params.nested(value, self.property_schema(name, key))
+            elif kind is not None:
                 typed = typed_value(value, {"type": ["object", "array", "number", "integer", "boolean",
                                                      "null"]})
             else:
                 typed = typed_value(value, self.property_schema(name, key))
             parts.append(f"{json_text(key)}: {json_text(typed)}")
-            pos = value_stop + len(spec.params.close)
+            pos = value_stop + len(closer)
         out.append(PartialCall(name, "{" + ", ".join(parts) + ("}" if complete else ""), complete, call_id))
         return pos, complete
 
+    def _value_stop(self, text: str, key: str, closer: str, start: int, end: int) -> int:
+        """Where a parameter's value ends (-1: not yet written). In nested markup, the same name may open
+        inside the value: each opening takes its own close."""
+        if self.spec.params.nested is None:
+            return text.find(closer, start, end)
+        opener = closer.replace("</", "<", 1)
+        depth, at = 1, start
+        while True:
+            stop = text.find(closer, at, end)
+            if stop == -1:
+                return -1
+            depth += text.count(opener, at, stop) - 1
+            if depth == 0:
+                return stop
+            at = stop + len(closer)
 
     def forced_grammar(self, calls, single, specials):
         spec = self.spec
@@ -232,21 +259,41 @@ class MarkupParser(ToolParser):
                 return None
             before, _, after = spec.write_param.partition("{value}")
             parts = []
-            for key, schema, required in props:
+
+            def param(key: str, schema: dict) -> str | None:
                 value = forced.text_value(schema, after.lstrip("\n") or "<")
                 if value is None:
                     return None
                 rule, is_string = value
                 if "{string}" in before and not is_string:
                     rule = forced.json_value(schema)
+                if spec.params.nested is not None and rule.startswith("%json"):
+                    rule = minimax_m3_rule(schema, specials)  # objects and arrays as nested tags
+                    if rule is None:
+                        return None
                 opening = before.replace("{key}", key).replace("{string}", "true" if is_string else "false")
+                if "{type}" in opening:
+                    types = _types(schema)
+                    kind = _TYPE_WORDS.get(next(iter(types))) if len(types) == 1 else None
+                    if kind is None:
+                        return None  # no one type to name
+                    opening = opening.replace("{type}", kind)
                 # Line breaks next to a text value are the value's (the parser takes one off each side).
-                closing = after
+                closing = after.replace("{key}", key)
                 if not rule.startswith("%json"):
-                    opening, closing = opening.rstrip("\n"), after.lstrip("\n")
+                    opening, closing = opening.rstrip("\n"), closing.lstrip("\n")
                     if not is_string:
                         rule = forced.seq(forced.SPACE, rule, forced.SPACE)
-                piece = forced.seq(forced.literal(opening, specials), rule, forced.literal(closing, specials))
+                return forced.seq(forced.literal(opening, specials), rule, forced.literal(closing, specials))
+
+            for key, schema, required in props:
+                piece = param(key, schema)
+                if piece is None and "{type}" in before:  # a union: each type under its own name
+                    options = schema.get("anyOf") or schema.get("oneOf") or []
+                    pieces = [param(key, option) if isinstance(option, dict) else None for option in options]
+                    piece = None if not pieces or None in pieces else "(" + " | ".join(pieces) + ")"
+                if piece is None:
+                    return None
                 parts.append(piece if required else f"({piece})?")
             if not parts:
                 return None
@@ -308,3 +355,80 @@ def gemma_arguments(body: str) -> str | None:
         return text if isinstance(json.loads(text), dict) else None
     except ValueError:
         return None
+
+
+# ---------------------------------------------------------------- MiniMax-M3's nested values
+
+MINIMAX_NS = "]<]minimax[>["  # the token before each of MiniMax-M3's tags
+_MINIMAX_TAG = regex.compile(regex.escape(MINIMAX_NS) + r"<(/?)([^<>/\s]+)>")
+
+
+def minimax_m3_value(text: str, schema: dict | None):
+    """A MiniMax-M3 parameter value: text typed by the schema, or nested tags: `<item>` for each element of an
+    array, `<KEY>` for each field of an object (fields that are null are not written). Text that is neither
+    stays as written."""
+    types = _types(schema)
+    if not text:
+        return [] if types == {"array"} else {} if types == {"object"} else typed_value(text, schema)
+    elements = _minimax_elements(text)
+    if elements is None:
+        return typed_value(text, schema)
+    schema = schema or {}
+    if all(tag == "item" for tag, _ in elements) and (types <= {"array"} or "array" in types):
+        items = schema.get("items") if isinstance(schema.get("items"), dict) else None
+        return [minimax_m3_value(inner, items) for _, inner in elements]
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    return {tag: minimax_m3_value(inner, properties.get(tag)) for tag, inner in elements}
+
+
+def _minimax_elements(text: str) -> list[tuple[str, str]] | None:
+    """The top-level `NS<tag>inner NS</tag>` elements of `text`, or None when it is not only elements."""
+    elements: list[tuple[str, str]] = []
+    stack: list[tuple[str, int]] = []
+    at = 0
+    for tag in _MINIMAX_TAG.finditer(text):
+        closing, name = tag.group(1) == "/", tag.group(2)
+        if not stack and text[at:tag.start()].strip():
+            return None  # text between elements
+        if not closing:
+            stack.append((name, tag.end()))
+            continue
+        if not stack or stack[-1][0] != name:
+            return None
+        _, inner_start = stack.pop()
+        if not stack:
+            elements.append((name, text[inner_start:tag.start()]))
+            at = tag.end()
+    if stack or not elements or text[at:].strip():
+        return None
+    return elements
+
+
+def minimax_m3_rule(schema: dict, specials: dict[str, int]) -> str | None:
+    """Lark for a MiniMax-M3 value as its template writes it: text for a scalar, `<item>` tags for an array's
+    elements, a tag per field for an object (a null is left out, so `X or null` is an optional X). None where
+    the schema has no such form (a union of two kinds, a reference)."""
+    options = [o for o in (schema.get("anyOf") or schema.get("oneOf") or [schema]) if isinstance(o, dict)]
+    options = [o for o in options if _types(o) != {"null"}]
+    if len(options) != 1:
+        return None
+    schema = options[0]
+    types = _types(schema)
+    tag = lambda name, rule: forced.seq(forced.literal(f"{MINIMAX_NS}<{name}>", specials), rule,
+                                        forced.literal(f"{MINIMAX_NS}</{name}>", specials))
+    if types == {"array"}:
+        items = minimax_m3_rule(schema.get("items") or {"type": "string"}, specials)
+        return None if items is None else f"({tag('item', items)})*"
+    if types == {"object"}:
+        fields = forced.properties(schema)
+        if fields is None:
+            return None
+        pieces = []
+        for key, field_schema, required in fields:
+            rule = minimax_m3_rule(field_schema, specials)
+            if rule is None:
+                return None
+            pieces.append(tag(key, rule) if required else f"({tag(key, rule)})?")
+        return forced.seq(*pieces) or '""'
+    value = forced.text_value(schema, "]")
+    return None if value is None or value[0].startswith("%json") else value[0]
