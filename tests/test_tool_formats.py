@@ -312,7 +312,15 @@ GATEWAY_FAMILIES = {
     "moonshotai-Kimi-K2": ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0'
                            '<|tool_call_argument_begin|>{"zone": "CET"}<|tool_call_end|><|tool_calls_section_end|>'),
     "unsloth-mistral-Devstral-Small-2507": '[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}',
+    "Kimi-K3": ('<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>'
+                '<|open|>call tool="get_time" index="1"<|sep|><|open|>argument key="zone" type="string"<|sep|>CET'
+                '<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'),
+    "MiniMax-M3": ("</mm:think>]<]minimax[>[<tool_call>\n]<]minimax[>[<invoke name=\"get_time\">]<]minimax[>[<zone>CET"
+                   "]<]minimax[>[</zone>]<]minimax[>[</invoke>\n]<]minimax[>[</tool_call>"),
 }
+
+# What a family's requests add: a thinking model answers without thinking (the 135M model would think to the end).
+GATEWAY_EXTRA = {"Kimi-K3": {"chat_template_kwargs": {"thinking": False}}}
 
 
 def _literal_regex(text: str) -> str:
@@ -334,11 +342,13 @@ def test_the_gateway_returns_a_familys_calls_as_tool_calls(family):
     process, url = start_gateway({"CUSTOM_CHAT_TEMPLATE": (TEMPLATES / f"{family}.jinja").read_text()}, log=log)
     try:
         client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+        extra = GATEWAY_EXTRA.get(family, {})
         assert any(f"tool-call format: {FAMILIES[family][0]} (its chat template writes a call as" in line
                    for line in log), "".join(log[-20:])
         request = dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", messages=QUESTION, tools=TOOLS,
                        max_tokens=120, temperature=0,
-                       extra_body={"structured_outputs": {"regex": _literal_regex(GATEWAY_FAMILIES[family])}})
+                       extra_body={"structured_outputs": {"regex": _literal_regex(GATEWAY_FAMILIES[family])},
+                                   **extra})
         reply = client.chat.completions.create(**request)
         (call,) = reply.choices[0].message.tool_calls
         assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {"zone": "CET"})
@@ -355,7 +365,7 @@ def test_the_gateway_returns_a_familys_calls_as_tool_calls(family):
         assert finish == "tool_calls"
         # The next turn: the reply as the client got it, ids included, and the tool's result.
         follow = client.chat.completions.create(
-            model=request["model"], tools=TOOLS, max_tokens=2, temperature=0,
+            model=request["model"], tools=TOOLS, max_tokens=2, temperature=0, extra_body=extra,
             messages=QUESTION + [reply.choices[0].message.model_dump(exclude_none=True),
                                  {"role": "tool", "tool_call_id": call.id, "content": "14:05"}])
         assert follow.choices[0].finish_reason in ("length", "stop")
@@ -367,7 +377,7 @@ def test_the_gateway_returns_a_familys_calls_as_tool_calls(family):
                                                            "stop")):
             forced = client.chat.completions.create(
                 model=request["model"], messages=QUESTION, tools=zones, tool_choice=choice, max_tokens=120,
-                temperature=0, parallel_tool_calls=False, extra_body={"return_token_ids": True})
+                temperature=0, parallel_tool_calls=False, extra_body={"return_token_ids": True, **extra})
             calls = forced.choices[0].message.tool_calls
             assert calls and {c.function.name for c in calls} == {"get_time"}, forced
             assert all(json.loads(c.function.arguments)["zone"] in ("CET", "UTC") for c in calls)
@@ -397,7 +407,8 @@ def test_the_gateway_returns_a_familys_calls_as_tool_calls(family):
 
 
 NATIVE_MARKER = {"Qwen3-Coder": "<function=get_time>", "GLM-4.6": "<tool_call>get_time",
-                 "moonshotai-Kimi-K2": "functions.get_time:", "unsloth-mistral-Devstral-Small-2507": "[TOOL_CALLS]"}
+                 "moonshotai-Kimi-K2": "functions.get_time:", "unsloth-mistral-Devstral-Small-2507": "[TOOL_CALLS]",
+                 "MiniMax-M3": '<invoke name="get_time">', "Kimi-K3": '<|open|>call tool="get_time"'}
 
 
 # ---------------------------------------------------------------- forced calls in the family's own format
