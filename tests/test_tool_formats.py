@@ -71,6 +71,7 @@ FAMILIES = {
     "GigaChat3-10B-A1.8B": ("gigachat3", "assistant<|role_sep|>\n", "<|message_sep|>\n\nfunction result"),
     "Apertus-8B-Instruct": ("apertus", "<|assistant_start|>", "<|tools_suffix|>"),
     "MiniMax-M3": ("minimax_m3", "]~b]ai\n", "[e~["),
+    "Salesforce-xLAM-2-llama": ("xlam", *LLAMA),
     "Kimi-K3": ("kimi_k3", '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>', "<|close|>message<|sep|>"),
 }
 # Templates that show no past calls: recognised from the format their tools prompt asks for.

@@ -52,11 +52,22 @@ RECORDED.update({
                        None, [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
     "jamba": ('<tool_calls>[{"name": "get_time", "arguments": {"zone": "CET"}}]</tool_calls>', None,
               [("get_time", {"zone": "CET"})]),
+    # Step-3 as its model card and vLLM's parser describe it (its template is not in llama.cpp's set).
+    "step3": ('Checking.<｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke '
+              'name="get_weather"><steptml:parameter name="city">Paris</steptml:parameter><steptml:parameter '
+              'name="unit">celsius</steptml:parameter></steptml:invoke><｜tool_call_end｜>\n<｜tool_call_begin｜>'
+              'function<｜tool_sep｜><steptml:invoke name="get_time"><steptml:parameter name="zone">CET'
+              '</steptml:parameter></steptml:invoke><｜tool_call_end｜><｜tool_calls_end｜>',
+              "Checking.", [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
+    # xLAM also writes its list in a ```json block, with text around it.
+    "xlam_fenced": ('Here you go:\n```json\n[{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+                    '"celsius"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]\n```',
+                    "Here you go:\n", [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
 })
 PARSER_OF = {"hermes": "hermes", "llama3_json": "llama3_json", "llama3_json_python_tag": "llama3_json",
              "mistral": "mistral", "mistral_v11": "mistral", "pythonic": "pythonic", "longcat": "longcat",
              "internlm": "internlm", "phi4_mini_json": "phi4_mini_json", "jamba": "jamba",
-             "granite-20b-fc": "granite-20b-fc"}
+             "granite-20b-fc": "granite-20b-fc", "step3": "step3", "xlam_fenced": "xlam"}
 
 
 def stream(parser: ChatOutputParser, text: str, piece: int = 3) -> dict:
@@ -99,6 +110,9 @@ def test_recorded_tool_calls_parse_whole_and_streamed(case):
     ("llama3_json", '{"answer": 42'),
     ("mistral", "[TOOL_CALLS] this is not a call"),
     ("pythonic", "[1, 2, 3]"),
+    ("xlam", "[1] is a footnote."),
+    ("xlam", "```python\nprint(1)\n```"),
+    ("step3", "<｜tool_calls_begin｜>not a call<｜tool_calls_end｜>"),
 ])
 def test_text_that_is_not_a_call_stays_content(name, text):
     parser = tool_parsers.PARSERS[name]()

@@ -8,7 +8,7 @@ from re import escape as regex_escape
 from ..output_scan import Scan
 from .base import ToolParser
 from .json_formats import (HarmonyToolParser, HermesParser, LFM2Parser, Llama3JsonParser, MistralParser,
-                           PythonicParser, tagged_json)
+                           PythonicParser, XLamParser, tagged_json)
 from .markup import MINIMAX_NS, Markup, MarkupParser, Params, gemma_arguments, markup_parser, minimax_m3_value
 
 _NAME = r"(?P<name>[\w.\-]+)"
@@ -82,6 +82,18 @@ DeepSeekV32Parser = markup_parser(Markup(section=("<｜DSML｜function_calls>", 
                                   special=True)
 DeepSeekV4Parser = markup_parser(Markup(section=("<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"), **_DSML_PARAMS),
                                  "DeepSeek-V4: V3.2's invocations inside `<｜DSML｜tool_calls>`.", special=True)
+Step3Parser = markup_parser(Markup(
+    section=("<｜tool_calls_begin｜>", "<｜tool_calls_end｜>"),
+    head=r'\s*<｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name="(?P<name>[^"]+)">',
+    marker="<｜tool_call_begin｜>",
+    params=Params(r'<steptml:parameter name="(?P<key>[^"]+)">', "</steptml:parameter>"),
+    close="</steptml:invoke><｜tool_call_end｜>",
+    write='<｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name="{name}">{args}</steptml:invoke>'
+          "<｜tool_call_end｜>",
+    write_param='<steptml:parameter name="{key}">{value}</steptml:parameter>'),
+    'Step-3: `<｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name="NAME"><steptml:parameter '
+    'name="KEY">value</steptml:parameter></steptml:invoke><｜tool_call_end｜>` in `<｜tool_calls_begin｜>`.',
+    special=True)
 DeepSeekV3Parser = markup_parser(Markup(
     section=_DEEPSEEK_SECTION,
     head=r"\s*<｜tool▁call▁begin｜>(?:function)?<｜tool▁sep｜>(?P<name>[^\n<]+)\n```(?:json)?\n",
@@ -189,6 +201,7 @@ FORMATS: tuple[Format, ...] = (
     Format(("deepseek_v31",), DeepSeekV31Parser, "DeepSeek-V3.1"),
     Format(("deepseek_v32",), DeepSeekV32Parser, "DeepSeek-V3.2"),
     Format(("deepseek_v4",), DeepSeekV4Parser, "DeepSeek-V4"),
+    Format(("step3",), Step3Parser, "Step-3"),
     Format(("mistral",), MistralParser, "Mistral, Mistral Nemo/Small, Ministral, Devstral"),
     Format(("openai",), HarmonyToolParser, "gpt-oss (harmony)"),
     Format(("llama3_json", "llama", "llama4_json"), Llama3JsonParser, "Llama 3.1, 3.2, 3.3, 4 (JSON)"),
@@ -207,6 +220,7 @@ FORMATS: tuple[Format, ...] = (
     Format(("internlm",), InternLMParser, "InternLM 2.5"),
     Format(("phi4_mini_json",), Phi4MiniParser, "Phi-4-mini"),
     Format(("apertus",), ApertusParser, "Apertus"),
+    Format(("xlam",), XLamParser, "xLAM (Llama and Qwen based)"),
     Format(("lfm2",), LFM2Parser, "LFM2, LFM2.5"),
     Format(("pythonic", "llama4_pythonic", "olmo3"), PythonicParser, "Llama 3.2 (pythonic), Llama 4, OLMo 3"),
 )

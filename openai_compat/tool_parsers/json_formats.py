@@ -77,7 +77,9 @@ class TaggedJsonParser(ToolParser):
         at = 0
         openers = (self.OPEN, *self.ALSO_OPEN)
         while True:
-            start, opener = min(((i, o) for o in openers if (i := text.find(o, at)) != -1), default=(-1, ""))
+            # The first opening, and the longest of those that start there (```json before ```).
+            start, opener = min(((i, -len(o), o) for o in openers if (i := text.find(o, at)) != -1),
+                                default=(-1, 0, ""))[::2]
             segment = text[at:] if start == -1 else text[at:start]
             if start == -1 and not final:
                 segment = segment[:len(segment) - held_back(segment, openers)]
@@ -188,6 +190,34 @@ class Llama3JsonParser(ToolParser):
         if final and not _cut_off(calls) and (not calls or not all_calls or not all(valid_call(c) for c in calls)):
             return Scan(text)
         return Scan("", calls)
+
+
+class XLamParser(ToolParser):
+    """xLAM: the whole reply is a JSON list of calls, `[{"name": ..., "arguments": {...}}, ...]`, as its template
+    writes them; a list (or one call) in a ```json block also counts, with the text around it as content."""
+    marker = "```json"
+    _FENCED = tagged_json("```json", "```", "A ```json block of calls.", also_open=("```",), layout="list")
+
+    def scan(self, text: str, final: bool) -> Scan:
+        stripped = text.lstrip()
+        if not stripped.startswith("["):
+            if not final and not stripped:
+                return Scan("")
+            return self._FENCED(None).scan(text, final)
+        first = skip_ws(stripped, 1)
+        if first < len(stripped) and stripped[first] != "{":  # `[` and then no call object: text, as written
+            return Scan(text)
+        calls, all_calls = scan_json_calls(text, len(text) - len(stripped), final)
+        if final and not _cut_off(calls) and (not calls or not all_calls or not all(valid_call(c) for c in calls)):
+            return Scan(text)
+        return Scan("", calls)
+
+    def forced_grammar(self, calls, single, specials):
+        def one_call(_, call):
+            head = '{"name": ' + json.dumps(call.name) + ', "arguments": '
+            return f'{json.dumps(head)} {forced.json_value(call.parameters)} "}}"'
+        rules, call = forced.call_rules(calls, one_call)
+        return f'start: "[" {call}' + ("" if single else f' (", " {call})*') + f' "]"\n{rules}'
 
 
 class MistralParser(ToolParser):
