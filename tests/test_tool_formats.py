@@ -455,9 +455,8 @@ def test_forced_calls_are_generated_in_the_familys_own_format(hf_tokenizer, llg_
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {"zone": "CET"})
     # Parallel calls, each under its own tool's schema.
     several = parser.forced_grammar(schemas, single=False, specials={})
-    if several is None:  # get_weather's object and array arguments have no Python-literal grammar here
-        assert name in {"pythonic", "lfm2"}
-    elif family not in ONE_CALL_PER_TURN:
+    assert several is not None  # get_weather's objects, arrays and optional fields too
+    if family not in ONE_CALL_PER_TURN:
         calls = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "CET"})]
         text = answer_part(tokenizer, name, written_reply(tokenizer, family, calls))
         assert accepts(hf_tokenizer, llg_tokenizer, several, text), (several, text)
@@ -485,3 +484,24 @@ def test_forced_pythonic_calls_take_keyword_arguments_in_python_literals(hf_toke
         ("get_time", {"zone": "CET", "hours": 2, "dst": True}), ("get_time", {"zone": "UTC"})]
     for wrong in ("[get_time(hours=2)]", "[get_time(zone=\"CET\", dst=true)]", "[get_weather(zone=\"CET\")]"):
         assert not accepts(hf_tokenizer, llg_tokenizer, grammar, wrong), wrong
+
+
+def test_forced_pythonic_calls_take_lists_dicts_and_any_optional_keywords(hf_tokenizer, llg_tokenizer):
+    """Arguments that are lists and dicts as Python literals, and tools whose keywords are all optional (the
+    first one written takes no comma, whichever it is)."""
+    parser = tool_parsers.PARSERS["pythonic"]([tool_parsers.CallSchema("get_weather", SCHEMA)])
+    grammar = parser.forced_grammar([tool_parsers.CallSchema("get_weather", SCHEMA)], single=True, specials={})
+    text = ("[get_weather(city='Paris', days=3, tags=['sun', \"rain\"], limits={'low': -2, \"high\": 31}, "
+            "note=None)]")
+    assert accepts(hf_tokenizer, llg_tokenizer, grammar, text), grammar
+    assert parsed(ChatOutputParser(None, parser), text)[1] == [
+        ("get_weather", {"city": "Paris", "days": 3, "tags": ["sun", "rain"], "limits": {"low": -2, "high": 31},
+                         "note": None})]
+    for wrong in ("[get_weather(city='Paris', tags=[1])]", "[get_weather(city='Paris', limits={'low': 'x'})]",
+                  "[get_weather(days=3)]"):
+        assert not accepts(hf_tokenizer, llg_tokenizer, grammar, wrong), wrong
+    optional = {"type": "object", "properties": {"zone": {"type": "string"}, "hours": {"type": "integer"}}}
+    grammar = parser.forced_grammar([tool_parsers.CallSchema("get_time", optional)], single=True, specials={})
+    for text in ("[get_time()]", "[get_time(hours=2)]", "[get_time(zone='CET', hours=2)]"):
+        assert accepts(hf_tokenizer, llg_tokenizer, grammar, text), text
+    assert not accepts(hf_tokenizer, llg_tokenizer, grammar, "[get_time(, hours=2)]")

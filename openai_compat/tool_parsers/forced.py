@@ -114,15 +114,113 @@ def properties(schema: dict[str, Any]) -> list[tuple[str, dict[str, Any], bool]]
             for key, value in schema["properties"].items()]
 
 
+def ordered_fields(pieces: list[tuple[str, bool]], sep: str) -> str:
+    """Lark for fields written in this order, `sep` between two, each (rule, required) left out where it is not
+    required: the first one written carries no separator, whichever it is."""
+    def rest(i: int) -> str:
+        return seq(*(f"{sep} {rule}" if needed else f"({sep} {rule})?" for rule, needed in pieces[i:]))
+
+    def first(i: int) -> str:
+        if i == len(pieces):
+            return ""
+        rule, needed = pieces[i]
+        with_it = seq(rule, rest(i + 1))
+        if needed:
+            return with_it
+        without = first(i + 1)
+        return f"({with_it} | {without})" if without else f"({with_it})?"
+    return first(0)
+
+
+class Notation:
+    """How a family writes values that are not JSON (Python literals, Gemma 4's notation): Lark for each kind."""
+    true, false, null = "True", "False", "None"
+    item_sep, field_sep = '", "', '", "'
+
+    def string(self, schema: dict[str, Any]) -> str | None:
+        raise NotImplementedError
+
+    def quoted(self, value: str) -> str:  # one enum string
+        raise NotImplementedError
+
+    def key(self, name: str) -> str:
+        raise NotImplementedError
+
+    def value(self, schema: dict[str, Any]) -> str | None:
+        """Lark for a value under `schema`; None where this notation cannot hold it (a reference, bounds)."""
+        if not isinstance(schema, dict) or "$ref" in json.dumps(schema):
+            return None
+        options = schema.get("anyOf") or schema.get("oneOf")
+        if isinstance(options, list) and options:
+            rules = [self.value(o) for o in options]
+            return None if None in rules else "(" + " | ".join(rules) + ")"
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+            return "(" + " | ".join(self.quoted(v) for v in enum) + ")"
+        if isinstance(enum, list) and enum and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                   for v in enum):
+            return "(" + " | ".join(json.dumps(json.dumps(v)) for v in enum) + ")"
+        if isinstance(enum, list) or "const" in schema:
+            return None
+        types = _types(schema)
+        if len(types) > 1:
+            rules = [self.value({**schema, "type": t}) for t in sorted(types)]
+            return None if None in rules else "(" + " | ".join(rules) + ")"
+        bounded = any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                                            "multipleOf", "minItems", "maxItems", "uniqueItems"))
+        kind = next(iter(types), None)
+        if kind == "string":
+            return self.string(schema)
+        if kind in ("integer", "number"):  # bounds held by the JSON engine: numbers are written alike
+            return json_value(schema) if bounded else _INTEGER if kind == "integer" else _NUMBER
+        if kind == "boolean":
+            return f'("{self.true}" | "{self.false}")'
+        if kind == "null":
+            return f'"{self.null}"'
+        if kind == "array":
+            items = self.value(schema["items"]) if isinstance(schema.get("items"), dict) else None
+            if items is None or bounded:
+                return None
+            return f'("[" "]" | "[" {items} ({self.item_sep} {items})* "]")'
+        if kind == "object":
+            fields = properties(schema)
+            if fields is None:
+                return None
+            pieces = []
+            for name, field, needed in self.ordered(fields):
+                rule = self.value(field)
+                if rule is None:
+                    return None
+                pieces.append((seq(self.key(name), rule), needed))
+            return seq('"{"', ordered_fields(pieces, self.field_sep), '"}"')
+        return None
+
+    def ordered(self, fields):  # the order the family writes an object's fields in
+        return fields
+
+
 _PYTHON_STRING = r"/'([^'\\\n]|\\.)*'/"
 
 
+class PythonNotation(Notation):
+    """Python literals, as pythonic calls write their arguments: strings in either quote, True/False/None."""
+
+    def string(self, schema):
+        if any(k in schema for k in ("pattern", "format", "minLength", "maxLength")):
+            return json_value(schema)  # held by the JSON engine: a JSON string is a Python one
+        return f"({json_value({'type': 'string'})} | {_PYTHON_STRING})"
+
+    def quoted(self, value):  # Python's repr quotes with ' (LFM2's template writes it so), JSON with ": either
+        return " | ".join(json.dumps(q) for q in dict.fromkeys((repr(value), json.dumps(value))))
+
+    def key(self, name):
+        return "(" + " | ".join(json.dumps(q + ": ") for q in dict.fromkeys((repr(name), json.dumps(name)))) + ")"
+
+
 def python_value(schema: dict[str, Any]) -> str | None:
-    """Lark for a keyword argument's value in a pythonic call (`f(city="Paris", days=3)`): strings and numbers as
-    JSON writes them (valid Python too), True/False, None; None when the schema needs JSON's objects or arrays
-    (their true/false/null are not Python)."""
-    if "$ref" in json.dumps(schema):
-        return None
+    """Lark for a keyword argument's value in a pythonic call (`f(city="Paris", tags=["a"])`); None where the
+    schema cannot be held in Python literals here."""
+    return PythonNotation().value(schema)
     types = _types(schema)
     enum = schema.get("enum")
     if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):

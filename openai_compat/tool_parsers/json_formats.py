@@ -327,13 +327,9 @@ class PythonicParser(ToolParser):
                 value = forced.python_value(schema)
                 if value is None:
                     return None
-                (required if needed else optional).append(f"{json.dumps(key + '=')} {value}")
-            if not required and len(optional) > 1:
-                return None  # keyword arguments in any subset need a first one to hang the commas on
-            if not required:
-                args = f"({optional[0]})?" if optional else ""
-            else:  # keyword arguments in any order: the required ones first, then any of the others
-                args = ' ", " '.join(required) + "".join(f' (", " {o})?' for o in optional)
+                (required if needed else optional).append((f"{json.dumps(key + '=')} {value}", needed))
+            # Keyword arguments in any order: the required ones first, then any of the others.
+            args = forced.ordered_fields(required + optional, '", "')
             return forced.seq(json.dumps(call.name + "("), args, '")"')
         built = forced.call_rules(calls, one_call)
         if built is None:
