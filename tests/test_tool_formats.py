@@ -88,7 +88,7 @@ ONE_CALL_PER_TURN = {"openai-gpt-oss-120b", "meta-llama-Llama-3.1-8B-Instruct", 
                      "GigaChat3-10B-A1.8B"}
 
 # Families whose calls end with the marker that ends the model's part of the turn (the tool results follow).
-KEEPS_END = {"Apertus-8B-Instruct"}
+KEEPS_END = {"Apertus-8B-Instruct", "upstage-Solar-Open-100B", "openai-gpt-oss-120b"}
 # Families whose template leaves out a null argument (MiniMax-M3: "omit the field entirely").
 DROPS_NULLS = {"MiniMax-M3"}
 
@@ -415,9 +415,8 @@ NATIVE_MARKER = {"Qwen3-Coder": "<function=get_time>", "GLM-4.6": "<tool_call>ge
 # ---------------------------------------------------------------- forced calls in the family's own format
 
 # Formats whose forced calls (tool_choice "required", a named function) fall back to the JSON list any model can
-# write: their calls cannot be put into a grammar here (harmony messages, Gemma 4's notation, Solar's ids,
-# Functionary v3.2's first call without its marker).
-NO_NATIVE_FORCING = {"openai", "gemma4", "solar_open", "functionary_v3_2"}
+# write (none now).
+NO_NATIVE_FORCING: set[str] = set()
 
 
 @pytest.fixture(scope="module")
@@ -466,9 +465,13 @@ def test_forced_calls_are_generated_in_the_familys_own_format(hf_tokenizer, llg_
 
 def answer_part(tokenizer, name: str, text: str) -> str:
     """The part of a reply a forced call's grammar covers: after the thinking, from the first call on."""
+    if name == "openai":  # a harmony call's grammar covers the whole reply: the call is a message of its own
+        return text
     parser = output_parser(tokenizer, name)
     if parser.reasoning is not None:
         text = parser.parse(text).content or text
+    if name == "functionary_v3_2":  # the reply starts with the first call's name: the prompt wrote its marker
+        return text.strip()
     marker = tool_parser(name).marker or "get_"
     return text[text.index(marker):].strip() if marker in text else text.strip()
 
@@ -505,3 +508,51 @@ def test_forced_pythonic_calls_take_lists_dicts_and_any_optional_keywords(hf_tok
     for text in ("[get_time()]", "[get_time(hours=2)]", "[get_time(zone='CET', hours=2)]"):
         assert accepts(hf_tokenizer, llg_tokenizer, grammar, text), text
     assert not accepts(hf_tokenizer, llg_tokenizer, grammar, "[get_time(, hours=2)]")
+
+
+def test_forced_gemma4_calls_take_every_type_in_its_notation(hf_tokenizer, llg_tokenizer):
+    """Gemma 4's forced calls are written as its template writes them (bare sorted keys, `<|"|>` strings,
+    None), objects and arrays included, and a required argument left out is refused."""
+    family = "google-gemma-4-31B-it"
+    tokenizer = template_tokenizer(hf_tokenizer, family)
+    parser = tool_parser("gemma4")
+    schemas = [tool_parsers.CallSchema(t["function"]["name"], t["function"]["parameters"]) for t in TOOLS]
+    grammar = parser.forced_grammar(schemas, single=False, specials={})
+    calls = [("get_weather", EVERY_TYPE), ("get_time", {"zone": "CET"})]
+    text = answer_part(tokenizer, "gemma4", written_reply(tokenizer, family, calls))
+    assert text.count("<|tool_call>") == 2 and "note:None" in text
+    assert accepts(hf_tokenizer, llg_tokenizer, grammar, text), (grammar, text)
+    assert parsed(ChatOutputParser(None, parser), text)[1] == calls
+    assert not accepts(hf_tokenizer, llg_tokenizer, grammar, '<|tool_call>call:get_weather{days:3}<tool_call|>')
+
+
+@pytest.mark.slow
+def test_the_gateway_forces_gpt_oss_calls_as_harmony_messages():
+    """gpt-oss's template: tool_choice "required" and a named function are generated as a harmony message to
+    the function (its grammar from the reply's first token: the answer channel a forced answer waits for is
+    never opened by a call), and come back as tool_calls, streamed and not."""
+    import requests
+    from openai import OpenAI
+
+    from conftest import start_gateway, stop_gateway
+    process, url = start_gateway({"CUSTOM_CHAT_TEMPLATE": (TEMPLATES / "openai-gpt-oss-120b.jinja").read_text()})
+    try:
+        client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+        zones = [{"type": "function", "function": {"name": "get_time", "description": "Time in a zone.", "parameters": {
+            "type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}}, "required": ["zone"]}}}]
+        for choice, finish in (("required", "tool_calls"), ({"type": "function", "function": {"name": "get_time"}},
+                                                           "stop")):
+            request = dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", messages=QUESTION, tools=zones,
+                           tool_choice=choice, max_tokens=60, temperature=0)
+            reply = client.chat.completions.create(**request, extra_body={"return_token_ids": True})
+            (call,) = reply.choices[0].message.tool_calls
+            assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("CET", "UTC")
+            assert reply.choices[0].finish_reason == finish
+            written = requests.post(url.removesuffix("/openai/v1") + "/v1/detokenize", timeout=60,
+                                    json={"tokens": reply.choices[0].model_extra["token_ids"]}).json()["prompt"]
+            assert "to=functions.get_time" in written and written.endswith("<|call|>"), written
+            arguments = "".join(d.function.arguments or "" for chunk in client.chat.completions.create(
+                **request, stream=True) for d in (chunk.choices[0].delta.tool_calls or ()) if chunk.choices)
+            assert arguments == call.function.arguments
+    finally:
+        stop_gateway(process)

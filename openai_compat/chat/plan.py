@@ -70,7 +70,8 @@ async def plan_chat(serving: OpenAIServing, request: ChatCompletionRequest, prom
                   or request.constraint())
     grammar = None
     if constraint is not None:
-        gate = _answer_gate(tokenizer, reasoning_parser) if reasoning_parser is not None else None
+        gate = _answer_gate(tokenizer, reasoning_parser) if reasoning_parser is not None and not (
+            native is not None and native[0].forced_from_start) else None
         grammar = await serving.grammars.compile(tokenizer, constraint, gate)
     special = any(p is not None and p.needs_special_tokens for p in (reasoning_parser, tool_parser))
     return ChatPlan(grammar, reasoning_parser, tool_parser, 1 if request.parallel_tool_calls is False else None,

@@ -23,6 +23,9 @@ class CallSchema:
 class ToolParser:
     needs_special_tokens = False  # the format's markers are special tokens, so decode with them
     marker: str | None = None  # the text that opens this format's calls, if any
+    # Whether a forced call's grammar covers the reply from its first token (a harmony call is a message of its
+    # own, outside the answer channel) rather than the answer after the thinking.
+    forced_from_start = False
 
     def __init__(self, tools: list[CallSchema] | None = None):
         self.tools = {t.name: t.parameters or {} for t in tools or ()}

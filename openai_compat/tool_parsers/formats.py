@@ -2,14 +2,17 @@
 one the start-up log reports), with the families that write it."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from re import escape as regex_escape
 
 from ..output_scan import Scan
+from . import forced
 from .base import ToolParser
 from .json_formats import (HarmonyToolParser, HermesParser, LFM2Parser, Llama3JsonParser, MistralParser,
                            PythonicParser, XLamParser, tagged_json)
-from .markup import MINIMAX_NS, Markup, MarkupParser, Params, gemma_arguments, markup_parser, minimax_m3_value
+from .markup import (MINIMAX_NS, GemmaNotation, Markup, MarkupParser, Params, gemma_arguments, markup_parser,
+                     minimax_m3_value)
 
 _NAME = r"(?P<name>[\w.\-]+)"
 
@@ -123,14 +126,23 @@ class FunctionaryV32Parser(MarkupParser):
             text = ">>>" + text
         return super().scan(text, final)
 
+    def forced_grammar(self, calls, single, specials):
+        # The first call's `>>>` is the prompt's; each further call writes its own.
+        rules, call = forced.call_rules(calls, lambda _, c: f"{json.dumps(c.name + chr(10))} "
+                                                           f"{forced.json_value(c.parameters)}")
+        more = "" if single else f" ({forced.literal('>>>', specials)} {call})*"
+        return f"start: {call}{more}\n{rules}"
+
 SolarOpenParser = markup_parser(Markup(
     section=("<|tool_calls|>", "<|calls|>"),
     head=r"\s*<\|tool_call:begin\|>(?P<id>[^<]*)<\|tool_call:name\|>(?P<name>[^<]+)<\|tool_call:args\|>",
-    marker="<|tool_call:begin|>", close="<|tool_call:end|>"),
+    marker="<|tool_call:begin|>", close="<|tool_call:end|>",
+    write="<|tool_call:begin|>{id}<|tool_call:name|>{name}<|tool_call:args|>{args}<|tool_call:end|>"),
     "Solar Open: `<|tool_call:begin|>ID<|tool_call:name|>NAME<|tool_call:args|>{json}<|tool_call:end|>`.",
     special=True)
 Gemma4Parser = markup_parser(Markup(head=r"<\|tool_call>call:" + _NAME, marker="<|tool_call>",
-                                    close="<tool_call|>", convert=gemma_arguments),
+                                    close="<tool_call|>", convert=gemma_arguments,
+                                    write="<|tool_call>call:{name}{args}<tool_call|>", notation=GemmaNotation),
                              'Gemma 4: `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>`.', special=True)
 MiniCPMParser = markup_parser(Markup(head=r'<function name="(?P<name>[^"]+)">', marker='<function name="',
                                      params=Params(r'<param name="(?P<key>[^"]+)">', "</param>"),

@@ -367,7 +367,19 @@ class HarmonyToolParser(ToolParser):
     """gpt-oss: the harmony reasoning parser hands over each message addressed to a function as
     `<|start|>HEADER<|message|>ARGUMENTS<|call|>`, HEADER naming `to=functions.NAME`."""
     needs_special_tokens = True
+    forced_from_start = True
     START, MESSAGE, CALL = "<|start|>", "<|message|>", "<|call|>"
+
+    def forced_grammar(self, calls, single, specials):
+        """One call (its `<|call|>` ends the turn), in either header gpt-oss writes: the recipient before the
+        channel, as its template has it, or after it with `<|constrain|>json`, as the model card shows."""
+        def one_call(_, call):
+            lit = lambda text: forced.literal(text, specials)
+            header = (f"({lit(' to=functions.' + call.name + '<|channel|>commentary json')} | "
+                      f"{lit('<|channel|>commentary to=functions.' + call.name + ' <|constrain|>json')})")
+            return forced.seq(header, lit(self.MESSAGE), forced.json_value(call.parameters), lit(self.CALL))
+        rules, call = forced.call_rules(calls, one_call)
+        return f"start: {call}\n{rules}"
 
     def scan(self, text: str, final: bool) -> Scan:
         content: list[str] = []

@@ -10,6 +10,7 @@ text are typed by the tool's schema. While streaming, a call's arguments grow on
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -19,6 +20,8 @@ from ..output_scan import PartialCall, Scan, held_back, skip_ws, value_end
 from . import forced
 from .base import CallSchema, ToolParser, _types, json_text, typed_value
 
+# What a forced call writes where a family's call has its place in the reply or an id the model makes up.
+_PLACES = {"{index}": "/[0-9]+/", "{id}": "/[A-Za-z0-9_-]{1,40}/"}
 # The type names Kimi-K3 writes on a parameter, by the schema's type.
 _TYPE_WORDS = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean",
                "object": "object", "array": "array", "null": "null"}
@@ -50,6 +53,8 @@ class Markup:
     write: str | None = None
     write_param: str | None = None
     one_per_section: bool = False  # a section per call (Qwen3-Coder, GLM) rather than one for all
+    # Forced arguments in the family's own notation (Gemma 4): specials -> a forced.Notation; None: JSON.
+    notation: Callable[[dict[str, int]], "forced.Notation"] | None = None
 
 
 class MarkupParser(ToolParser):
@@ -247,13 +252,14 @@ class MarkupParser(ToolParser):
         head, _, tail = spec.write.partition("{args}")
 
         def words(text: str, call: CallSchema) -> str:
-            pieces = text.replace("{name}", call.name).split("{index}")
-            return ' /[0-9]+/ '.join(forced.literal(p, specials) or '""' for p in pieces) if len(pieces) > 1 \
-                else forced.literal(pieces[0], specials)
+            pieces = re.split(r"(\{index\}|\{id\})", text.replace("{name}", call.name))
+            return forced.seq(*(_PLACES.get(p) or forced.literal(p, specials) for p in pieces))
 
         def one_call(_, call: CallSchema) -> str | None:
             if spec.write_param is None:
-                return forced.seq(words(head, call), forced.json_value(call.parameters), words(tail, call))
+                arguments = forced.json_value(call.parameters) if spec.notation is None else \
+                    spec.notation(specials).value(call.parameters)
+                return None if arguments is None else forced.seq(words(head, call), arguments, words(tail, call))
             props = forced.properties(call.parameters)
             if props is None:
                 return None
@@ -323,6 +329,30 @@ def markup_parser(spec: Markup, doc: str, special: bool = False) -> type[MarkupP
 
 _GEMMA_QUOTE = '<|"|>'
 _GEMMA_WORDS = {"None": "null", "True": "true", "False": "false"}  # as its template writes Python values
+
+
+class GemmaNotation(forced.Notation):
+    """Gemma 4's notation as its template writes arguments: bare keys in sorted order, strings between `<|"|>`
+    quotes, true/false, None, no spaces."""
+    true, false, null = "true", "false", "None"
+    item_sep = field_sep = '","'
+
+    def __init__(self, specials: dict[str, int]):
+        self.quote = forced.literal(_GEMMA_QUOTE, specials)
+
+    def string(self, schema):
+        if any(k in schema for k in ("pattern", "format", "minLength", "maxLength")):
+            return None
+        return f"{self.quote} /[^<]*/ {self.quote}"
+
+    def quoted(self, value):
+        return f"{self.quote} {json.dumps(value)} {self.quote}"
+
+    def key(self, name):
+        return json.dumps(name + ":")
+
+    def ordered(self, fields):
+        return sorted(fields, key=lambda field: field[0])
 
 
 def gemma_arguments(body: str) -> str | None:
