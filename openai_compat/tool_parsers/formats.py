@@ -198,10 +198,10 @@ class Format:
 
 # In recognition order: where two formats would read the same text, the first is chosen.
 FORMATS: tuple[Format, ...] = (
-    Format(("hermes", "qwen", "qwen2_5", "qwen3", "ernie45"), HermesParser,
+    Format(("hermes", "qwen", "qwen2_5", "qwen3", "ernie45", "granite4"), HermesParser,
            "Qwen2.5, Qwen3, QwQ, Hermes 2/3, Granite 4, MiMo, Bielik"),
-    Format(("qwen3_coder", "qwen3_xml"), Qwen3XmlParser, "Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, Step 3.5"),
-    Format(("glm45", "glm47", "glm4_moe"), GlmParser, "GLM-4.5, 4.6, 4.7, Ling 3, Laguna"),
+    Format(("qwen3_coder", "qwen3_xml", "step3p5"), Qwen3XmlParser, "Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, Step 3.5"),
+    Format(("glm45", "glm47", "glm4_moe", "ling3"), GlmParser, "GLM-4.5, 4.6, 4.7, Ling 3, Laguna"),
     Format(("seed_oss",), SeedOssParser, "Seed-OSS"),
     Format(("minimax_m2",), MiniMaxM2Parser, "MiniMax-M2"),
     Format(("minimax_m3",), MiniMaxM3Parser, "MiniMax-M3"),
@@ -222,11 +222,11 @@ FORMATS: tuple[Format, ...] = (
     Format(("granite",), GraniteParser, "Granite 3.x"),
     Format(("granite-20b-fc",), Granite20bParser, "Granite 20B function calling"),
     Format(("nemotron_json",), NemotronParser, "Nemotron Nano 2"),
-    Format(("command_r",), CommandRParser, "Command R7B, Command A"),
+    Format(("command_r", "cohere_command3", "cohere_command4"), CommandRParser, "Command R7B, Command A"),
     Format(("gemma4",), Gemma4Parser, "Gemma 4"),
     Format(("solar_open",), SolarOpenParser, "Solar Open"),
-    Format(("minicpm",), MiniCPMParser, "MiniCPM 5"),
-    Format(("hunyuan",), HunyuanParser, "Hunyuan 3"),
+    Format(("minicpm", "minicpm5"), MiniCPMParser, "MiniCPM 5"),
+    Format(("hunyuan", "hy_v3"), HunyuanParser, "Hunyuan 3"),
     Format(("gigachat3",), GigaChatParser, "GigaChat 3, 3.1"),
     Format(("longcat",), LongCatParser, "LongCat-Flash"),
     Format(("internlm",), InternLMParser, "InternLM 2.5"),
