@@ -22,7 +22,8 @@ THINK_MARKERS = {"seed_oss": ("<seed:think>", "</seed:think>"),
 THINK_PARSERS = frozenset({"deepseek_r1", "qwen3", "deepseek_v3", "glm45", "ernie45", "minimax_m2",
                            "hunyuan_a13b", "think", *THINK_MARKERS})
 HARMONY_PARSERS = frozenset({"openai_gptoss", "gpt_oss", "harmony"})
-NAMES = THINK_PARSERS | HARMONY_PARSERS
+ATEM_PARSERS = frozenset({"muse_glimmer"})
+NAMES = THINK_PARSERS | HARMONY_PARSERS | ATEM_PARSERS
 
 
 def parser_name_for(setting: str | None, chat_template: str | None) -> str | None:
@@ -33,6 +34,8 @@ def parser_name_for(setting: str | None, chat_template: str | None) -> str | Non
     template = chat_template or ""
     if "<|channel|>" in template and "<|message|>" in template:
         return "openai_gptoss"
+    if "to=self<|message|>" in template:
+        return "muse_glimmer"
     for name, (_, close) in THINK_MARKERS.items():
         if close in template:
             return name
@@ -185,9 +188,49 @@ class HarmonyParser(ReasoningParser):
         return None, f"{self.CHANNEL}final{self.MESSAGE}", True
 
 
+class AtemParser(ReasoningParser):
+    """Muse Glimmer (ATEM): messages `<|start|>assistant to=RECIPIENT<|message|>...<|eom|>` (or `<|eot|>`, which
+    ends the turn). To `self`: thinking; to `user` (or no one): the answer; to a tool: a call, whose body goes to
+    the content whole for the `muse_glimmer` tool parser. The generation prompt writes the first
+    `<|start|>assistant`."""
+    needs_special_tokens = True
+    START, MESSAGE = "<|start|>", "<|message|>"
+    ENDS = ("<|eom|>", "<|eot|>")
+    markers = (START, MESSAGE, *ENDS)
+
+    def split(self, text: str, final: bool) -> Split:
+        reasoning: list[str] = []
+        content: list[str] = []
+        at = 0
+        while at < len(text):
+            if text.startswith(self.START, at):
+                at += len(self.START)
+            header_end = text.find(self.MESSAGE, at)
+            if header_end == -1:
+                break  # the header is still being written
+            header = text[at:header_end]
+            recipient = header.split("to=", 1)[1].split()[0] if "to=" in header else "user"
+            body_start = header_end + len(self.MESSAGE)
+            found = [(i, e) for e in self.ENDS if (i := text.find(e, body_start)) != -1]
+            end, marker = min(found) if found else (len(text), "")
+            body = text[body_start:end]
+            if not found and not final:
+                body = body[:len(body) - held_back(body, self.markers)]
+            (reasoning if recipient == "self" else content).append(body)
+            if not found:
+                break
+            at = end + len(marker)
+        return Split("".join(reasoning) if reasoning else None, "".join(content))
+
+    def answer_gate(self) -> tuple[str | None, str, bool]:
+        return None, f" to=user{self.MESSAGE}", True
+
+
 def make_parser(name: str, prompt_text: str) -> ReasoningParser:
     if name in HARMONY_PARSERS:
         return HarmonyParser()
+    if name in ATEM_PARSERS:
+        return AtemParser()
     if name == "kimi_k3":
         return KimiK3Parser(prompt_text)
     return ThinkParser(prompt_text, THINK_MARKERS.get(name))

@@ -72,6 +72,7 @@ FAMILIES = {
     "Apertus-8B-Instruct": ("apertus", "<|assistant_start|>", "<|tools_suffix|>"),
     "MiniMax-M3": ("minimax_m3", "]~b]ai\n", "[e~["),
     "Salesforce-xLAM-2-llama": ("xlam", *LLAMA),
+    "muse-glimmer": ("muse_glimmer", "<|start|>assistant", "<|eot|>"),
     "Kimi-K3": ("kimi_k3", '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>', "<|close|>message<|sep|>"),
 }
 # Templates that show no past calls: recognised from the format their tools prompt asks for.
@@ -465,7 +466,7 @@ def test_forced_calls_are_generated_in_the_familys_own_format(hf_tokenizer, llg_
 
 def answer_part(tokenizer, name: str, text: str) -> str:
     """The part of a reply a forced call's grammar covers: after the thinking, from the first call on."""
-    if name == "openai":  # a harmony call's grammar covers the whole reply: the call is a message of its own
+    if tool_parser(name).forced_from_start:  # the grammar covers the whole reply: a call is a message of its own
         return text
     parser = output_parser(tokenizer, name)
     if parser.reasoning is not None:
@@ -560,7 +561,7 @@ def test_the_gateway_forces_gpt_oss_calls_as_harmony_messages():
 
 # vLLM's TOOL_CALL_PARSER names (its tool_parsers registry) that name a format under another of its names here.
 VLLM_ALIASES = {"granite4": "hermes", "step3p5": "qwen3_coder", "ling3": "glm45", "glm47": "glm45",
-                "cohere_command3": "command_r", "cohere_command4": "command_r", "minicpm5": "minicpm",
+                "cohere_command3": "command_r", "cohere_command4": "command_r", "minicpm5": "minicpm", "poolside_v1": "glm45",
                 "hy_v3": "hunyuan", "llama4_json": "llama3_json", "llama4_pythonic": "pythonic", "olmo3": "pythonic",
                 "qwen3_xml": "qwen3_coder", "jamba": "minimax", "hunyuan_a13b": "minimax", "ernie45": "hermes"}
 

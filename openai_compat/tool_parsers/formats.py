@@ -3,6 +3,7 @@ one the start-up log reports), with the families that write it."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from re import escape as regex_escape
 
@@ -133,6 +134,28 @@ class FunctionaryV32Parser(MarkupParser):
         more = "" if single else f" ({forced.literal('>>>', specials)} {call})*"
         return f"start: {call}{more}\n{rules}"
 
+class MuseGlimmerParser(MarkupParser):
+    """Muse Glimmer (ATEM): each call a message to the tool, `<|start|>assistant to=NAME<|message|>` and
+    `<atem:function_calls><atem:invoke name="NAME"><atem:parameter name="KEY">value</atem:parameter>
+    </atem:invoke></atem:function_calls>` (the `muse_glimmer` reasoning parser hands over the bodies). Forced calls
+    write the messages from the reply's first token: the prompt wrote the first `<|start|>assistant`."""
+    needs_special_tokens = True
+    forced_from_start = True
+    spec = Markup(section=("<atem:function_calls>", "</atem:function_calls>"),
+                  head=r'\s*<atem:invoke name="(?P<name>[^"]+)">', marker="<atem:invoke",
+                  params=Params(r'\s*<atem:parameter name="(?P<key>[^"]+)">', "</atem:parameter>"),
+                  close="</atem:invoke>",
+                  write=' to={name}<|message|><atem:function_calls>\n<atem:invoke name="{name}">\n{args}'
+                        '</atem:invoke>\n</atem:function_calls>',
+                  write_param='<atem:parameter name="{key}">{value}</atem:parameter>\n',
+                  call_separator="<|eom|><|start|>assistant")
+
+    def scan(self, text, final):  # without its reasoning parser, the message headers are no content
+        return super().scan(_ATEM_HEADER.sub("", text), final) if "to=" in text else super().scan(text, final)
+
+
+_ATEM_HEADER = re.compile(r"(?:<\|start\|>assistant)? to=[^<\s]+<\|message\|>|<\|eom\|>|<\|eot\|>")
+
 SolarOpenParser = markup_parser(Markup(
     section=("<|tool_calls|>", "<|calls|>"),
     head=r"\s*<\|tool_call:begin\|>(?P<id>[^<]*)<\|tool_call:name\|>(?P<name>[^<]+)<\|tool_call:args\|>",
@@ -201,7 +224,7 @@ FORMATS: tuple[Format, ...] = (
     Format(("hermes", "qwen", "qwen2_5", "qwen3", "ernie45", "granite4"), HermesParser,
            "Qwen2.5, Qwen3, QwQ, Hermes 2/3, Granite 4, MiMo, Bielik"),
     Format(("qwen3_coder", "qwen3_xml", "step3p5"), Qwen3XmlParser, "Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, Step 3.5"),
-    Format(("glm45", "glm47", "glm4_moe", "ling3"), GlmParser, "GLM-4.5, 4.6, 4.7, Ling 3, Laguna"),
+    Format(("glm45", "glm47", "glm4_moe", "ling3", "poolside_v1"), GlmParser, "GLM-4.5, 4.6, 4.7, Ling 3, Laguna"),
     Format(("seed_oss",), SeedOssParser, "Seed-OSS"),
     Format(("minimax_m2",), MiniMaxM2Parser, "MiniMax-M2"),
     Format(("minimax_m3",), MiniMaxM3Parser, "MiniMax-M3"),
@@ -224,6 +247,7 @@ FORMATS: tuple[Format, ...] = (
     Format(("nemotron_json",), NemotronParser, "Nemotron Nano 2"),
     Format(("command_r", "cohere_command3", "cohere_command4"), CommandRParser, "Command R7B, Command A"),
     Format(("gemma4",), Gemma4Parser, "Gemma 4"),
+    Format(("muse_glimmer",), MuseGlimmerParser, "Muse Glimmer"),
     Format(("solar_open",), SolarOpenParser, "Solar Open"),
     Format(("minicpm", "minicpm5"), MiniCPMParser, "MiniCPM 5"),
     Format(("hunyuan", "hy_v3"), HunyuanParser, "Hunyuan 3"),

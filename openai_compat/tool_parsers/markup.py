@@ -53,6 +53,7 @@ class Markup:
     write: str | None = None
     write_param: str | None = None
     one_per_section: bool = False  # a section per call (Qwen3-Coder, GLM) rather than one for all
+    call_separator: str | None = None  # forced calls: what a family writes between two calls (else a line break)
     # Forced arguments in the family's own notation (Gemma 4): specials -> a forced.Notation; None: JSON.
     notation: Callable[[dict[str, int]], "forced.Notation"] | None = None
 
@@ -309,9 +310,10 @@ class MarkupParser(ToolParser):
         if built is None:
             return None
         rules, call = built
-        many = "" if single else f" ({forced.SPACE} {call})*"
-        if spec.section is None:
-            return f"start: {call}{many}\n{rules}"
+        between = forced.literal(spec.call_separator, specials) if spec.call_separator else forced.SPACE
+        many = "" if single else f" ({between} {call})*"
+        if spec.section is None or spec.write.find("{args}") > spec.write.find(spec.section[0]) >= 0:
+            return f"start: {call}{many}\n{rules}"  # no section, or each call writes its own
         opener, closer = (forced.literal(t, specials) for t in spec.section)
         if spec.one_per_section:
             group = forced.seq(opener, call, closer)
