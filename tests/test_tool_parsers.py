@@ -59,6 +59,10 @@ RECORDED.update({
               'function<｜tool_sep｜><steptml:invoke name="get_time"><steptml:parameter name="zone">CET'
               '</steptml:parameter></steptml:invoke><｜tool_call_end｜><｜tool_calls_end｜>',
               "Checking.", [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
+    # FunctionGemma as its model card and vLLM's parser describe it (its template is not in llama.cpp's set).
+    "functiongemma": ('<start_function_call>call:get_weather{city:<escape>Paris<escape>,unit:<escape>celsius<escape>}'
+                      '<end_function_call><start_function_call>call:get_time{zone:<escape>CET<escape>}'
+                      '<end_function_call>', None, [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
     # xLAM also writes its list in a ```json block, with text around it.
     "xlam_fenced": ('Here you go:\n```json\n[{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
                     '"celsius"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]\n```',
@@ -67,7 +71,8 @@ RECORDED.update({
 PARSER_OF = {"hermes": "hermes", "llama3_json": "llama3_json", "llama3_json_python_tag": "llama3_json",
              "mistral": "mistral", "mistral_v11": "mistral", "pythonic": "pythonic", "longcat": "longcat",
              "internlm": "internlm", "phi4_mini_json": "phi4_mini_json", "jamba": "jamba",
-             "granite-20b-fc": "granite-20b-fc", "step3": "step3", "xlam_fenced": "xlam"}
+             "granite-20b-fc": "granite-20b-fc", "step3": "step3", "xlam_fenced": "xlam",
+             "functiongemma": "functiongemma"}
 
 
 def stream(parser: ChatOutputParser, text: str, piece: int = 3) -> dict:

@@ -12,8 +12,8 @@ from . import forced
 from .base import ToolParser
 from .json_formats import (HarmonyToolParser, HermesParser, LFM2Parser, Llama3JsonParser, MistralParser,
                            PythonicParser, XLamParser, tagged_json)
-from .markup import (MINIMAX_NS, GemmaNotation, Markup, MarkupParser, Params, gemma_arguments, markup_parser,
-                     minimax_m3_value)
+from .markup import (MINIMAX_NS, FunctionGemmaNotation, GemmaNotation, Markup, MarkupParser, Params,
+                     function_gemma_arguments, gemma_arguments, markup_parser, minimax_m3_value)
 
 _NAME = r"(?P<name>[\w.\-]+)"
 
@@ -167,6 +167,12 @@ Gemma4Parser = markup_parser(Markup(head=r"<\|tool_call>call:" + _NAME, marker="
                                     close="<tool_call|>", convert=gemma_arguments,
                                     write="<|tool_call>call:{name}{args}<tool_call|>", notation=GemmaNotation),
                              'Gemma 4: `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>`.', special=True)
+FunctionGemmaParser = markup_parser(Markup(
+    head=r"<start_function_call>call:" + _NAME, marker="<start_function_call>", close="<end_function_call>",
+    convert=function_gemma_arguments, write="<start_function_call>call:{name}{args}<end_function_call>",
+    notation=FunctionGemmaNotation),
+    "FunctionGemma: `<start_function_call>call:NAME{key:<escape>text<escape>,n:3}<end_function_call>`.",
+    special=True)
 MiniCPMParser = markup_parser(Markup(head=r'<function name="(?P<name>[^"]+)">', marker='<function name="',
                                      params=Params(r'<param name="(?P<key>[^"]+)">', "</param>"),
                                      close="</function>", write='<function name="{name}">{args}</function>',
@@ -247,6 +253,7 @@ FORMATS: tuple[Format, ...] = (
     Format(("nemotron_json",), NemotronParser, "Nemotron Nano 2"),
     Format(("command_r", "cohere_command3", "cohere_command4"), CommandRParser, "Command R7B, Command A"),
     Format(("gemma4",), Gemma4Parser, "Gemma 4"),
+    Format(("functiongemma",), FunctionGemmaParser, "FunctionGemma"),
     Format(("muse_glimmer",), MuseGlimmerParser, "Muse Glimmer"),
     Format(("solar_open",), SolarOpenParser, "Solar Open"),
     Format(("minicpm", "minicpm5"), MiniCPMParser, "MiniCPM 5"),

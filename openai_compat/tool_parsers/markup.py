@@ -339,8 +339,10 @@ class GemmaNotation(forced.Notation):
     true, false, null = "true", "false", "None"
     item_sep = field_sep = '","'
 
+    quote_text = _GEMMA_QUOTE
+
     def __init__(self, specials: dict[str, int]):
-        self.quote = forced.literal(_GEMMA_QUOTE, specials)
+        self.quote = forced.literal(self.quote_text, specials)
 
     def string(self, schema):
         if any(k in schema for k in ("pattern", "format", "minLength", "maxLength")):
@@ -357,17 +359,27 @@ class GemmaNotation(forced.Notation):
         return sorted(fields, key=lambda field: field[0])
 
 
-def gemma_arguments(body: str) -> str | None:
-    """`{city:<|"|>Paris<|"|>,days:3}` as JSON: keys are bare words and strings sit between `<|"|>` quotes."""
+class FunctionGemmaNotation(GemmaNotation):
+    """FunctionGemma's: Gemma 4's notation with `<escape>` around strings."""
+    quote_text = "<escape>"
+
+
+def function_gemma_arguments(body: str) -> str | None:
+    return gemma_arguments(body, "<escape>")
+
+
+def gemma_arguments(body: str, quote: str = _GEMMA_QUOTE) -> str | None:
+    """`{city:<|"|>Paris<|"|>,days:3}` as JSON: keys are bare words and strings sit between `<|"|>` quotes
+    (FunctionGemma's `<escape>`)."""
     out: list[str] = []
     i = 0
     while i < len(body):
-        if body.startswith(_GEMMA_QUOTE, i):
-            stop = body.find(_GEMMA_QUOTE, i + len(_GEMMA_QUOTE))
+        if body.startswith(quote, i):
+            stop = body.find(quote, i + len(quote))
             if stop == -1:
                 return None
-            out.append(json_text(body[i + len(_GEMMA_QUOTE):stop]))
-            i = stop + len(_GEMMA_QUOTE)
+            out.append(json_text(body[i + len(quote):stop]))
+            i = stop + len(quote)
         elif body[i] in "{}[],:":
             out.append(body[i])
             i += 1
@@ -375,7 +387,7 @@ def gemma_arguments(body: str) -> str | None:
             i += 1
         else:
             j = i
-            while j < len(body) and body[j] not in "{}[],:" and not body.startswith(_GEMMA_QUOTE, j):
+            while j < len(body) and body[j] not in "{}[],:" and not body.startswith(quote, j):
                 j += 1
             word = body[i:j].strip()
             following = skip_ws(body, j)
