@@ -63,6 +63,13 @@ RECORDED.update({
     "functiongemma": ('<start_function_call>call:get_weather{city:<escape>Paris<escape>,unit:<escape>celsius<escape>}'
                       '<end_function_call><start_function_call>call:get_time{zone:<escape>CET<escape>}'
                       '<end_function_call>', None, [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
+    # dots and Inkling as vLLM's parsers describe them (no template of theirs in llama.cpp's set).
+    "dots": ('I will check.<dots_function_call>\n<invoke name="get_weather">\n<parameter name="city">\nParis\n'
+             '</parameter>\n<parameter name="unit">\ncelsius\n</parameter>\n</invoke>\n<invoke name="get_time">\n'
+             '<parameter name="zone">\nCET\n</parameter>\n</invoke>\n</dots_function_call>',
+             "I will check.", [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
+    "inkling": ('<|message_model|><|content_invoke_tool_json|>{"name": "get_time", "arguments": {"zone": "CET"}}'
+                '<|end_message|>', None, [("get_time", {"zone": "CET"})]),
     # xLAM also writes its list in a ```json block, with text around it.
     "xlam_fenced": ('Here you go:\n```json\n[{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
                     '"celsius"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]\n```',
@@ -72,7 +79,7 @@ PARSER_OF = {"hermes": "hermes", "llama3_json": "llama3_json", "llama3_json_pyth
              "mistral": "mistral", "mistral_v11": "mistral", "pythonic": "pythonic", "longcat": "longcat",
              "internlm": "internlm", "phi4_mini_json": "phi4_mini_json", "jamba": "jamba",
              "granite-20b-fc": "granite-20b-fc", "step3": "step3", "xlam_fenced": "xlam",
-             "functiongemma": "functiongemma"}
+             "functiongemma": "functiongemma", "dots": "dots", "inkling": "inkling"}
 
 
 def stream(parser: ChatOutputParser, text: str, piece: int = 3) -> dict:

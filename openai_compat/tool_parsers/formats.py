@@ -79,6 +79,11 @@ KimiK3Parser = markup_parser(Markup(
     write_param='<|open|>argument key="{key}" type="{type}"<|sep|>{value}<|close|>argument<|sep|>'),
     'Kimi-K3: `<|open|>call tool="NAME" index="1"<|sep|><|open|>argument key="KEY" type="TYPE"<|sep|>value'
     '<|close|>argument<|sep|><|close|>call<|sep|>` in `<|open|>tools<|sep|>`.', special=True)
+DotsParser = markup_parser(Markup(
+    section=("<dots_function_call>", "</dots_function_call>"), head=r'\s*<invoke name="?(?P<name>[^">]+)"?>',
+    marker="<invoke", params=Params(r'<parameter name="?(?P<key>[^">]+)"?>', "</parameter>"), close="</invoke>",
+    write='\n<invoke name="{name}">\n{args}</invoke>', write_param='<parameter name="{key}">\n{value}\n</parameter>\n'),
+    'dots: MiniMax-M2\'s invocations, each value on its own lines, in `<dots_function_call>`.')
 DeepSeekV32Parser = markup_parser(Markup(section=("<｜DSML｜function_calls>", "</｜DSML｜function_calls>"),
                                          **_DSML_PARAMS),
                                   'DeepSeek-V3.2: `<｜DSML｜invoke name="NAME"><｜DSML｜parameter name="KEY" '
@@ -200,6 +205,9 @@ CommandRParser = tagged_json("<|START_ACTION|>", "<|END_ACTION|>",
                              '<|END_ACTION|>`.', name_keys=("tool_name", "name"),
                              argument_keys=("parameters", "arguments"), special=True, id_key="tool_call_id",
                              layout="list")
+InklingParser = tagged_json("<|message_model|><|content_invoke_tool_json|>", "<|end_message|>",
+                            "Inkling: `<|message_model|><|content_invoke_tool_json|>{json}<|end_message|>`.",
+                            special=True, also_open=("<|content_invoke_tool_json|>",))
 GigaChatParser = tagged_json("<|function_call|>", None,
                              "GigaChat 3.1: `<|function_call|>{json}`; GigaChat 3: the call as its own message, "
                              "`<|message_sep|>\n\nfunction call<|role_sep|>\n{json}`.",
@@ -234,6 +242,7 @@ FORMATS: tuple[Format, ...] = (
     Format(("seed_oss",), SeedOssParser, "Seed-OSS"),
     Format(("minimax_m2",), MiniMaxM2Parser, "MiniMax-M2"),
     Format(("minimax_m3",), MiniMaxM3Parser, "MiniMax-M3"),
+    Format(("dots",), DotsParser, "dots"),
     Format(("minimax", "apriel", "jamba", "hunyuan_a13b"), MiniMaxParser,
            "MiniMax-M1, Apriel 1.5/1.6, Jamba 1.5+, Hunyuan-A13B"),
     Format(("kimi_k2",), KimiK2Parser, "Kimi-K2"),
@@ -260,6 +269,7 @@ FORMATS: tuple[Format, ...] = (
     Format(("hunyuan", "hy_v3"), HunyuanParser, "Hunyuan 3"),
     Format(("gigachat3",), GigaChatParser, "GigaChat 3, 3.1"),
     Format(("longcat",), LongCatParser, "LongCat-Flash"),
+    Format(("inkling",), InklingParser, "Inkling"),
     Format(("internlm",), InternLMParser, "InternLM 2.5"),
     Format(("phi4_mini_json",), Phi4MiniParser, "Phi-4-mini"),
     Format(("apertus",), ApertusParser, "Apertus"),
