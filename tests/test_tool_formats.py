@@ -560,7 +560,7 @@ def test_the_gateway_forces_gpt_oss_calls_as_harmony_messages():
 
 
 # vLLM's TOOL_CALL_PARSER names (its tool_parsers registry) that name a format under another of its names here.
-VLLM_ALIASES = {"granite4": "hermes", "step3p5": "qwen3_coder", "ling3": "glm45", "glm47": "glm45",
+VLLM_ALIASES = {"granite4": "hermes", "step3p5": "qwen3_coder", "mimo": "qwen3_coder", "ling3": "glm45", "glm47": "glm45",
                 "cohere_command3": "command_r", "cohere_command4": "command_r", "minicpm5": "minicpm", "poolside_v1": "glm45",
                 "hy_v3": "hunyuan", "llama4_json": "llama3_json", "llama4_pythonic": "pythonic", "olmo3": "pythonic",
                 "qwen3_xml": "qwen3_coder", "jamba": "minimax", "hunyuan_a13b": "minimax", "ernie45": "hermes"}

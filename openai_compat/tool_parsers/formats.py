@@ -237,7 +237,7 @@ class Format:
 FORMATS: tuple[Format, ...] = (
     Format(("hermes", "qwen", "qwen2_5", "qwen3", "ernie45", "granite4"), HermesParser,
            "Qwen2.5, Qwen3, QwQ, Hermes 2/3, Granite 4, MiMo, Bielik"),
-    Format(("qwen3_coder", "qwen3_xml", "step3p5"), Qwen3XmlParser, "Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, Step 3.5"),
+    Format(("qwen3_coder", "qwen3_xml", "step3p5", "mimo"), Qwen3XmlParser, "Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, Step 3.5"),
     Format(("glm45", "glm47", "glm4_moe", "ling3", "poolside_v1"), GlmParser, "GLM-4.5, 4.6, 4.7, Ling 3, Laguna"),
     Format(("seed_oss",), SeedOssParser, "Seed-OSS"),
     Format(("minimax_m2",), MiniMaxM2Parser, "MiniMax-M2"),
