@@ -70,6 +70,13 @@ RECORDED.update({
              "I will check.", [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]),
     "inkling": ('<|message_model|><|content_invoke_tool_json|>{"name": "get_time", "arguments": {"zone": "CET"}}'
                 '<|end_message|>', None, [("get_time", {"zone": "CET"})]),
+    # HY v4 as vLLM's parser describes it: Hunyuan 3's tags with the checkpoint's own suffix, or none.
+    "hy_v4": ('Checking.<tool_calls:6124c78e>\n<tool_call:6124c78e>get_weather<tool_sep:6124c78e>\n'
+              '<arg_key:6124c78e>city</arg_key:6124c78e>\n<arg_value:6124c78e>Paris</arg_value:6124c78e>\n'
+              '<arg_key:6124c78e>unit</arg_key:6124c78e>\n<arg_value:6124c78e>celsius</arg_value:6124c78e>\n'
+              '</tool_call:6124c78e></tool_calls:6124c78e>', "Checking.", [("get_weather", WEATHER)]),
+    "hy_v4_unsuffixed": ('<tool_calls><tool_call>get_time<tool_sep><arg_key>zone</arg_key><arg_value>CET'
+                         '</arg_value></tool_call></tool_calls>', None, [("get_time", {"zone": "CET"})]),
     # xLAM also writes its list in a ```json block, with text around it.
     "xlam_fenced": ('Here you go:\n```json\n[{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
                     '"celsius"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]\n```',
@@ -79,7 +86,8 @@ PARSER_OF = {"hermes": "hermes", "llama3_json": "llama3_json", "llama3_json_pyth
              "mistral": "mistral", "mistral_v11": "mistral", "pythonic": "pythonic", "longcat": "longcat",
              "internlm": "internlm", "phi4_mini_json": "phi4_mini_json", "jamba": "jamba",
              "granite-20b-fc": "granite-20b-fc", "step3": "step3", "xlam_fenced": "xlam",
-             "functiongemma": "functiongemma", "dots": "dots", "inkling": "inkling"}
+             "functiongemma": "functiongemma", "dots": "dots", "inkling": "inkling",
+             "hy_v4": "hy_v4", "hy_v4_unsuffixed": "hy_v4"}
 
 
 def stream(parser: ChatOutputParser, text: str, piece: int = 3) -> dict:

@@ -183,15 +183,48 @@ MiniCPMParser = markup_parser(Markup(head=r'<function name="(?P<name>[^"]+)">', 
                                      close="</function>", write='<function name="{name}">{args}</function>',
                                      write_param='<param name="{key}">{value}</param>'),
                               'MiniCPM 5: `<function name="NAME"><param name="KEY">value</param></function>`.')
-HunyuanParser = markup_parser(Markup(
-    section=("<tool_calls:opensource>", "</tool_calls:opensource>"),
-    head=r"\s*<tool_call:opensource>(?P<name>[^<]+?)<tool_sep:opensource>", marker="<tool_call:opensource>",
-    params=Params(r"<arg_key:opensource>(?P<key>[^<]*)</arg_key:opensource>\s*<arg_value:opensource>",
-                  "</arg_value:opensource>"), close="</tool_call:opensource>",
-    write="\n<tool_call:opensource>{name}<tool_sep:opensource>\n{args}</tool_call:opensource>",
-    write_param="<arg_key:opensource>{key}</arg_key:opensource>\n"
-                "<arg_value:opensource>{value}</arg_value:opensource>\n"),
-    "Hunyuan 3: GLM's keys and values, each tag suffixed `:opensource`.", special=True)
+def _hunyuan(suffix: str) -> Markup:
+    """Hunyuan's calls (GLM's keys and values) with each tag suffixed as the checkpoint's tokens are."""
+    tag = lambda name: f"<{name}{suffix}>"
+    e = regex_escape
+    return Markup(
+        section=(tag("tool_calls"), tag("/tool_calls")),
+        head=r"\s*" + e(tag("tool_call")) + r"(?P<name>[^<]+?)" + e(tag("tool_sep")), marker=tag("tool_call"),
+        params=Params(e(tag("arg_key")) + r"(?P<key>[^<]*)" + e(tag("/arg_key")) + r"\s*" + e(tag("arg_value")),
+                      tag("/arg_value")),
+        close=tag("/tool_call"),
+        write="\n" + tag("tool_call") + "{name}" + tag("tool_sep") + "\n{args}" + tag("/tool_call"),
+        write_param=tag("arg_key") + "{key}" + tag("/arg_key") + "\n" + tag("arg_value") + "{value}"
+                    + tag("/arg_value") + "\n")
+
+
+HunyuanParser = markup_parser(_hunyuan(":opensource"), "Hunyuan 3: GLM's keys and values, each tag suffixed "
+                              "`:opensource`.", special=True)
+
+
+class HunyuanV4Parser(ToolParser):
+    """HY v4: Hunyuan 3's calls with the checkpoint's own suffix on each tag (`<tool_calls:6124c78e>`, or none),
+    read from the calls' opening tag, and for forced calls from the tokenizer's special tokens."""
+    needs_special_tokens = True
+    marker = "<tool_calls"
+    _OPEN = re.compile(r"<tool_calls(:\w+)?>")
+    _PARTIAL = re.compile(r"<tool_calls(:\w*)?$")
+
+    def _parser(self, suffix: str) -> MarkupParser:
+        parser = markup_parser(_hunyuan(suffix), "HY v4")()
+        parser.tools = self.tools
+        return parser
+
+    def scan(self, text, final):
+        opened = self._OPEN.search(text)
+        if opened is None and not final and (partial := self._PARTIAL.search(text)):
+            return Scan(text[:partial.start()])  # the suffix is still being written
+        return self._parser(opened.group(1) or "" if opened else "").scan(text, final)
+
+    def forced_grammar(self, calls, single, specials):
+        suffix = next((t[len("<tool_calls"):-1] for t in specials if self._OPEN.fullmatch(t)), "")
+        return self._parser(suffix).forced_grammar(calls, single, specials)
+
 
 MiniMaxParser = tagged_json("<tool_calls>", "</tool_calls>",
                             "MiniMax-M1, Apriel: JSON calls (one per line, or a list) in `<tool_calls>`.",
@@ -267,6 +300,7 @@ FORMATS: tuple[Format, ...] = (
     Format(("solar_open",), SolarOpenParser, "Solar Open"),
     Format(("minicpm", "minicpm5"), MiniCPMParser, "MiniCPM 5"),
     Format(("hunyuan", "hy_v3"), HunyuanParser, "Hunyuan 3"),
+    Format(("hy_v4",), HunyuanV4Parser, "HY v4"),
     Format(("gigachat3",), GigaChatParser, "GigaChat 3, 3.1"),
     Format(("longcat",), LongCatParser, "LongCat-Flash"),
     Format(("inkling",), InklingParser, "Inkling"),
