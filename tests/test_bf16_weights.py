@@ -175,6 +175,25 @@ def test_only_float32_weights_of_bfloat16_values_take_the_product():
     assert not bf16_weights.bfloat16_values(off)
 
 
+def test_a_start_reads_each_weight_once_to_find_bfloat16_values(monkeypatch):
+    """A start asks which layers hold bfloat16 values twice (what will be served, then apply): each weight is read
+    once, and read again once it changes."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(3)))
+    with torch.no_grad():
+        for layer in model:
+            layer.weight.copy_(layer.weight.bfloat16().float())
+    reads = []
+    scan = bf16_weights._all_bfloat16
+    monkeypatch.setattr(bf16_weights, "_all_bfloat16", lambda w: reads.append(w) or scan(w))
+    for _ in range(2):
+        assert bf16_weights._candidates(model, torch.float32) == list(model)
+    assert len(reads) == 3
+    with torch.no_grad():
+        model[1].weight.add_(1e-3)  # no longer bfloat16 values
+    # The first is still known, the second read again; one that is not bfloat16 values ends the question.
+    assert bf16_weights._candidates(model, torch.float32) == [] and len(reads) == 4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("weights", ["bfloat16", "float32"])
 def test_a_bfloat16_checkpoint_served_as_float32_reads_its_weights_as_bfloat16(tmp_path, tokenizer_folder,

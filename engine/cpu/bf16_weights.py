@@ -24,6 +24,7 @@ import hashlib
 import logging
 import math
 import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -91,8 +92,28 @@ def _rows_dtype(kernels) -> torch.dtype | None:
     return torch.float32 if getattr(kernels, "bf16_weights_supported", lambda: False)() else None
 
 
+# id(tensor) -> (a weak reference to it, its version counter, whether all its values are bfloat16 ones): a start
+# asks twice (what will be served, then apply), and each answer reads the whole weight. (Tensors compare by value,
+# so a WeakKeyDictionary cannot hold them.)
+_BF16_VALUES: dict[int, tuple[weakref.ref, int, bool]] = {}
+
+
 def bfloat16_values(weight: torch.Tensor) -> bool:
     """Whether every value of a float32 tensor is a bfloat16 value (the low 16 bits of each are zero)."""
+    key = id(weight)
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor keeps no version counter (a loaded model's weights, written once)
+        version = -1
+    known = _BF16_VALUES.get(key)
+    if known is not None and known[0]() is weight and known[1] == version:
+        return known[2]
+    verdict = _all_bfloat16(weight)
+    _BF16_VALUES[key] = (weakref.ref(weight, lambda _: _BF16_VALUES.pop(key, None)), version, verdict)
+    return verdict
+
+
+def _all_bfloat16(weight: torch.Tensor) -> bool:
     return not bool(torch.bitwise_and(weight.detach().view(torch.int32), 0xFFFF).any())
 
 
