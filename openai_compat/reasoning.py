@@ -145,15 +145,21 @@ class KimiK3Parser(ThinkParser):
         return Split(split.reasoning, body[:end] + body[end + len(closer):])
 
 
-class HarmonyParser(ReasoningParser):
-    """gpt-oss: `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...`.
-    Its markers are special tokens, so the output is decoded with them. A message addressed to a function
-    (`to=functions.NAME` in its header) is a tool call: it goes to the content whole, from `<|start|>` to its
-    end, for the `openai` tool parser to read."""
+class MessagesParser(ReasoningParser):
+    """A reply written as messages, `<|start|>HEADER<|message|>BODY` and one of `ENDS` (gpt-oss's harmony, Muse
+    Glimmer's ATEM). The generation prompt writes the first `<|start|>` and role; `route` says where each message
+    goes. The markers are special tokens, so the output is decoded with them."""
     needs_special_tokens = True
-    START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
-    ENDS = ("<|end|>", "<|return|>", "<|call|>")
-    markers = (START, CHANNEL, MESSAGE, *ENDS)
+    START, MESSAGE = "<|start|>", "<|message|>"
+    ENDS: tuple[str, ...] = ()
+
+    @property
+    def markers(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (self.START, self.MESSAGE, *self.ENDS)
+
+    def route(self, header: str, body: str, end: str) -> tuple[bool, str]:
+        """(whether the message is thinking, the text it adds to the thinking or to the content)."""
+        raise NotImplementedError
 
     def split(self, text: str, final: bool) -> Split:
         reasoning: list[str] = []
@@ -172,55 +178,44 @@ class HarmonyParser(ReasoningParser):
             body = text[body_start:end]
             if not found and not final:
                 body = body[:len(body) - held_back(body, self.markers)]
-            words = header.split(self.CHANNEL, 1)[1].split() if self.CHANNEL in header else []
-            if "to=functions." in header:
-                content.append(f"{self.START}{header}{self.MESSAGE}{body}{marker}")
-            elif words[:1] == ["final"]:
-                content.append(body)
-            else:
-                reasoning.append(body)
+            thinking, part = self.route(header, body, marker)
+            (reasoning if thinking else content).append(part)
             if not found:
                 break
             at = end + len(marker)
         return Split("".join(reasoning) if reasoning else None, "".join(content))
+
+
+class HarmonyParser(MessagesParser):
+    """gpt-oss: `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...`. A
+    message addressed to a function (`to=functions.NAME` in its header) is a tool call: it goes to the content
+    whole, from `<|start|>` to its end, for the `openai` tool parser to read."""
+    CHANNEL = "<|channel|>"
+    ENDS = ("<|end|>", "<|return|>", "<|call|>")
+
+    @property
+    def markers(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (self.START, self.CHANNEL, self.MESSAGE, *self.ENDS)
+
+    def route(self, header, body, end):
+        if "to=functions." in header:
+            return False, f"{self.START}{header}{self.MESSAGE}{body}{end}"
+        words = header.split(self.CHANNEL, 1)[1].split() if self.CHANNEL in header else []
+        return words[:1] != ["final"], body
 
     def answer_gate(self) -> tuple[str | None, str, bool]:
         return None, f"{self.CHANNEL}final{self.MESSAGE}", True
 
 
-class AtemParser(ReasoningParser):
-    """Muse Glimmer (ATEM): messages `<|start|>assistant to=RECIPIENT<|message|>...<|eom|>` (or `<|eot|>`, which
-    ends the turn). To `self`: thinking; to `user` (or no one): the answer; to a tool: a call, whose body goes to
-    the content whole for the `muse_glimmer` tool parser. The generation prompt writes the first
-    `<|start|>assistant`."""
-    needs_special_tokens = True
-    START, MESSAGE = "<|start|>", "<|message|>"
+class AtemParser(MessagesParser):
+    """Muse Glimmer (ATEM): `<|start|>assistant to=RECIPIENT<|message|>...<|eom|>` (or `<|eot|>`, which ends the
+    turn). To `self`: thinking; to `user` (or no one): the answer; to a tool: a call, whose body goes to the
+    content whole for the `muse_glimmer` tool parser."""
     ENDS = ("<|eom|>", "<|eot|>")
-    markers = (START, MESSAGE, *ENDS)
 
-    def split(self, text: str, final: bool) -> Split:
-        reasoning: list[str] = []
-        content: list[str] = []
-        at = 0
-        while at < len(text):
-            if text.startswith(self.START, at):
-                at += len(self.START)
-            header_end = text.find(self.MESSAGE, at)
-            if header_end == -1:
-                break  # the header is still being written
-            header = text[at:header_end]
-            recipient = header.split("to=", 1)[1].split()[0] if "to=" in header else "user"
-            body_start = header_end + len(self.MESSAGE)
-            found = [(i, e) for e in self.ENDS if (i := text.find(e, body_start)) != -1]
-            end, marker = min(found) if found else (len(text), "")
-            body = text[body_start:end]
-            if not found and not final:
-                body = body[:len(body) - held_back(body, self.markers)]
-            (reasoning if recipient == "self" else content).append(body)
-            if not found:
-                break
-            at = end + len(marker)
-        return Split("".join(reasoning) if reasoning else None, "".join(content))
+    def route(self, header, body, end):
+        recipient = header.split("to=", 1)[1].split()[0] if "to=" in header else "user"
+        return recipient == "self", body
 
     def answer_gate(self) -> tuple[str | None, str, bool]:
         return None, f" to=user{self.MESSAGE}", True

@@ -13,7 +13,8 @@ from .base import ToolParser
 from .json_formats import (HarmonyToolParser, HermesParser, LFM2Parser, Llama3JsonParser, MistralParser,
                            PythonicParser, XLamParser, tagged_json)
 from .markup import (MINIMAX_NS, FunctionGemmaNotation, GemmaNotation, Markup, MarkupParser, Params,
-                     function_gemma_arguments, gemma_arguments, markup_parser, minimax_m3_value)
+                     function_gemma_arguments, gemma_arguments, markup_parser, minimax_m3_rule,
+                     minimax_m3_value)
 
 _NAME = r"(?P<name>[\w.\-]+)"
 
@@ -65,7 +66,7 @@ MiniMaxM3Parser = markup_parser(Markup(
     section=(MINIMAX_NS + "<tool_call>", MINIMAX_NS + "</tool_call>"),
     head=r"\s*" + regex_escape(MINIMAX_NS) + r'<invoke name="(?P<name>[^"]+)">', marker=MINIMAX_NS + "<invoke",
     params=Params(regex_escape(MINIMAX_NS) + r"<(?P<key>[^<>/\s]+)>", MINIMAX_NS + "</{key}>",
-                  nested=minimax_m3_value),
+                  nested=minimax_m3_value, nested_rule=minimax_m3_rule),
     close=MINIMAX_NS + "</invoke>", write="\n" + MINIMAX_NS + '<invoke name="{name}">{args}' + MINIMAX_NS + "</invoke>",
     write_param=MINIMAX_NS + "<{key}>{value}" + MINIMAX_NS + "</{key}>"),
     "MiniMax-M3: `<tool_call><invoke name=\"NAME\"><KEY>value</KEY></invoke></tool_call>`, each tag after "

@@ -152,8 +152,15 @@ def tagged_json(open_: str, close: str | None, doc: str, name_keys=("name",), ar
                 "parameters"), special: bool = False, id_key: str | None = None, layout: str = "lines",
                 also_open: tuple[str, ...] = ()) -> type[TaggedJsonParser]:
     return type("TaggedJsonParser", (TaggedJsonParser,), {
-        "OPEN": open_, "ALSO_OPEN": also_open, "CLOSE": close, "NAME_KEYS": name_keys, "ARGUMENT_KEYS": argument_keys, "ID_KEY": id_key,
-        "LAYOUT": layout, "__doc__": doc, "needs_special_tokens": special})
+        "OPEN": open_, "ALSO_OPEN": also_open, "CLOSE": close, "NAME_KEYS": name_keys,
+        "ARGUMENT_KEYS": argument_keys, "ID_KEY": id_key, "LAYOUT": layout, "__doc__": doc,
+        "needs_special_tokens": special})
+
+
+def _call_object(call: CallSchema, arguments_key: str) -> str:
+    """Lark for `{"name": NAME, "<arguments_key>": {...}}`, laid out as forced.json_value writes JSON."""
+    head = '{"name": ' + json.dumps(call.name) + ", " + json.dumps(arguments_key) + ": "
+    return f'{json.dumps(head)} {forced.json_value(call.parameters)} "}}"'
 
 
 class Llama3JsonParser(ToolParser):
@@ -171,10 +178,7 @@ class Llama3JsonParser(ToolParser):
         return f"start: {tag}{call} (/; ?/ {call})* | TEXT\nTEXT: /(\\s*[^{{\\s](.|\\n)*)?/\n{rules}"
 
     def forced_grammar(self, calls, single, specials):
-        def one_call(_, call):  # JSON laid out as forced.json_value writes it, as in the other formats
-            head = '{"name": ' + json.dumps(call.name) + ', "parameters": '
-            return f'{json.dumps(head)} {forced.json_value(call.parameters)} "}}"'
-        rules, call = forced.call_rules(calls, one_call)
+        rules, call = forced.call_rules(calls, lambda _, c: _call_object(c, "parameters"))
         return f"start: {call}" + ("" if single else f' ("; " {call})*') + f"\n{rules}"
 
     def scan(self, text: str, final: bool) -> Scan:
@@ -213,10 +217,7 @@ class XLamParser(ToolParser):
         return Scan("", calls)
 
     def forced_grammar(self, calls, single, specials):
-        def one_call(_, call):
-            head = '{"name": ' + json.dumps(call.name) + ', "arguments": '
-            return f'{json.dumps(head)} {forced.json_value(call.parameters)} "}}"'
-        rules, call = forced.call_rules(calls, one_call)
+        rules, call = forced.call_rules(calls, lambda _, c: _call_object(c, "arguments"))
         return f'start: "[" {call}' + ("" if single else f' (", " {call})*') + f' "]"\n{rules}'
 
 

@@ -33,8 +33,10 @@ class Params:
     # `string` ("true" or "false", DeepSeek's DSML) or `type` (the JSON type's name, Kimi-K3).
     head: str
     close: str  # the text that ends its value (`{key}` in it: the parameter's name)
-    # Values whose objects and arrays are nested markup (MiniMax-M3): (text, the value's schema) -> the value.
+    # Values whose objects and arrays are nested markup (MiniMax-M3): (text, the value's schema) -> the value,
+    # and for forced calls (the value's schema, specials) -> its Lark, None where the form cannot hold it.
     nested: Callable[[str, dict | None], object] | None = None
+    nested_rule: Callable[[dict, dict[str, int]], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -275,7 +277,8 @@ class MarkupParser(ToolParser):
                 if "{string}" in before and not is_string:
                     rule = forced.json_value(schema)
                 if spec.params.nested is not None and rule.startswith("%json"):
-                    rule = minimax_m3_rule(schema, specials)  # objects and arrays as nested tags
+                    # Objects and arrays in the nested form, where the family has a rule for it.
+                    rule = spec.params.nested_rule(schema, specials) if spec.params.nested_rule else None
                     if rule is None:
                         return None
                 opening = before.replace("{key}", key).replace("{string}", "true" if is_string else "false")
