@@ -560,10 +560,11 @@ def test_the_gateway_forces_gpt_oss_calls_as_harmony_messages():
 
 
 # vLLM's TOOL_CALL_PARSER names (its tool_parsers registry) that name a format under another of its names here.
-VLLM_ALIASES = {"granite4": "hermes", "step3p5": "qwen3_coder", "mimo": "qwen3_coder", "ling3": "glm45", "glm47": "glm45",
-                "cohere_command3": "command_r", "cohere_command4": "command_r", "minicpm5": "minicpm", "poolside_v1": "glm45",
-                "hy_v3": "hunyuan", "llama4_json": "llama3_json", "llama4_pythonic": "pythonic", "olmo3": "pythonic",
-                "qwen3_xml": "qwen3_coder", "jamba": "minimax", "hunyuan_a13b": "minimax", "ernie45": "hermes"}
+VLLM_ALIASES = {"granite4": "hermes", "step3p5": "qwen3_coder", "mimo": "qwen3_coder", "ling3": "glm45",
+                "glm47": "glm45", "cohere_command3": "command_r", "cohere_command4": "command_r", "minicpm5": "minicpm",
+                "poolside_v1": "glm45", "hy_v3": "hunyuan", "llama4_json": "llama3_json", "llama4_pythonic": "pythonic",
+                "olmo3": "pythonic", "qwen3_xml": "qwen3_coder", "jamba": "minimax", "hunyuan_a13b": "minimax",
+                "ernie45": "hermes"}
 
 
 @pytest.mark.parametrize("alias", sorted(VLLM_ALIASES))
@@ -574,9 +575,9 @@ def test_vllm_parser_names_name_the_same_format(alias):
 # Every name in vLLM's tool-parser registry (vllm/frontend/processing/tool_parsers/__init__.py, late 2026).
 VLLM_NAMES = ("dots deepseek_v3 deepseek_v31 deepseek_v32 deepseek_v4 cohere_command3 cohere_command4 ernie45 glm45 "
               "glm47 ling3 granite-20b-fc granite granite4 hermes poolside_v1 hunyuan_a13b hy_v3 hy_v4 internlm jamba "
-              "lfm2 kimi_k2 kimi_k3 llama3_json llama4_json llama4_pythonic longcat mimo minimax_m2 minimax_m3 minicpm5 "
-              "mistral olmo3 muse_glimmer openai phi4_mini_json pythonic qwen3_coder qwen3_xml seed_oss step3 step3p5 "
-              "inkling xlam gigachat3 functiongemma gemma4 apertus").split()
+              "lfm2 kimi_k2 kimi_k3 llama3_json llama4_json llama4_pythonic longcat mimo minimax_m2 minimax_m3 "
+              "minicpm5 mistral olmo3 muse_glimmer openai phi4_mini_json pythonic qwen3_coder qwen3_xml seed_oss step3 "
+              "step3p5 inkling xlam gigachat3 functiongemma gemma4 apertus").split()
 
 
 def test_every_vllm_parser_name_is_a_format_here():

@@ -2,6 +2,7 @@
 one the start-up log reports), with the families that write it."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -203,6 +204,11 @@ HunyuanParser = markup_parser(_hunyuan(":opensource"), "Hunyuan 3: GLM's keys an
                               "`:opensource`.", special=True)
 
 
+@functools.lru_cache(maxsize=None)
+def _hunyuan_parser(suffix: str) -> type[MarkupParser]:
+    return markup_parser(_hunyuan(suffix), f"HY v4 with the tag suffix {suffix!r}.", special=True)
+
+
 class HunyuanV4Parser(ToolParser):
     """HY v4: Hunyuan 3's calls with the checkpoint's own suffix on each tag (`<tool_calls:6124c78e>`, or none),
     read from the calls' opening tag, and for forced calls from the tokenizer's special tokens."""
@@ -211,10 +217,16 @@ class HunyuanV4Parser(ToolParser):
     _OPEN = re.compile(r"<tool_calls(:\w+)?>")
     _PARTIAL = re.compile(r"<tool_calls(:\w*)?$")
 
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._by_suffix: dict[str, MarkupParser] = {}  # one per suffix: a scan runs at every streamed piece
+
     def _parser(self, suffix: str) -> MarkupParser:
-        parser = markup_parser(_hunyuan(suffix), "HY v4")()
-        parser.tools = self.tools
-        return parser
+        if suffix not in self._by_suffix:
+            parser = _hunyuan_parser(suffix)()
+            parser.tools = self.tools
+            self._by_suffix[suffix] = parser
+        return self._by_suffix[suffix]
 
     def scan(self, text, final):
         opened = self._OPEN.search(text)
@@ -271,7 +283,8 @@ class Format:
 FORMATS: tuple[Format, ...] = (
     Format(("hermes", "qwen", "qwen2_5", "qwen3", "ernie45", "granite4"), HermesParser,
            "Qwen2.5, Qwen3, QwQ, Hermes 2/3, Granite 4, MiMo, Bielik"),
-    Format(("qwen3_coder", "qwen3_xml", "step3p5", "mimo"), Qwen3XmlParser, "Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, Step 3.5"),
+    Format(("qwen3_coder", "qwen3_xml", "step3p5", "mimo"), Qwen3XmlParser,
+           "Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, Step 3.5"),
     Format(("glm45", "glm47", "glm4_moe", "ling3", "poolside_v1"), GlmParser, "GLM-4.5, 4.6, 4.7, Ling 3, Laguna"),
     Format(("seed_oss",), SeedOssParser, "Seed-OSS"),
     Format(("minimax_m2",), MiniMaxM2Parser, "MiniMax-M2"),

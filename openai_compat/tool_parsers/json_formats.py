@@ -202,12 +202,16 @@ class XLamParser(ToolParser):
     marker = "```json"
     _FENCED = tagged_json("```json", "```", "A ```json block of calls.", also_open=("```",), layout="list")
 
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._fenced = self._FENCED(tools)
+
     def scan(self, text: str, final: bool) -> Scan:
         stripped = text.lstrip()
         if not stripped.startswith("["):
             if not final and not stripped:
                 return Scan("")
-            return self._FENCED(None).scan(text, final)
+            return self._fenced.scan(text, final)
         first = skip_ws(stripped, 1)
         if first < len(stripped) and stripped[first] != "{":  # `[` and then no call object: text, as written
             return Scan(text)
