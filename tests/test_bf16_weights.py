@@ -225,3 +225,60 @@ def test_a_bfloat16_checkpoint_served_as_float32_reads_its_weights_as_bfloat16(t
         finally:
             engine.close()
     assert results["kernel"] == results["layout"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_bfloat16_checkpoint_keeps_one_copy_of_its_weights(tmp_path, tokenizer_folder, monkeypatch, tied):
+    """Served through the kernel, a bfloat16 checkpoint's linear layers hold only the kernel's packing: the weights
+    as loaded (float32 here, twice the file's bytes) are released, fused projections' parts with them, so the
+    model's tensors take about the file's bytes. Reading a layer's `weight` still gives the checkpoint's values;
+    an output head tied to the embedding keeps the embedding's table."""
+    from safetensors.torch import load_file
+
+    from engine import loader
+    model = build_model("llama", dict(hidden_size=128, intermediate_size=200, head_dim=32,
+                                      tie_word_embeddings=tied), tmp_path, tokenizer_folder)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    file_bytes = sum(t.numel() * t.element_size() for t in saved.values())
+    monkeypatch.setattr(bf16_weights, "_GAIN_NEEDED", 0.0)
+    monkeypatch.setattr(bf16_weights, "_LOSS_ALLOWED", 0.0)
+    loaded = loader.load(EngineConfig(model=str(tmp_path), dtype="float32", native_kernels="avx2",
+                                      max_model_len=256))
+    served = loaded.model
+    storages = {}
+    for module in served.modules():
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False),
+                   *(t for t in vars(module).values() if isinstance(t, torch.Tensor))]
+        for t in tensors:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    # An untied model's float32 embedding is the one tensor kept at twice its file bytes.
+    embedding = 0 if tied else saved["model.embed_tokens.weight"].numel() * 2
+    assert sum(storages.values()) <= 1.15 * file_bytes + embedding, (sum(storages.values()), file_bytes)
+    layer = served.model.layers[1]
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj"):
+        weight = layer.get_submodule(name).weight
+        assert weight.dtype == torch.float32
+        assert torch.equal(weight, saved[f"model.layers.1.{name}.weight"].float()), name
+    head = served.get_output_embeddings()
+    assert "weight" not in head._parameters
+    assert torch.equal(head.weight, saved["model.embed_tokens.weight" if tied else "lm_head.weight"].float())
+    table = saved["model.embed_tokens.weight"].float()
+    ids = torch.tensor([[0, 5, 63, 64, 1000], [49151, 49100, 17, 16, 15]])
+    assert torch.equal(served.model.embed_tokens(ids), table[ids])
+    if tied:
+        assert "weight" not in served.model.embed_tokens._parameters
+
+
+def test_the_packing_reads_back_as_the_weight_and_its_rows(float_products):
+    """What a released layer's `weight` and a tied embedding's lookups read: the packed weight's values, in whole
+    panels and partial ones, odd inputs included."""
+    for kernels in float_products.values():
+        for out_features, in_features in [(16, 64), (17, 7), (70, 129), (200, 960), (100, 1), (260, 33)]:
+            weight = _bf16(out_features, in_features, seed=9)
+            packed = kernels.bf16_pack(weight)
+            assert torch.equal(bf16_weights.unpack(packed, out_features, in_features), weight)
+            ids = torch.tensor([[0, out_features - 1, 3], [out_features // 2, 15 % out_features, 1]])
+            assert torch.equal(bf16_weights.packed_rows(packed, ids, out_features, in_features), weight[ids])

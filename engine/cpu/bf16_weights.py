@@ -9,7 +9,8 @@ A decode step at a few rows reads every weight once from memory, so the product'
 weights at. oneDNN's packed bfloat16 product (engine/cpu/layout.py) read a step's weights of a 362M Llama at about
 half the machine's copy bandwidth on a 2-core AMD EPYC; the kernel reads each thread's share of a weight as one
 sequential stream laid out once at load, in the order it multiplies it (docs/cpu-kernels.md). The kernel's
-copy replaces oneDNN's packed one, so the model keeps one extra copy of its linear weights, as before.
+copy replaces oneDNN's packed one and is then the layers' only copy: the weights as loaded are released
+(PackedBF16Linear), and an embedding tied to the output head reads its rows from the head's copy (PackedEmbedding).
 
 A probe at load times it against the layout in use over a step's weights in order, at decode batch sizes and at
 a prompt chunk's size on one layer's weights; where it wins at decode sizes and loses at none it serves every
@@ -33,6 +34,7 @@ from engine.cpu import layout as cpu_layout
 
 log = logging.getLogger("engine.cpu.bf16_weights")
 
+_BLOCK, _PANEL_BLOCKS = 16, 4  # bf16_pack's layout: blocks of outputs, blocks per panel
 _DECODE_ROWS = (1, 4, 16, 64)  # timed over a step's weights in order
 _PREFILL_ROWS = 256  # timed over one layer's weights (a product this size is bound by its multiplies)
 # It serves every batch size or none: serving only some would keep oneDNN's packed copy for the others, a second
@@ -42,11 +44,114 @@ _LOSS_ALLOWED = 0.9
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
-    if x.dtype is not self.bf16_rows:
-        return self.dense_forward(x)
-    out = self.bf16_kernels.bf16_linear(x.reshape(-1, x.shape[-1]).contiguous(), self.weight_bf16,
+    # Rows of another type go through the kernel's float32 rows: the packed copy is the layer's only weight.
+    rows = x if x.dtype in (self.bf16_rows, torch.float32) else x.float()
+    out = self.bf16_kernels.bf16_linear(rows.reshape(-1, x.shape[-1]).contiguous(), self.weight_bf16,
                                         self.out_features, self.bias_float, self.bf16_widen)
-    return out.view(*x.shape[:-1], self.out_features)
+    return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The [out_features, in_features] bfloat16 weight that `bf16_pack` laid out as `packed`: panels of 4 blocks of
+    16 outputs (fewer in the last panel), each panel pair of inputs by pair of inputs (bf16_linear.cpp)."""
+    pairs = (in_features + 1) // 2
+    full, rest = divmod(-(-out_features // _BLOCK), _PANEL_BLOCKS)
+    split = full * _PANEL_BLOCKS * _BLOCK * pairs * 2
+    parts = [packed[:split].view(full, pairs, _PANEL_BLOCKS, _BLOCK, 2).permute(0, 2, 3, 1, 4)
+             .reshape(full * _PANEL_BLOCKS * _BLOCK, pairs * 2)]
+    if rest:
+        parts.append(packed[split:].view(pairs, rest, _BLOCK, 2).permute(1, 2, 0, 3).reshape(rest * _BLOCK, pairs * 2))
+    return torch.cat(parts)[:out_features, :in_features]
+
+
+class PackedBF16Linear(torch.nn.Linear):
+    """A linear layer whose one copy of its weight is the kernel's packing (`weight_bf16`). Its products run
+    through the kernel; `weight` unpacks the values on each read, for code that inspects a layer (its type, an
+    adapter's base), never for a product. A fused projection's part (`rows_of`: the fused layer and the part's
+    first row) reads its rows of the fused layer's weight."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        source, start = getattr(self, "rows_of", (self, 0))
+        values = unpack(source.weight_bf16, source.out_features, source.in_features)
+        return values[start:start + self.out_features].to(self.weight_dtype)
+
+
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """Rows `ids` of the [out_features, in_features] weight `bf16_pack` laid out as `packed` ([*ids.shape,
+    in_features], bfloat16), gathered from the packing without unpacking the rest."""
+    flat = ids.reshape(-1).long()
+    pairs = (in_features + 1) // 2
+    full = -(-out_features // _BLOCK) // _PANEL_BLOCKS
+    rest = -(-out_features // _BLOCK) - full * _PANEL_BLOCKS
+    panel, lane = flat // (_PANEL_BLOCKS * _BLOCK), flat % _BLOCK
+    block = flat % (_PANEL_BLOCKS * _BLOCK) // _BLOCK
+    blocks_in = torch.where(panel < full, _PANEL_BLOCKS, rest)
+    k = torch.arange(in_features)
+    offsets = (panel * (_PANEL_BLOCKS * _BLOCK * pairs * 2))[:, None] + (
+        ((k // 2)[None, :] * blocks_in[:, None] + block[:, None]) * _BLOCK + lane[:, None]) * 2 + (k % 2)[None, :]
+    return packed[offsets].view(*ids.shape, in_features)
+
+
+class PackedEmbedding(torch.nn.Embedding):
+    """An embedding whose table is the output head tied to it, which the kernel serves: each lookup gathers its
+    rows from the head's packing (`table_bf16`), so the table is held once; `weight` unpacks it on each read."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return packed_rows(self.table_bf16, ids, self.num_embeddings, self.embedding_dim).to(self.weight_dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return unpack(self.table_bf16, self.num_embeddings, self.embedding_dim).to(self.weight_dtype)
+
+
+def _release_weights(modules: list[torch.nn.Linear], model: torch.nn.Module) -> int:
+    """Drop the stored weight of each layer the kernel now serves (and of the fused parts that view it); an
+    embedding tied to a served head then reads the head's packing. A weight another layer still reads is kept.
+    Returns the bytes released. Each layer keeps its type's interface: PackedBF16Linear and PackedEmbedding read
+    their values back from the packing."""
+    served = {id(m) for m in modules}
+    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    holders: dict[int, list[torch.nn.Module]] = {}
+    for m in model.modules():
+        if id(m) not in served and not getattr(m, "fused_into", False):
+            for p in m.parameters(recurse=False):
+                holders.setdefault(storage(p), []).append(m)
+    parts = [m for m in model.modules() if type(m) is torch.nn.Linear and getattr(m, "fused_into", False)]
+    released = {}
+    for module in modules:
+        weight = module.weight
+        tied = holders.get(storage(weight), [])
+        if not all(_reads_rows_of(m, weight) for m in tied):
+            continue
+        for embedding in tied:
+            del embedding._parameters["weight"]
+            embedding.weight_dtype, embedding.table_bf16 = weight.dtype, module.weight_bf16
+            embedding.__class__ = PackedEmbedding
+        begin, size = weight.data_ptr(), weight.numel() * weight.element_size()
+        for part in parts:
+            if type(part) is torch.nn.Linear and begin <= part.weight.data_ptr() < begin + size:
+                start = (part.weight.data_ptr() - begin) // (weight.stride(0) * weight.element_size())
+                _make_packed(part, part.weight.dtype)
+                part.rows_of = (module, start)
+        released[storage(weight)] = weight.untyped_storage().nbytes()
+        _make_packed(module, weight.dtype)
+    return sum(released.values())
+
+
+def _reads_rows_of(module: torch.nn.Module, weight: torch.Tensor) -> bool:
+    """A plain embedding whose table is exactly `weight` (a head tied to it): it can look its rows up in the
+    head's packing."""
+    table = getattr(module, "weight", None)
+    return (type(module) is torch.nn.Embedding and module.max_norm is None and table is not None
+            and table.data_ptr() == weight.data_ptr() and table.shape == weight.shape
+            and table.stride() == weight.stride())
+
+
+def _make_packed(module: torch.nn.Linear, dtype: torch.dtype) -> None:
+    del module._parameters["weight"]
+    module.weight_dtype = dtype
+    module.__class__ = PackedBF16Linear
 
 
 def _direct(self, dtype: torch.dtype):
@@ -254,13 +359,16 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
         module.bf16_kernels = kernels
         module.bf16_widen = widen
         module.bf16_rows = rows
-        module.dense_forward = module.forward  # for inputs of another type
         module.forward = types.MethodType(_forward, module)
         module.direct = types.MethodType(_direct, module)
         released += cpu_layout.release_packed(module)  # no other product serves these layers now
+    dropped = _release_weights(modules, model)
     log.info("linear weights: %d bfloat16 layers multiply through %s at every batch size "
              "(engine/cpu/native/bf16_linear.cpp, a %.0f MB copy): %s", len(modules), product,
              sum(p.numel() * 2 for p in packs) / 2**20, timed or "BATCH_INVARIANT")
     if released:
         log.info("linear weights: %.0f MB of oneDNN's packed copies released (engine/cpu/layout.py)", released / 2**20)
+    if dropped:
+        log.info("linear weights: their %.0f MB as loaded released (the kernel's copy is the only one)",
+                 dropped / 2**20)
     return len(modules)
