@@ -150,10 +150,12 @@ def test_what_one_request_may_ask_for_is_bounded(worker, monkeypatch, body, word
 
 @pytest.mark.slow
 def test_a_small_request_is_answered_while_a_maximal_request_is_prepared(gateway_url):
-    """256 text prompts of about 1000 tokens each: as much as one request may carry. Validating and tokenizing it
-    takes a while; none of that may hold up the event loop that answers everyone else."""
+    """256 text prompts of about 3000 tokens each: as many prompts as one request may carry. Validating and
+    tokenizing them takes seconds; none of that may hold up the event loop that answers everyone else. (With
+    about 1000 tokens each the preparing took about 1.3 s, short enough that a busy machine's scheduling once
+    held a health poll for 0.9 s of it.)"""
     base = gateway_url.removesuffix("/openai/v1")
-    text = "the quick brown fox jumps over a lazy dog " * 110
+    text = "the quick brown fox jumps over a lazy dog " * 330
     body = json.dumps({"prompt": [f"{i} {text}" for i in range(256)], "max_tokens": 1}).encode()
 
     async def send_then_drop() -> tuple[float, float]:
