@@ -139,6 +139,40 @@ def _release_weights(modules: list[torch.nn.Linear], model: torch.nn.Module) -> 
     return sum(released.values())
 
 
+class BF16Embedding(torch.nn.Embedding):
+    """A float32 model's embedding whose table holds bfloat16 values (a bfloat16 checkpoint served as float32),
+    kept as bfloat16 (`table_bf16`, half the bytes): each lookup widens its rows, exactly; `weight` widens a copy
+    of the table on each read."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.table_bf16).float()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table_bf16.float()
+
+
+def _narrow_embeddings(model: torch.nn.Module) -> int:
+    """Keep each plain float32 embedding of bfloat16 values that no other layer reads as BF16Embedding; returns the
+    bytes released."""
+    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    readers: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            readers[storage(p)] = readers.get(storage(p), 0) + 1
+    released = 0
+    for m in model.modules():
+        table = m._parameters.get("weight") if type(m) is torch.nn.Embedding else None
+        if (table is None or m.max_norm is not None or table.dtype != torch.float32 or readers[storage(table)] > 1
+                or not bfloat16_values(table)):
+            continue
+        del m._parameters["weight"]
+        m.table_bf16 = table.detach().bfloat16()
+        m.__class__ = BF16Embedding
+        released += table.numel() * 2
+    return released
+
+
 def _reads_rows_of(module: torch.nn.Module, weight: torch.Tensor) -> bool:
     """A plain embedding whose table is exactly `weight` (a head tied to it): it can look its rows up in the
     head's packing."""
@@ -362,7 +396,7 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
         module.forward = types.MethodType(_forward, module)
         module.direct = types.MethodType(_direct, module)
         released += cpu_layout.release_packed(module)  # no other product serves these layers now
-    dropped = _release_weights(modules, model)
+    dropped = _release_weights(modules, model) + (_narrow_embeddings(model) if rows is torch.float32 else 0)
     log.info("linear weights: %d bfloat16 layers multiply through %s at every batch size "
              "(engine/cpu/native/bf16_linear.cpp, a %.0f MB copy): %s", len(modules), product,
              sum(p.numel() * 2 for p in packs) / 2**20, timed or "BATCH_INVARIANT")
