@@ -51,11 +51,20 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
+def _panels(out_features: int) -> tuple[int, int]:
+    """bf16_pack's whole panels of `out_features` outputs, and the blocks of the last partial one (0: none)."""
+    return divmod(-(-out_features // _BLOCK), _PANEL_BLOCKS)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """The [out_features, in_features] bfloat16 weight that `bf16_pack` laid out as `packed`: panels of 4 blocks of
     16 outputs (fewer in the last panel), each panel pair of inputs by pair of inputs (bf16_linear.cpp)."""
     pairs = (in_features + 1) // 2
-    full, rest = divmod(-(-out_features // _BLOCK), _PANEL_BLOCKS)
+    full, rest = _panels(out_features)
     split = full * _PANEL_BLOCKS * _BLOCK * pairs * 2
     parts = [packed[:split].view(full, pairs, _PANEL_BLOCKS, _BLOCK, 2).permute(0, 2, 3, 1, 4)
              .reshape(full * _PANEL_BLOCKS * _BLOCK, pairs * 2)]
@@ -82,8 +91,7 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int, in_f
     in_features], bfloat16), gathered from the packing without unpacking the rest."""
     flat = ids.reshape(-1).long()
     pairs = (in_features + 1) // 2
-    full = -(-out_features // _BLOCK) // _PANEL_BLOCKS
-    rest = -(-out_features // _BLOCK) - full * _PANEL_BLOCKS
+    full, rest = _panels(out_features)
     panel, lane = flat // (_PANEL_BLOCKS * _BLOCK), flat % _BLOCK
     block = flat % (_PANEL_BLOCKS * _BLOCK) // _BLOCK
     blocks_in = torch.where(panel < full, _PANEL_BLOCKS, rest)
@@ -111,17 +119,16 @@ def _release_weights(modules: list[torch.nn.Linear], model: torch.nn.Module) -> 
     Returns the bytes released. Each layer keeps its type's interface: PackedBF16Linear and PackedEmbedding read
     their values back from the packing."""
     served = {id(m) for m in modules}
-    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     holders: dict[int, list[torch.nn.Module]] = {}
     for m in model.modules():
         if id(m) not in served and not getattr(m, "fused_into", False):
             for p in m.parameters(recurse=False):
-                holders.setdefault(storage(p), []).append(m)
+                holders.setdefault(_storage(p), []).append(m)
     parts = [m for m in model.modules() if type(m) is torch.nn.Linear and getattr(m, "fused_into", False)]
     released = {}
     for module in modules:
         weight = module.weight
-        tied = holders.get(storage(weight), [])
+        tied = holders.get(_storage(weight), [])
         if not all(_reads_rows_of(m, weight) for m in tied):
             continue
         for embedding in tied:
@@ -134,7 +141,7 @@ def _release_weights(modules: list[torch.nn.Linear], model: torch.nn.Module) -> 
                 start = (part.weight.data_ptr() - begin) // (weight.stride(0) * weight.element_size())
                 _make_packed(part, part.weight.dtype)
                 part.rows_of = (module, start)
-        released[storage(weight)] = weight.untyped_storage().nbytes()
+        released[_storage(weight)] = weight.untyped_storage().nbytes()
         _make_packed(module, weight.dtype)
     return sum(released.values())
 
@@ -155,15 +162,14 @@ class BF16Embedding(torch.nn.Embedding):
 def _narrow_embeddings(model: torch.nn.Module) -> int:
     """Keep each plain float32 embedding of bfloat16 values that no other layer reads as BF16Embedding; returns the
     bytes released."""
-    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     readers: dict[int, int] = {}
     for m in model.modules():
         for p in m.parameters(recurse=False):
-            readers[storage(p)] = readers.get(storage(p), 0) + 1
+            readers[_storage(p)] = readers.get(_storage(p), 0) + 1
     released = 0
     for m in model.modules():
         table = m._parameters.get("weight") if type(m) is torch.nn.Embedding else None
-        if (table is None or m.max_norm is not None or table.dtype != torch.float32 or readers[storage(table)] > 1
+        if (table is None or m.max_norm is not None or table.dtype != torch.float32 or readers[_storage(table)] > 1
                 or not bfloat16_values(table)):
             continue
         del m._parameters["weight"]
