@@ -280,3 +280,35 @@ def test_the_packing_reads_back_as_the_weight_and_its_rows(float_products):
             assert torch.equal(bf16_weights.unpack(packed, out_features, in_features), weight)
             ids = torch.tensor([[0, out_features - 1, 3], [out_features // 2, 15 % out_features, 1]])
             assert torch.equal(bf16_weights.packed_rows(packed, ids, out_features, in_features), weight[ids])
+
+
+@pytest.mark.slow
+def test_a_start_that_knows_the_verdict_packs_and_releases_one_layer_at_a_time(tmp_path, tokenizer_folder,
+                                                                              monkeypatch):
+    """A first start packs every layer to check and time the kernel, then releases the weights as loaded; a start
+    that finds that verdict packs a layer and releases its weight before it packs the next, so the loaded weights
+    and the kernel's copy are never both held whole (the load's peak memory)."""
+    from engine import loader
+    build_model("llama", dict(hidden_size=128, intermediate_size=200, head_dim=32, tie_word_embeddings=True),
+                tmp_path / "model", tokenizer_folder).to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(bf16_weights, "_GAIN_NEEDED", 0.0)
+    monkeypatch.setattr(bf16_weights, "_LOSS_ALLOWED", 0.0)
+    assert native_kernels.load("avx2")
+    kernels = native_kernels.active()
+    events = []
+    recording = type("Recording", (), {
+        "__getattr__": lambda self, name: getattr(kernels, name),
+        "bf16_pack": lambda self, w: events.append("pack") or kernels.bf16_pack(w)})()
+    monkeypatch.setattr(native_kernels, "active", lambda: recording)
+    release = bf16_weights._Release.__call__
+    monkeypatch.setattr(bf16_weights._Release, "__call__", lambda self, m: events.append("release") or release(self, m))
+    config = EngineConfig(model=str(tmp_path / "model"), dtype="float32", native_kernels="avx2", max_model_len=256,
+                          startup_cache=True, cache_dir=tmp_path / "cache")
+    loader.load(config).verdicts.save()  # as the engine's start saves them
+    layers = events.count("release")
+    assert layers == 4 * 2 + 1  # q/k/v, o, gate/up and down of 2 layers, and the head
+    checks = events.count("pack") - layers  # the kernel's check packs no layer twice
+    assert checks == 0 and events == ["pack"] * layers + ["release"] * layers, events
+    events.clear()
+    loader.load(config)
+    assert events == ["pack", "release"] * layers, events

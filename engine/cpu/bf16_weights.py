@@ -113,37 +113,43 @@ class PackedEmbedding(torch.nn.Embedding):
         return unpack(self.table_bf16, self.num_embeddings, self.embedding_dim).to(self.weight_dtype)
 
 
-def _release_weights(modules: list[torch.nn.Linear], model: torch.nn.Module) -> int:
-    """Drop the stored weight of each layer the kernel now serves (and of the fused parts that view it); an
-    embedding tied to a served head then reads the head's packing. A weight another layer still reads is kept.
-    Returns the bytes released. Each layer keeps its type's interface: PackedBF16Linear and PackedEmbedding read
-    their values back from the packing."""
-    served = {id(m) for m in modules}
-    holders: dict[int, list[torch.nn.Module]] = {}
-    for m in model.modules():
-        if id(m) not in served and not getattr(m, "fused_into", False):
-            for p in m.parameters(recurse=False):
-                holders.setdefault(_storage(p), []).append(m)
-    parts = [m for m in model.modules() if type(m) is torch.nn.Linear and getattr(m, "fused_into", False)]
-    released = {}
-    for module in modules:
+class _Release:
+    """Drops the stored weight of each layer the kernel serves (and of the fused parts that view it), one layer at
+    a time; an embedding tied to a served head then reads the head's packing. A weight another layer still reads
+    is kept. Each layer keeps its type's interface: PackedBF16Linear and PackedEmbedding read their values back
+    from the packing. `released`: the bytes of the storages given up."""
+
+    def __init__(self, modules: list[torch.nn.Linear], model: torch.nn.Module):
+        served = {id(m) for m in modules}
+        self.holders: dict[int, list[torch.nn.Module]] = {}
+        for m in model.modules():
+            if id(m) not in served and not getattr(m, "fused_into", False):
+                for p in m.parameters(recurse=False):
+                    self.holders.setdefault(_storage(p), []).append(m)
+        self.parts = [m for m in model.modules() if type(m) is torch.nn.Linear and getattr(m, "fused_into", False)]
+        self.storages: dict[int, int] = {}
+
+    @property
+    def released(self) -> int:
+        return sum(self.storages.values())
+
+    def __call__(self, module: torch.nn.Linear) -> None:
         weight = module.weight
-        tied = holders.get(_storage(weight), [])
+        tied = self.holders.get(_storage(weight), [])
         if not all(_reads_rows_of(m, weight) for m in tied):
-            continue
+            return
         for embedding in tied:
             del embedding._parameters["weight"]
             embedding.weight_dtype, embedding.table_bf16 = weight.dtype, module.weight_bf16
             embedding.__class__ = PackedEmbedding
         begin, size = weight.data_ptr(), weight.numel() * weight.element_size()
-        for part in parts:
+        for part in self.parts:
             if type(part) is torch.nn.Linear and begin <= part.weight.data_ptr() < begin + size:
                 start = (part.weight.data_ptr() - begin) // (weight.stride(0) * weight.element_size())
                 _make_packed(part, part.weight.dtype)
                 part.rows_of = (module, start)
-        released[_storage(weight)] = weight.untyped_storage().nbytes()
+        self.storages[_storage(weight)] = weight.untyped_storage().nbytes()
         _make_packed(module, weight.dtype)
-    return sum(released.values())
 
 
 class BF16Embedding(torch.nn.Embedding):
@@ -367,9 +373,32 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
     serves, timed, widen = value if stored else (False, "", False)
     if stored and not serves and not (every_size and timed != "differs"):
         return 0
+    release = _Release(modules, model)
+    released = 0
+
+    def serve(module: torch.nn.Linear, packed: torch.Tensor) -> int:
+        module.weight_bf16 = packed
+        module.bias_float = _bias(module)
+        module.bf16_kernels = kernels
+        module.bf16_widen = widen
+        module.bf16_rows = rows
+        module.forward = types.MethodType(_forward, module)
+        module.direct = types.MethodType(_direct, module)
+        layout_copy = cpu_layout.release_packed(module)  # no other product serves these layers now
+        release(module)
+        return layout_copy
+
     with torch.inference_mode():
-        packs = [kernels.bf16_pack(m.weight.detach().bfloat16()) for m in modules]  # exact: bfloat16 values
-        if not stored:
+        if stored:
+            # The verdict is known: each layer is packed and gives up its weight in turn, so the weights as loaded
+            # and the kernel's copy are never both held whole.
+            sizes = 0
+            for module in modules:
+                packed = kernels.bf16_pack(module.weight.detach().bfloat16())  # exact: bfloat16 values
+                sizes += packed.numel() * 2
+                released += serve(module, packed)
+        else:
+            packs = [kernels.bf16_pack(m.weight.detach().bfloat16()) for m in modules]
             checked = {}
             for module, packed in zip(modules, packs):
                 key = (tuple(module.weight.shape), module.bias is not None)
@@ -389,23 +418,16 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
                          + ("float32 FMAs" if widen else "VDPBF16PS"))
             if verdicts is not None:
                 verdicts.get(name, lambda: [serves, timed, widen])
-    if not (serves or (every_size and timed != "differs")):
-        log.info("linear weights: %s is not faster here (%s); the layout's products kept", product, timed)
-        return 0
-    released = 0
-    for module, packed in zip(modules, packs):
-        module.weight_bf16 = packed
-        module.bias_float = _bias(module)
-        module.bf16_kernels = kernels
-        module.bf16_widen = widen
-        module.bf16_rows = rows
-        module.forward = types.MethodType(_forward, module)
-        module.direct = types.MethodType(_direct, module)
-        released += cpu_layout.release_packed(module)  # no other product serves these layers now
-    dropped = _release_weights(modules, model) + (_narrow_embeddings(model) if rows is torch.float32 else 0)
+            if not (serves or (every_size and timed != "differs")):
+                log.info("linear weights: %s is not faster here (%s); the layout's products kept", product, timed)
+                return 0
+            sizes = sum(p.numel() * 2 for p in packs)
+            for module, packed in zip(modules, packs):
+                released += serve(module, packed)
+    dropped = release.released + (_narrow_embeddings(model) if rows is torch.float32 else 0)
     log.info("linear weights: %d bfloat16 layers multiply through %s at every batch size "
              "(engine/cpu/native/bf16_linear.cpp, a %.0f MB copy): %s", len(modules), product,
-             sum(p.numel() * 2 for p in packs) / 2**20, timed or "BATCH_INVARIANT")
+             sizes / 2**20, timed or "BATCH_INVARIANT")
     if released:
         log.info("linear weights: %.0f MB of oneDNN's packed copies released (engine/cpu/layout.py)", released / 2**20)
     if dropped:
