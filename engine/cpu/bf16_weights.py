@@ -60,6 +60,15 @@ def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
+def _holders(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
+    """The modules holding a parameter in each storage of the model."""
+    holders: dict[int, list[torch.nn.Module]] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            holders.setdefault(_storage(p), []).append(m)
+    return holders
+
+
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """The [out_features, in_features] bfloat16 weight that `bf16_pack` laid out as `packed`: panels of 4 blocks of
     16 outputs (fewer in the last panel), each panel pair of inputs by pair of inputs (bf16_linear.cpp)."""
@@ -89,15 +98,16 @@ class PackedBF16Linear(torch.nn.Linear):
 def packed_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """Rows `ids` of the [out_features, in_features] weight `bf16_pack` laid out as `packed` ([*ids.shape,
     in_features], bfloat16), gathered from the packing without unpacking the rest."""
+    # Output o's input k sits at its panel's start + (pair k // 2 of the panel's outputs, o's place among them)
+    # * 2 + k % 2: a term per row plus a term per column, scaled by the outputs of o's panel.
     flat = ids.reshape(-1).long()
     pairs = (in_features + 1) // 2
     full, rest = _panels(out_features)
-    panel, lane = flat // (_PANEL_BLOCKS * _BLOCK), flat % _BLOCK
-    block = flat % (_PANEL_BLOCKS * _BLOCK) // _BLOCK
-    blocks_in = torch.where(panel < full, _PANEL_BLOCKS, rest)
+    panel, place = flat // (_PANEL_BLOCKS * _BLOCK), flat % (_PANEL_BLOCKS * _BLOCK)
+    outputs = torch.where(panel < full, _PANEL_BLOCKS, rest) * _BLOCK  # in o's panel
     k = torch.arange(in_features)
-    offsets = (panel * (_PANEL_BLOCKS * _BLOCK * pairs * 2))[:, None] + (
-        ((k // 2)[None, :] * blocks_in[:, None] + block[:, None]) * _BLOCK + lane[:, None]) * 2 + (k % 2)[None, :]
+    offsets = (panel * (_PANEL_BLOCKS * _BLOCK * pairs * 2) + place * 2)[:, None] + (
+        outputs[:, None] * (k // 2 * 2)[None, :] + (k % 2)[None, :])
     return packed[offsets].view(*ids.shape, in_features)
 
 
@@ -121,11 +131,8 @@ class _Release:
 
     def __init__(self, modules: list[torch.nn.Linear], model: torch.nn.Module):
         served = {id(m) for m in modules}
-        self.holders: dict[int, list[torch.nn.Module]] = {}
-        for m in model.modules():
-            if id(m) not in served and not getattr(m, "fused_into", False):
-                for p in m.parameters(recurse=False):
-                    self.holders.setdefault(_storage(p), []).append(m)
+        self.holders = {storage: [m for m in held if id(m) not in served and not getattr(m, "fused_into", False)]
+                        for storage, held in _holders(model).items()}
         self.parts = [m for m in model.modules() if type(m) is torch.nn.Linear and getattr(m, "fused_into", False)]
         self.storages: dict[int, int] = {}
 
@@ -168,14 +175,11 @@ class BF16Embedding(torch.nn.Embedding):
 def _narrow_embeddings(model: torch.nn.Module) -> int:
     """Keep each plain float32 embedding of bfloat16 values that no other layer reads as BF16Embedding; returns the
     bytes released."""
-    readers: dict[int, int] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            readers[_storage(p)] = readers.get(_storage(p), 0) + 1
+    holders = _holders(model)
     released = 0
     for m in model.modules():
         table = m._parameters.get("weight") if type(m) is torch.nn.Embedding else None
-        if (table is None or m.max_norm is not None or table.dtype != torch.float32 or readers[_storage(table)] > 1
+        if (table is None or m.max_norm is not None or table.dtype != torch.float32 or len(holders[_storage(table)]) > 1
                 or not bfloat16_values(table)):
             continue
         del m._parameters["weight"]
@@ -392,11 +396,8 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
         if stored:
             # The verdict is known: each layer is packed and gives up its weight in turn, so the weights as loaded
             # and the kernel's copy are never both held whole.
-            sizes = 0
             for module in modules:
-                packed = kernels.bf16_pack(module.weight.detach().bfloat16())  # exact: bfloat16 values
-                sizes += packed.numel() * 2
-                released += serve(module, packed)
+                released += serve(module, kernels.bf16_pack(module.weight.detach().bfloat16()))  # exact values
         else:
             packs = [kernels.bf16_pack(m.weight.detach().bfloat16()) for m in modules]
             checked = {}
@@ -421,13 +422,12 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
             if not (serves or (every_size and timed != "differs")):
                 log.info("linear weights: %s is not faster here (%s); the layout's products kept", product, timed)
                 return 0
-            sizes = sum(p.numel() * 2 for p in packs)
             for module, packed in zip(modules, packs):
                 released += serve(module, packed)
     dropped = release.released + (_narrow_embeddings(model) if rows is torch.float32 else 0)
     log.info("linear weights: %d bfloat16 layers multiply through %s at every batch size "
              "(engine/cpu/native/bf16_linear.cpp, a %.0f MB copy): %s", len(modules), product,
-             sizes / 2**20, timed or "BATCH_INVARIANT")
+             sum(m.weight_bf16.numel() * 2 for m in modules) / 2**20, timed or "BATCH_INVARIANT")
     if released:
         log.info("linear weights: %.0f MB of oneDNN's packed copies released (engine/cpu/layout.py)", released / 2**20)
     if dropped:
