@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
+
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from worker import handler  # noqa: E402
@@ -93,6 +96,9 @@ def main() -> None:
     blocks = {m: (m.blocks_until, m.block_format, m.weight_blocks) for m in runner.model.modules()
               if hasattr(m, "weight_blocks")}
     words = any(f in quantized_weights.WORD_FORMATS for _, f, _ in blocks.values())
+    # Blocks serving every size are their layers' only weight: the sides without them multiply a float32 copy
+    # decoded from the blocks (this benchmark's own, as the layers held before they served from blocks).
+    dense = {m: m.dense_forward or functools.partial(F.linear, weight=m.weight.detach(), bias=m.bias) for m in blocks}
     # Packed on a thread that ends, as the kernels' check below (the packing runs parallel operations).
     float_blocks = _in_own_thread(lambda: {m: (64, *m.block_kernels.pack_blocks(m.weight.detach()))
                                            for m in blocks}) if words else blocks  # float32 activations win to 64
@@ -115,6 +121,7 @@ def main() -> None:
         runner.compact = decoder
         for module in blocks:
             module.blocks_until, module.block_format, module.weight_blocks = (side_blocks or blocks)[module]
+            module.dense_forward = dense[module]
             if side_blocks is None:
                 module.blocks_until = 0
         # The kernels' load-time check runs parallel operations: on a thread that ends, as the timing below.

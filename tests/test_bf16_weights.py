@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import AsyncEngine, EngineConfig
-from engine.cpu import bf16_weights, native_kernels
+from engine.cpu import bf16_weights, native_kernels, weight_release
 from engine_helpers import greedy_tokens
 from tiny_models import build_model
 
@@ -300,8 +300,8 @@ def test_a_start_that_knows_the_verdict_packs_and_releases_one_layer_at_a_time(t
         "__getattr__": lambda self, name: getattr(kernels, name),
         "bf16_pack": lambda self, w: events.append("pack") or kernels.bf16_pack(w)})()
     monkeypatch.setattr(native_kernels, "active", lambda: recording)
-    release = bf16_weights._Release.__call__
-    monkeypatch.setattr(bf16_weights._Release, "__call__", lambda self, m: events.append("release") or release(self, m))
+    release = weight_release.Release.__call__
+    monkeypatch.setattr(weight_release.Release, "__call__", lambda self, m: events.append("release") or release(self, m))
     config = EngineConfig(model=str(tmp_path / "model"), dtype="float32", native_kernels="avx2", max_model_len=256,
                           startup_cache=True, cache_dir=tmp_path / "cache")
     loader.load(config).verdicts.save()  # as the engine's start saves them

@@ -9,10 +9,13 @@ import types
 
 import pytest
 import torch
+import transformers
 
+from engine.cpu import fusion
 from engine.cpu import layout as cpu_layout
 from engine.cpu import native_kernels
 from engine.cpu import quantized_weights
+from engine.cpu.block_values import block_values
 from tiny_models import q4_1_weight, q8_0_weight, tiny_llama
 
 
@@ -356,6 +359,94 @@ def test_16_bit_activations_are_used_only_up_to_the_size_where_they_win(kernels,
         ids = torch.randint(0, 256, (1, 100))
         torch.testing.assert_close(model(ids).logits[0, -1], model.lm_head.dense_forward(
             model.model(ids).last_hidden_state)[0, -1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("make, activations, expected", [
+    (q4_1_weight, (), 1), (q8_0_weight, (), 2), (q4_1_weight, (True,), 3), (q8_0_weight, (True,), 4),
+    (q4_1_weight, (True, True), 10), (q8_0_weight, (True, True), 14)])
+@pytest.mark.parametrize("out_features, in_features", [(48, 96), (96, 1536)])  # 48: an odd number of panels
+def test_the_blocks_read_back_as_exactly_the_weights_they_hold(kernels, make, activations, expected, out_features,
+                                                              in_features):
+    if len(activations) == 1 and not kernels.word_blocks_supported():
+        pytest.skip("the packing for 16-bit activations needs the native kernels")
+    if len(activations) == 2 and not kernels.quad_blocks_supported():
+        pytest.skip("the packing for 8-bit activations needs AVX512_VNNI")
+    weight = make(out_features, in_features, seed=out_features)
+    block_format, packed = kernels.pack_blocks(weight, *activations)
+    assert block_format == expected
+    assert torch.equal(block_values(packed, block_format, out_features, in_features), weight)
+    rows = torch.tensor([[out_features - 1, 0], [17, 17]])  # any order, repeated, the last panel's last row
+    assert torch.equal(block_values(packed, block_format, out_features, in_features, rows), weight[rows.reshape(-1)])
+    with pytest.raises(ValueError, match="bytes do not hold"):
+        block_values(packed, block_format, out_features + 16, in_features)
+
+
+def _tied_fused_llama() -> torch.nn.Module:
+    """tiny_llama's shape with the output head tied to the embedding (Q8_0 values, the embedded model's head), its
+    other layers Q4_1 values, fused as the loader fuses them."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.model.embed_tokens.weight.data = q8_0_weight(256, 64, seed=99)
+    for i, module in enumerate(m for m in model.model.modules() if isinstance(m, torch.nn.Linear)):
+        module.weight.data = q4_1_weight(*module.weight.shape, seed=i)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    fusion.apply(model)
+    return model
+
+
+def _held_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of every distinct storage the model's modules hold, bytes of those of uint8 blocks)."""
+    storages = {}
+    for m in model.modules():
+        for t in [*m._parameters.values(), *m._buffers.values(), *vars(m).values()]:
+            if isinstance(t, torch.Tensor):
+                storages[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype == torch.uint8)
+    return sum(n for n, _ in storages.values()), sum(n for n, blocks in storages.values() if blocks)
+
+
+def test_blocks_serving_every_batch_size_are_the_only_copy_of_the_weights(kernels, words, monkeypatch):
+    """Served from their blocks at every batch size, the layers give up their float32 weights as loaded (the
+    embedded model held 513 MB of them beside 92 MB of blocks): a fused projection's parts and the embedding tied
+    to the head read from the blocks too, and everything reads back the same values."""
+    model = _tied_fused_llama()
+    names = ["lm_head", "model.embed_tokens", "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.q_proj",
+             "model.layers.1.self_attn.v_proj", "model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.up_proj",
+             "model.layers.1.mlp.down_proj"]
+    modules = dict(model.named_modules())
+    weights = {name: modules[name].weight.detach().clone() for name in names}
+    norms = sum(m.weight.numel() * 4 for m in model.modules() if "RMSNorm" in type(m).__name__)
+    ids = torch.randint(0, 256, (1, 40))
+    with torch.inference_mode():
+        logits = model(ids).logits
+        monkeypatch.setattr(quantized_weights, "_gains", lambda *a: {rows: 2.0 for rows in a[-1]})
+        served = quantized_weights.apply(model, kernels, integer_activations=words, every_size=True)
+        assert served == 2 * 4 + 1  # fused q/k/v, o, fused gate/up and down of two layers, and the head
+        held, blocks = _held_bytes(model)
+        assert held <= 1.15 * (blocks + norms), (held, blocks, norms)  # float32 weights: about 6x the blocks
+        for name in names:
+            assert torch.equal(modules[name].weight, weights[name]), name
+        table = weights["model.embed_tokens"]
+        assert torch.equal(model.model.embed_tokens(ids), table[ids])
+        tolerance = 1e-3 if words else 1e-5  # 16-bit activations' rounding, as in the tests above
+        torch.testing.assert_close(model(ids).logits, logits, rtol=0, atol=tolerance * float(logits.abs().max()))
+        # Rows of another type multiply as float32 and come back in their own type.
+        hidden = torch.randn(3, 64)
+        half = model.lm_head(hidden.bfloat16())
+        assert half.dtype == torch.bfloat16
+        torch.testing.assert_close(half.float(), model.lm_head(hidden.bfloat16().float()).bfloat16().float())
+
+
+def test_blocks_serving_only_small_batches_keep_the_weights(kernels, monkeypatch):
+    """Larger products than `blocks_until` run on the float32 weights: those stay."""
+    model = _tied_fused_llama()
+    head = model.lm_head.weight
+    monkeypatch.setattr(quantized_weights, "_gains", lambda *a: {1: 2.0, 16: 1.5, 32: 1.2, 64: 0.9, 256: 0.9})
+    with torch.inference_mode():
+        assert quantized_weights.apply(model, kernels) == 2 * 4 + 1
+    assert model.lm_head.blocks_until == 32 and model.lm_head.weight is head
+    assert type(model.model.embed_tokens) is torch.nn.Embedding and model.model.embed_tokens.weight is head
 
 
 @pytest.mark.slow  # gguf.GGUFReader, the reference, takes seconds

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu import layout as cpu_layout
+from engine.cpu import weight_release
 
 log = logging.getLogger("engine.cpu.bf16_weights")
 
@@ -54,19 +55,6 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 def _panels(out_features: int) -> tuple[int, int]:
     """bf16_pack's whole panels of `out_features` outputs, and the blocks of the last partial one (0: none)."""
     return divmod(-(-out_features // _BLOCK), _PANEL_BLOCKS)
-
-
-def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
-
-
-def _holders(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
-    """The modules holding a parameter in each storage of the model."""
-    holders: dict[int, list[torch.nn.Module]] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            holders.setdefault(_storage(p), []).append(m)
-    return holders
 
 
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -123,42 +111,6 @@ class PackedEmbedding(torch.nn.Embedding):
         return unpack(self.table_bf16, self.num_embeddings, self.embedding_dim).to(self.weight_dtype)
 
 
-class _Release:
-    """Drops the stored weight of each layer the kernel serves (and of the fused parts that view it), one layer at
-    a time; an embedding tied to a served head then reads the head's packing. A weight another layer still reads
-    is kept. Each layer keeps its type's interface: PackedBF16Linear and PackedEmbedding read their values back
-    from the packing. `released`: the bytes of the storages given up."""
-
-    def __init__(self, modules: list[torch.nn.Linear], model: torch.nn.Module):
-        served = {id(m) for m in modules}
-        self.holders = {storage: [m for m in held if id(m) not in served and not getattr(m, "fused_into", False)]
-                        for storage, held in _holders(model).items()}
-        self.parts = [m for m in model.modules() if type(m) is torch.nn.Linear and getattr(m, "fused_into", False)]
-        self.storages: dict[int, int] = {}
-
-    @property
-    def released(self) -> int:
-        return sum(self.storages.values())
-
-    def __call__(self, module: torch.nn.Linear) -> None:
-        weight = module.weight
-        tied = self.holders.get(_storage(weight), [])
-        if not all(_reads_rows_of(m, weight) for m in tied):
-            return
-        for embedding in tied:
-            del embedding._parameters["weight"]
-            embedding.weight_dtype, embedding.table_bf16 = weight.dtype, module.weight_bf16
-            embedding.__class__ = PackedEmbedding
-        begin, size = weight.data_ptr(), weight.numel() * weight.element_size()
-        for part in self.parts:
-            if type(part) is torch.nn.Linear and begin <= part.weight.data_ptr() < begin + size:
-                start = (part.weight.data_ptr() - begin) // (weight.stride(0) * weight.element_size())
-                _make_packed(part, part.weight.dtype)
-                part.rows_of = (module, start)
-        self.storages[_storage(weight)] = weight.untyped_storage().nbytes()
-        _make_packed(module, weight.dtype)
-
-
 class BF16Embedding(torch.nn.Embedding):
     """A float32 model's embedding whose table holds bfloat16 values (a bfloat16 checkpoint served as float32),
     kept as bfloat16 (`table_bf16`, half the bytes): each lookup widens its rows, exactly; `weight` widens a copy
@@ -175,11 +127,11 @@ class BF16Embedding(torch.nn.Embedding):
 def _narrow_embeddings(model: torch.nn.Module) -> int:
     """Keep each plain float32 embedding of bfloat16 values that no other layer reads as BF16Embedding; returns the
     bytes released."""
-    holders = _holders(model)
+    holders = weight_release.holders(model)
     released = 0
     for m in model.modules():
         table = m._parameters.get("weight") if type(m) is torch.nn.Embedding else None
-        if (table is None or m.max_norm is not None or table.dtype != torch.float32 or len(holders[_storage(table)]) > 1
+        if (table is None or m.max_norm is not None or table.dtype != torch.float32 or len(holders[weight_release.storage(table)]) > 1
                 or not bfloat16_values(table)):
             continue
         del m._parameters["weight"]
@@ -189,19 +141,14 @@ def _narrow_embeddings(model: torch.nn.Module) -> int:
     return released
 
 
-def _reads_rows_of(module: torch.nn.Module, weight: torch.Tensor) -> bool:
-    """A plain embedding whose table is exactly `weight` (a head tied to it): it can look its rows up in the
-    head's packing."""
-    table = getattr(module, "weight", None)
-    return (type(module) is torch.nn.Embedding and module.max_norm is None and table is not None
-            and table.data_ptr() == weight.data_ptr() and table.shape == weight.shape
-            and table.stride() == weight.stride())
-
-
 def _make_packed(module: torch.nn.Linear, dtype: torch.dtype) -> None:
-    del module._parameters["weight"]
     module.weight_dtype = dtype
     module.__class__ = PackedBF16Linear
+
+
+def _make_embedding(embedding: torch.nn.Embedding, head: torch.nn.Linear, dtype: torch.dtype) -> None:
+    embedding.weight_dtype, embedding.table_bf16 = dtype, head.weight_bf16
+    embedding.__class__ = PackedEmbedding
 
 
 def _direct(self, dtype: torch.dtype):
@@ -377,7 +324,7 @@ def apply(model: torch.nn.Module, kernels, every_size: bool = False, verdicts=No
     serves, timed, widen = value if stored else (False, "", False)
     if stored and not serves and not (every_size and timed != "differs"):
         return 0
-    release = _Release(modules, model)
+    release = weight_release.Release(modules, model, _make_packed, _make_embedding)
     released = 0
 
     def serve(module: torch.nn.Linear, packed: torch.Tensor) -> int:

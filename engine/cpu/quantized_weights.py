@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu import layout as cpu_layout
+from engine.cpu import weight_release
+from engine.cpu.block_values import block_values
 from engine.cpu.packed_linear import QUAD_FORMATS
 
 log = logging.getLogger("engine.cpu.quantized_weights")
@@ -42,13 +44,51 @@ EVERY_SIZE = 2**62
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    if rows > self.blocks_until or x.dtype != torch.float32:
+    if self.dense_forward is not None and (rows > self.blocks_until or x.dtype != torch.float32):
         return self.dense_forward(x)
-    out = self.block_kernels.blocks_linear(x.reshape(rows, x.shape[-1]).contiguous(), self.weight_blocks,
+    # Served at every size, the blocks are the layer's only weight: rows of another type multiply as float32.
+    out = self.block_kernels.blocks_linear(x.reshape(rows, x.shape[-1]).float().contiguous(), self.weight_blocks,
                                            self.block_format, self.out_features)
     if self.bias is not None:
         out += self.bias
-    return out.view(*x.shape[:-1], self.out_features)
+    return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+class BlockLinear(torch.nn.Linear):
+    """A linear layer served from its GGUF blocks at every batch size, whose float32 weight as loaded is released:
+    `weight` decodes the blocks on each read (engine/cpu/block_values.py), for code that inspects a layer, never
+    for a product. A fused projection's part (`rows_of`: the fused layer and the part's first row) reads its rows
+    of the fused layer's blocks."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        source, start = getattr(self, "rows_of", (self, 0))
+        return block_values(source.weight_blocks, source.block_format, source.out_features, source.in_features,
+                            torch.arange(start, start + self.out_features))
+
+
+class BlockEmbedding(torch.nn.Embedding):
+    """An embedding tied to an output head served from its blocks: each lookup decodes its rows from the head's
+    blocks (`table_blocks`, of `table_format`), so the table is held once, 8.5 or 5 bits a value."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        values = block_values(self.table_blocks, self.table_format, self.num_embeddings, self.embedding_dim, ids)
+        return values.view(*ids.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return block_values(self.table_blocks, self.table_format, self.num_embeddings, self.embedding_dim)
+
+
+def _make_block_linear(module: torch.nn.Linear, dtype: torch.dtype) -> None:
+    module.weight_dtype = dtype
+    module.__class__ = BlockLinear
+
+
+def _make_block_embedding(embedding: torch.nn.Embedding, head: torch.nn.Linear, dtype: torch.dtype) -> None:
+    embedding.weight_dtype = dtype
+    embedding.table_blocks, embedding.table_format = head.weight_blocks, head.block_format
+    embedding.__class__ = BlockEmbedding
 
 
 def _direct(self, dtype: torch.dtype):
@@ -276,16 +316,19 @@ def apply(model: torch.nn.Module, kernels, integer_activations: bool = False, ev
                  "rows over a step's weights); float32 kept", len(modules), formats, timed)
         return 0
     released = 0
+    # At every size no float32 product serves these layers: their packed copies and their weights as loaded go.
+    release = weight_release.Release(modules, model, _make_block_linear, _make_block_embedding)
     for module, (block_format, packed) in found:
         module.weight_blocks = packed
         module.block_format = block_format
         module.blocks_until = until
         module.block_kernels = kernels
-        module.dense_forward = module.forward
+        module.dense_forward = module.forward if until != EVERY_SIZE else None
         module.forward = types.MethodType(_forward, module)
         module.direct = types.MethodType(_direct, module)
-        if until == EVERY_SIZE:  # no float32 product serves these layers now: their packed copies go
+        if until == EVERY_SIZE:
             released += cpu_layout.release_packed(module)
+            release(module)
     log.info("linear weights: %d layers multiply from their exact GGUF blocks (%s; engine/cpu/native/quantized_linear.cpp"
              ", %.0f MB for %.0f MB of float32) with %s activations %s: %s rows over a step's weights", len(modules),
              formats, sum(b[1].numel() for b in blocks) / 2**20, sum(m.weight.numel() * 4 for m in modules) / 2**20,
@@ -293,4 +336,7 @@ def apply(model: torch.nn.Module, kernels, integer_activations: bool = False, ev
              "at every batch size" if until == EVERY_SIZE else f"up to {until} rows", timed)
     if released:
         log.info("linear weights: %.0f MB of packed float32 copies released (engine/cpu/layout.py)", released / 2**20)
+    if release.released:
+        log.info("linear weights: their %.0f MB of float32 weights as loaded released (the blocks are the only copy)",
+                 release.released / 2**20)
     return len(modules)

@@ -202,7 +202,9 @@ class CompactDecoder:
         inner = model.model
         self.embed = inner.embed_tokens.forward
         self.rotary = inner.rotary_emb
-        dtype = getattr(getattr(inner.embed_tokens, "weight", None), "dtype", None)  # the residual stream's
+        # The residual stream's; an embedding read from a kernel's copy names it (its `weight` decodes the table).
+        dtype = getattr(inner.embed_tokens, "weight_dtype", None) or getattr(
+            getattr(inner.embed_tokens, "weight", None), "dtype", None)
         self.layers = [_Layer(layer, dtype) for layer in inner.layers]
         self.norm = inner.norm.forward
         self.head = model.lm_head.forward

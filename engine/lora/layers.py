@@ -102,12 +102,14 @@ class LoraLinear:
         self.width = len(sizes) * max_rank
         self.max_loras = max_loras
         self.max_rank = max_rank
-        weight = getattr(module, "weight", None)
+        # A layer whose weight as loaded was released names its type (reading `weight` would decode a copy).
+        stored = getattr(module, "weight_dtype", None)
+        weight = None if stored is not None else getattr(module, "weight", None)
         # Packed layers (no weight) compute in the model's type: their kernel returns the rows' dtype.
-        self.dtype = weight.dtype if weight is not None and weight.is_floating_point() else model_dtype
+        self.dtype = stored or (weight.dtype if weight is not None and weight.is_floating_point() else model_dtype)
         self.device = weight.device if weight is not None else torch.device("cpu")
         # Integer-activation products: GGUF blocks (engine/cpu/quantized_weights.py) and packed checkpoints.
-        coarse = getattr(module, "weight_blocks", None) is not None or weight is None
+        coarse = getattr(module, "weight_blocks", None) is not None or (weight is None and stored is None)
         self.store = (torch.bfloat16 if coarse and self.dtype == torch.float32 and self.device.type == "cpu"
                       and native_kernels.active() is not None else self.dtype)
         # Allocated when an adapter first targets the layer: A [slots x width, in], rows slot-major then
