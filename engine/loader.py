@@ -1,7 +1,6 @@
 """Loading a model and its tokenizer onto the chosen device."""
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import logging
@@ -14,7 +13,7 @@ import torch
 
 from engine import devices, quantization as quantized_checkpoint, startup_cache
 from engine.core import fallback
-from engine.cpu import fusion, packed_linear, quantized_weights
+from engine.cpu import fusion, host_memory, packed_linear, quantized_weights
 from engine.cpu import plan as cpu_plan
 from engine.executor import attention, windows
 from engine.sources import store
@@ -219,7 +218,9 @@ def load(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError(f"model {checkpoint.label}: no config.json in {folder}")
     loading = _read_model(checkpoint, tokenizer_folder, dtype)
     dtype, invariant = _prepare_for_platform(checkpoint, loading, dtype, gguf_blocks)
-    _return_freed_pages()
+    # The weights as loaded, the probes' buffers and the copies a kernel replaced are freed by now; the idle
+    # release (host_memory.IdleRelease) waits for a first request, so their pages go back here.
+    host_memory.release()
     if config.quantized_activations != "int16" and not quantized_weights.eight_bit_activations(loading.model):
         # Never a setting that silently does nothing.
         raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: this model has no layers "
@@ -229,17 +230,6 @@ def load(config: EngineConfig) -> LoadedModel:
     log.info("batch invariance: %s (BATCH_INVARIANT=%s)", "on" if invariant else "off",
              str(config.batch_invariant).lower())
     return _loaded_model(checkpoint, loading, dtype, invariant, started)
-
-
-def _return_freed_pages() -> None:
-    """Give the C heap's free pages back to the system: the weights as loaded, the probes' buffers and the copies
-    a kernel replaced are freed by now, but glibc keeps freed heap pages resident until told (a GGUF model served
-    from its blocks would otherwise stay at the size of its float32 weights)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to ask
-        return
-    trim(0)
 
 
 def _weights_dtype(config: EngineConfig, platform: devices.Platform, folder: Path, gguf: Path | None,
