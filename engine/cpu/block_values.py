@@ -51,24 +51,26 @@ PACKINGS = {
                  tuple(64 * (j // 8) + j % 4 for j in _J), column_shift=tuple(4 * (j % 8 // 4) for j in _J)),
     14: _Packing(544, torch.float16, False, 8, tuple(4 * i for i in _I), tuple(64 * (j // 4) + j % 4 for j in _J)),
 }
-_COLUMNS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_TERMS: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
 
-def _columns(block_format: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per input: its code's byte within its panel row of blocks, its shift; per block: its first byte."""
+def _terms(block_format: int, in_features: int) -> tuple[torch.Tensor, ...]:
+    """Per output of a panel: its code's byte term, its shift; per input: its code's byte within its panel's row of
+    blocks, its shift; per block: its first byte; and a scale's bytes (made once: lookups run every step)."""
     key = (block_format, in_features)
-    if key not in _COLUMNS:
+    if key not in _TERMS:
         p = PACKINGS[block_format]
         starts = torch.arange(in_features // _BLOCK) * p.block_bytes
         codes = (starts[:, None] + p.header + torch.tensor(p.column_byte)[None, :]).reshape(-1)
-        _COLUMNS[key] = codes, torch.tensor(p.column_shift, dtype=torch.int32).repeat(in_features // _BLOCK), starts
-    return _COLUMNS[key]
+        _TERMS[key] = (torch.tensor(p.row_byte), torch.tensor(p.row_shift, dtype=torch.int32), codes,
+                       torch.tensor(p.column_shift, dtype=torch.int32).repeat(in_features // _BLOCK), starts,
+                       torch.arange(p.scale.itemsize))
+    return _TERMS[key]
 
 
-def _scales(flat: torch.Tensor, at: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The scales of `dtype` whose first bytes are at `at` ([rows, blocks]), as float32."""
-    size = dtype.itemsize
-    return flat[at[..., None] + torch.arange(size)].view(dtype).squeeze(-1).float()
+def _scales(flat: torch.Tensor, at: torch.Tensor, dtype: torch.dtype, size: torch.Tensor) -> torch.Tensor:
+    """The scales of `dtype` whose first bytes are at `at` ([rows, blocks]), as float32 (`size`: their bytes)."""
+    return flat[at[..., None] + size].view(dtype).squeeze(-1).float()
 
 
 def block_values(blocks: torch.Tensor, block_format: int, out_features: int, in_features: int,
@@ -85,10 +87,9 @@ def block_values(blocks: torch.Tensor, block_format: int, out_features: int, in_
         raise ValueError(f"{flat.numel()} bytes do not hold [{out_features}, {in_features}] weights of format "
                          f"{block_format}")
     wanted = torch.arange(out_features) if rows is None else rows.reshape(-1).long()
-    codes, shifts, starts = _columns(block_format, in_features)
-    row_byte, row_shift = torch.tensor(p.row_byte), torch.tensor(p.row_shift, dtype=torch.int32)
-    out = torch.empty(wanted.numel(), in_features)
+    row_byte, row_shift, codes, shifts, starts, size = _terms(block_format, in_features)
     step = max(1, _CHUNK // in_features)
+    out = None if 0 < wanted.numel() <= step else torch.empty(wanted.numel(), in_features)
     for first in range(0, wanted.numel(), step):
         r = wanted[first:first + step]
         panel, i = r // _PANEL, r % _PANEL
@@ -99,9 +100,11 @@ def block_values(blocks: torch.Tensor, block_format: int, out_features: int, in_
         else:
             q = raw.view(torch.int8)
         heads = row_start[:, None] + starts[None, :]  # each block's header
-        d = _scales(flat, heads + i[:, None] * p.scale.itemsize, p.scale)
+        d = _scales(flat, heads + i[:, None] * p.scale.itemsize, p.scale, size)
         w = q.float().view(r.numel(), -1, _BLOCK) * d[..., None]
         if p.minimums:
-            w = w + _scales(flat, heads + (_PANEL + i[:, None]) * p.scale.itemsize, p.scale)[..., None]
+            w = w + _scales(flat, heads + (_PANEL + i[:, None]) * p.scale.itemsize, p.scale, size)[..., None]
+        if out is None:  # one chunk (a step's lookups)
+            return w.view(r.numel(), in_features)
         out[first:first + step] = w.view(r.numel(), in_features)
     return out
