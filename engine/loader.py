@@ -219,8 +219,10 @@ def load(config: EngineConfig) -> LoadedModel:
     loading = _read_model(checkpoint, tokenizer_folder, dtype)
     dtype, invariant = _prepare_for_platform(checkpoint, loading, dtype, gguf_blocks)
     # The weights as loaded, the probes' buffers and the copies a kernel replaced are freed by now; the idle
-    # release (host_memory.IdleRelease) waits for a first request, so their pages go back here.
-    host_memory.release()
+    # release (host_memory.IdleRelease) waits for a first request, so their pages go back here. On a GPU the
+    # weights moved to the device and the host heap is not the worker's memory.
+    if platform.cpu_fast_paths:
+        host_memory.release()
     if config.quantized_activations != "int16" and not quantized_weights.eight_bit_activations(loading.model):
         # Never a setting that silently does nothing.
         raise ModelLoadError(f"QUANTIZED_ACTIVATIONS={config.quantized_activations}: this model has no layers "
