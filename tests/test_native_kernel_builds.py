@@ -5,6 +5,7 @@ builds; only the CPU's feature list is given where a test needs a CPU this machi
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import ROOT
 from engine import AsyncEngine, EngineConfig, SamplingParams
@@ -119,12 +121,14 @@ def test_native_kernels_names_a_variant_the_cpu_runs(monkeypatch):
 
 @pytest.mark.slow  # compiles the avx2 build where the build folder lacks it
 @x86_only
-def test_the_avx2_build_serves_the_compact_forward_beside_pytorchs_avx2_kernels(tmp_path):
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_the_avx2_build_serves_the_compact_forward_beside_pytorchs_avx2_kernels(tmp_path, activations):
     """The embedded model with NATIVE_KERNELS=avx2 while PyTorch, oneDNN and MKL run their AVX2 code, as on an
-    AVX2-only CPU (Zen 3): the compact forward through the kernels passes its start-up check. It failed there:
-    with float16 keys and values, a float32 rounding apart between the two forwards (PyTorch's AVX2 kernels
-    against the build's) moved cached keys to neighbouring float16 values, 2e-4 of the largest logit, against a
-    bound of 1e-4 made for float32 caches."""
+    AVX2-only CPU (Zen 3): the compact forward through the kernels passes its start-up check, with either
+    activation mode. It failed there: with float16 keys and values, a float32 rounding apart between the two
+    forwards (PyTorch's AVX2 kernels against the build's) moved cached keys to neighbouring float16 values, 2e-4 of
+    the largest logit, against a bound of 1e-4 made for float32 caches; with 8-bit activations the two forwards
+    came 0.12 of the largest logit apart, against a bound of 0.1."""
     from engine.config import EngineConfig as Config
     from engine.loader import model_folder
     from worker.settings import load_settings
@@ -136,7 +140,7 @@ def test_the_avx2_build_serves_the_compact_forward_beside_pytorchs_avx2_kernels(
     (tmp_path / "native-kernels").symlink_to(native_kernels.build_dir(default))
     env = {**os.environ, "BASE_PATH": str(tmp_path), "NATIVE_KERNELS": "avx2", "STARTUP_CACHE": "off",
            "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-           "LOG_LEVEL": "INFO", "DTYPE": "auto"}
+           "LOG_LEVEL": "INFO", "DTYPE": "auto", "QUANTIZED_ACTIVATIONS": activations}
     job = ('{"input": {"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", '
            '"content": "What is the capital of France?"}], "max_tokens": 12, "temperature": 0}}}')
     done = subprocess.run([sys.executable, "handler.py", "--test_input", job], cwd=ROOT, env=env,
@@ -282,6 +286,40 @@ def test_the_avx2_and_avx512_builds_give_the_same_outputs_bit_for_bit():
             expected = wide.blocks_linear(x, blocks, fmt, 48)
             for narrow in narrows:
                 assert torch.equal(expected, narrow.blocks_linear(x, blocks, fmt, 48)), (words, rows, narrow.__name__)
+
+
+@pytest.mark.slow  # compiles the builds where the build folder lacks them
+@x86_only
+@pytest.mark.skipif(not X86_64_V4_VNNI <= _cpuinfo_flags(), reason="needs a CPU that runs the AVX-512 build too")
+def test_the_avx2_and_avx512_builds_attend_the_same_bit_for_bit():
+    """Decode attention from the paged cache, head sizes 64 and 128, float16, bfloat16 and float32 pools, grouped
+    and plain heads, short rows and rows long enough to be split across threads, with and without a window: the
+    AVX2 builds' outputs equal the AVX-512 build's exactly, and SDPA's to float32 rounding. (The avx2 build
+    attended with plain loops, whose sums end in another order.)"""
+    wide = native_kernels.build(AVX512_VNNI)
+    narrows = [native_kernels.build(v) for v in (AVX2, AVX_VNNI) if v.needs <= native_kernels.cpu_features()]
+    generator = torch.Generator().manual_seed(0)
+    for dim, pool_type, (heads, kv_heads), lengths, window in itertools.product(
+            (64, 128), (torch.float16, torch.bfloat16, torch.float32), ((9, 3), (4, 4)),
+            ([1, 7, 16, 33], [700]), (0, 100)):
+        rows, width = len(lengths), -(-max(lengths) // 16)
+        table = torch.randperm(rows * width + 3, generator=generator)[:rows * width]
+        k_pool, v_pool = (torch.randn(rows * width + 3, 16, kv_heads, dim, generator=generator).to(pool_type)
+                          for _ in range(2))
+        query, scale = torch.randn(rows, heads, dim, generator=generator), dim ** -0.5
+        expected = torch.empty(rows, heads, dim)
+        wide.paged_decode_attention(query, k_pool, v_pool, table, torch.tensor(lengths), window, scale, expected)
+        for row, length in enumerate(lengths):
+            start = max(0, length - window) if window else 0
+            keys, values = (pool[table.view(rows, -1)[row]].reshape(-1, kv_heads, dim)[start:length].transpose(0, 1)
+                            .float() for pool in (k_pool, v_pool))
+            reference = F.scaled_dot_product_attention(query[row][:, None], keys, values, scale=scale,
+                                                       enable_gqa=True)[:, 0]
+            assert torch.allclose(expected[row], reference, atol=1e-5, rtol=1e-4)
+        for narrow in narrows:
+            got = torch.empty(rows, heads, dim)
+            narrow.paged_decode_attention(query, k_pool, v_pool, table, torch.tensor(lengths), window, scale, got)
+            assert torch.equal(expected, got), (dim, pool_type, heads, lengths, window, narrow.__name__)
 
 
 @pytest.mark.slow  # compiles the build where the build folder lacks it

@@ -78,10 +78,12 @@ class ShapeProbe(ForwardCache):
 # logit) to a full-precision cache's: several times what float16 keys and values change on the embedded model, far
 # below what a wrong or overflowing cache does (docs/cpu-kernels.md).
 KV_ROUNDING_TOLERANCE = 2e-3
-# Two forwards of a model whose layers take 8-bit integer activations (QUANTIZED_ACTIVATIONS=int8) differ by a few
-# hundredths of the largest logit when an input one ulp away rounds to the next step (through the native kernels
-# or a 16-bit cache); a wrong forward or an overflowing cache moves the logits by about their whole range.
-EIGHT_BIT_ACTIVATION_TOLERANCE = 1e-1
+# Two forwards of a model whose layers take 8-bit integer activations (QUANTIZED_ACTIVATIONS=int8) differ by up to
+# about a tenth of the largest logit when inputs a float32 rounding apart round to neighbouring 8-bit steps, and
+# 30 layers compound it (the native kernels' norms against PyTorch's, a 16-bit cache: the avx2 build's forward
+# landed just past 1e-1 on the embedded model); a wrong forward or an overflowing cache moves the logits by about
+# their whole range.
+EIGHT_BIT_ACTIVATION_TOLERANCE = 2.5e-1
 # The compact forward's check against the model's own under a 16-bit KV cache: a few units in the last place of
 # the stored type (float16's is 2^-11 of a value, bfloat16's 2^-8), relative to the largest logit.
 _STORED_KV_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2}

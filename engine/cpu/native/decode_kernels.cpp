@@ -19,7 +19,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -432,6 +432,138 @@ inline void add_weighted_all(float* acc, const float* w, int64_t w_stride, const
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The AVX2 (x86-64-v3) forms of the vector path above, on 8-lane registers. Every sum is the AVX-512 form's, bit
+// for bit: a head's 16 lanes are two 8-lane registers (lanes 0-7 and 8-15) with the same multiply-add chains, and
+// they end in the same tree as _mm512_reduce_add_ps and sum_each (the two halves, then the two quarters, then
+// lanes 0 + 2 and 1 + 3, then those two), so the image's attention does not depend on the CPU it got.
+template <typename T>
+constexpr bool kWidens = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// The sum of 16 lanes held as lo (0-7) and hi (8-15), in _mm512_reduce_add_ps's order.
+inline float sum16(__m256 lo, __m256 hi) {
+  const __m256 u = _mm256_add_ps(hi, lo);
+  const __m128 s = _mm_add_ps(_mm256_extractf128_ps(u, 1), _mm256_castps256_ps128(u));
+  const __m128 t = _mm_add_ps(s, _mm_shuffle_ps(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(t) + _mm_cvtss_f32(_mm_shuffle_ps(t, t, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+
+// q . k as the AVX-512 form's 16 lanes: lo and hi run the chains of lanes 0-7 and 8-15.
+template <typename T, int D>
+inline void dot_halves(const float* q, const T* k, __m256& lo, __m256& hi) {
+  lo = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
+  hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), load8(k + 8));
+  for (int j = 16; j < D; j += 16) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(k + j), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), load8(k + j + 8), hi);
+  }
+}
+
+// out[i] = q . k_i for the n <= 8 keys k_i = k + i * stride. Each key's two halves are added, then the three
+// levels of sum_each run on pairs of keys at once; key i goes in at position `at` so that it comes out in lane i.
+template <typename T, int D>
+inline void dots8(const float* q, const T* k, int64_t stride, int64_t n, float* out) {
+  __m256 u[8];
+  for (int i = 0; i < 8; ++i) {
+    const int at = i < 4 ? 2 * i : 2 * (i - 4) + 1;
+    if (i < n) {
+      __m256 lo, hi;
+      dot_halves<T, D>(q, k + i * stride, lo, hi);
+      u[at] = _mm256_add_ps(hi, lo);
+    } else {
+      u[at] = _mm256_setzero_ps();
+    }
+  }
+  __m256 s[4], t[2];
+  for (int i = 0; i < 4; ++i)  // [quarter sums of key 2i | of key 2i + 1]
+    s[i] = _mm256_add_ps(_mm256_permute2f128_ps(u[2 * i], u[2 * i + 1], 0x31),
+                         _mm256_permute2f128_ps(u[2 * i], u[2 * i + 1], 0x20));
+  for (int i = 0; i < 2; ++i)  // lanes 0 + 2 and 1 + 3 of each key's quarter
+    t[i] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
+                         _mm256_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x88), _mm256_shuffle_ps(t[0], t[1], 0xDD));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sums);
+  std::copy_n(lanes, n, out);
+}
+
+// add_weighted_all's AVX2 form: acc[g][0:D] += sum over i < count of w[g * w_stride + i] * v_i, a lane's terms in
+// the same order, G heads and a run of C 8-lane chunks at a time (what sixteen registers hold).
+template <typename T, int D, int G, int C>
+inline void add_weighted_run(float* acc, const float* w, int64_t w_stride, const T* v, int64_t count,
+                             int64_t stride, int c0) {
+  __m256 sums[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) sums[g][c] = _mm256_loadu_ps(acc + g * D + 8 * (c0 + c));
+  for (int64_t i = 0; i < count; ++i, v += stride) {
+    __m256 weight[G];
+    for (int g = 0; g < G; ++g) weight[g] = _mm256_set1_ps(w[g * w_stride + i]);
+    for (int c = 0; c < C; ++c) {
+      const __m256 vi = load8(v + 8 * (c0 + c));
+      for (int g = 0; g < G; ++g) sums[g][c] = _mm256_fmadd_ps(weight[g], vi, sums[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + g * D + 8 * (c0 + c), sums[g][c]);
+}
+
+template <typename T, int D>
+inline void add_weighted_all(float* acc, const float* w, int64_t w_stride, const T* v, int64_t count,
+                             int64_t stride, int64_t heads) {
+  int64_t g = 0;
+  for (; g + 2 <= heads; g += 2)
+    for (int c0 = 0; c0 < D / 8; c0 += 4)
+      add_weighted_run<T, D, 2, 4>(acc + g * D, w + g * w_stride, w_stride, v, count, stride, c0);
+  if (g < heads)
+    for (int c0 = 0; c0 < D / 8; c0 += 4)
+      add_weighted_run<T, D, 1, 4>(acc + g * D, w + g * w_stride, w_stride, v, count, stride, c0);
+}
+#endif
+
+// The sum of x[0:n] as 16 lanes (x[i] in lane i % 16) ended in _mm512_reduce_add_ps's tree, in both vector builds
+// alike (an `omp simd` reduction's order follows the vector width, so each build would round the softmax's
+// total its own way).
+inline float lane_sum(const float* x, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + i));
+  if (i < n) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (n - i)) - 1), x + i));
+  return _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    lo = _mm256_add_ps(lo, _mm256_loadu_ps(x + i));
+    hi = _mm256_add_ps(hi, _mm256_loadu_ps(x + i + 8));
+  }
+  if (i < n) {
+    alignas(32) float tail[16] = {};
+    std::copy_n(x + i, n - i, tail);
+    lo = _mm256_add_ps(lo, _mm256_load_ps(tail));
+    hi = _mm256_add_ps(hi, _mm256_load_ps(tail + 8));
+  }
+  return sum16(lo, hi);
+#else
+  float sum = 0.f;
+  _Pragma("omp simd reduction(+ : sum)")
+  for (int64_t i = 0; i < n; ++i) sum += x[i];
+  return sum;
+#endif
+}
+
 // One (row, key heads [kh0, kh1)) share of decode attention over keys [p0, p1) of a row: each key head's group of
 // query heads (scaled, float32, q [(kh - kh0) * group + g][dim]) against each key, then the softmax's running
 // terms of each query head: top the largest score, total the sum of exp(score - top), acc the sum of
@@ -457,7 +589,7 @@ void attend_range(const float* q, const T* kp, const T* vp, const int64_t* row_b
   auto block_at = [&](const T* pool, int64_t p, int64_t width) {
     return pool + ((row_blocks[p / block_size] * block_size + p % block_size) * kv_heads + kh0) * width;
   };
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
   constexpr bool kVector = kWidens<T> && (D == 64 || D == 128);
 #else
   constexpr bool kVector = false;
@@ -473,6 +605,9 @@ void attend_range(const float* q, const T* kp, const T* vp, const int64_t* row_b
 #if defined(__AVX512F__)
           for (int64_t i = 0; i < take; i += 16)
             dots16<T, D>(qg, kb + kh * dim + i * key_stride, key_stride, std::min<int64_t>(16, take - i), sg + i);
+#elif defined(__AVX2__)
+          for (int64_t i = 0; i < take; i += 8)
+            dots8<T, D>(qg, kb + kh * dim + i * key_stride, key_stride, std::min<int64_t>(8, take - i), sg + i);
 #endif
           continue;
         }
@@ -483,18 +618,18 @@ void attend_range(const float* q, const T* kp, const T* vp, const int64_t* row_b
   }
   for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores.data() + h * n;
-    float t = -INFINITY, sum = 0.f;
+    float t = -INFINITY;
     _Pragma("omp simd reduction(max : t)")
     for (int64_t i = 0; i < n; ++i) t = std::max(t, sh[i]);
-    _Pragma("omp simd reduction(+ : sum)")
-    for (int64_t i = 0; i < n; ++i) sum += (sh[i] = fast_exp(sh[i] - t));
-    top[h] = t, total[h] = sum;
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < n; ++i) sh[i] = fast_exp(sh[i] - t);
+    top[h] = t, total[h] = lane_sum(sh, n);
   }
   for (int64_t p = p0; p < p1;) {
     const int64_t take = std::min(block_size - p % block_size, p1 - p);
     const T* vb = block_at(vp, p, value_dim);
     if constexpr (kVector) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
       for (int64_t kh = 0; kh < kh1 - kh0; ++kh)
         add_weighted_all<T, D>(acc + kh * group * value_dim, scores.data() + kh * group * n + (p - p0), n,
                                vb + kh * value_dim, take, value_stride, group);
