@@ -75,10 +75,13 @@ def stop_gateway(process: subprocess.Popen) -> None:
         process.kill()
 
 
-# Modules that take minutes of one worker's time (a full kernel build, emulated CPUs, many processes), handed out
-# first so that they end beside the other worker's short modules, not after them (--dist loadfile hands out
-# whole modules in collection order).
-LONG_MODULES = ("test_native_kernel_builds.py", "test_hardening.py", "test_quantized_formats.py")
+# The modules that take the most of a worker's time (kernel builds, emulated CPUs, many processes and engines),
+# longest first: --dist loadfile hands out whole modules in collection order, so handing these out first lets the
+# short ones fill in beside them and both workers end together (the longest-first schedule). Ordered by the
+# suite's --durations per module on a 2-core machine; the rest keep their alphabetical order after them.
+LONG_MODULES = ("test_hardening.py", "test_quantized_formats.py", "test_native_kernel_builds.py",
+                "test_tool_formats.py", "test_model_families.py", "test_handler.py", "test_dockerfile.py",
+                "test_bad_input.py", "test_cold_start.py", "test_vision.py", "test_model_sources.py")
 
 
 def pytest_collection_modifyitems(items):
