@@ -2,7 +2,9 @@
 starts reload in about a second instead of tens of seconds."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -11,6 +13,40 @@ import torch
 from engine.sources.base import LocalModel, building
 
 log = logging.getLogger("engine.sources")
+
+
+_READS = threading.Lock()
+
+
+@contextlib.contextmanager
+def _each_part_read_once():
+    """transformers' GGUF loading parses the file's header (its metadata: the whole vocabulary and merges) once for
+    the config, again for the weights and twice more for the tokenizer, and rebuilds gguf's tensor-name table once
+    for every module of the model: most of a conversion's time. While converting, each header is parsed once and
+    each table built once (both are only read after they are made), then released."""
+    import gguf
+
+    with _READS:
+        reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict = {}
+        maps: dict = {}
+
+        def reader(path, mode="r"):
+            key = (str(Path(path).resolve()), mode)
+            if key not in readers:
+                readers[key] = reader_class(path, mode)
+            return readers[key]
+
+        def tensor_name_map(arch, n_blocks):
+            if (arch, n_blocks) not in maps:
+                maps[arch, n_blocks] = name_map(arch, n_blocks)
+            return maps[arch, n_blocks]
+
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, tensor_name_map
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
 
 
 def _converted(source: LocalModel, cache_dir: Path, baked_dir: Path | None) -> Path:
@@ -27,15 +63,17 @@ def _converted(source: LocalModel, cache_dir: Path, baked_dir: Path | None) -> P
         if scratch is not None:
             started = time.perf_counter()
             log.info("converting %s to safetensors in %s (once)", gguf, target)
-            model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
-                                                         dtype=torch.float32)
+            with _each_part_read_once():
+                model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                                             dtype=torch.float32)
+                tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
             # The dequantized weights are plain tensors; drop the GGUF marker so they save as safetensors.
             model.hf_quantizer = None
             model.is_quantized = False
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
             model.save_pretrained(scratch)
-            AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file).save_pretrained(scratch)
+            tokenizer.save_pretrained(scratch)
             log.info("converted in %.1f s", time.perf_counter() - started)
     return target
 
